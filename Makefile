@@ -1,0 +1,49 @@
+# graphserve: developer entry points. `make run` and `make test` set everything up on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch; for a GPU install the CUDA build first (README: "Install for a GPU").
+TORCH_SPEC ?= torch==2.13.0
+PROTO_SRC := protos/graphserve/v1
+PROTO_OUT := service/proto
+STUBS := $(PROTO_OUT)/inference_pb2.py $(PROTO_OUT)/admin_pb2.py
+
+.PHONY: setup protos run test test-gpu bench bench-cpu lint clean
+
+setup: $(VENV)/.installed protos
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+# Stubs are generated, never edited. The virtual import path makes them importable as service.proto.*.
+protos: $(STUBS)
+
+$(PROTO_OUT)/%_pb2.py: $(PROTO_SRC)/%.proto $(VENV)/.installed
+	$(PY) -m grpc_tools.protoc -I$(PROTO_OUT)=$(PROTO_SRC) --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_OUT)/$*.proto
+
+run: setup
+	$(VENV)/bin/graphserve serve $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+
+test-gpu: setup
+	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) bench/graph_bench.py
+	$(PY) bench/decode_bench.py
+	$(PY) bench/serve_bench.py --device cuda
+
+bench-cpu: setup
+	$(PY) bench/serve_bench.py --device cpu
+
+lint: setup
+	$(PY) -m ruff check service cache_manager tests bench
+
+clean:
+	rm -rf $(VENV) $(PROTO_OUT)/*_pb2*.py $(PROTO_OUT)/*_pb2*.pyi

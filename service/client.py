@@ -1,0 +1,59 @@
+"""`graphserve generate`: stream one completion from a running server to the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from service.proto import inference_pb2, inference_pb2_grpc
+
+_REASONS = {v.number: v.name.removeprefix("FINISH_REASON_").lower()
+            for v in inference_pb2.DESCRIPTOR.enum_types_by_name["FinishReason"].values}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="graphserve generate", description="Stream a completion from a server.")
+    p.add_argument("prompt")
+    p.add_argument("--target", default="127.0.0.1:50051")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--timeout", type=float, default=120.0)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    sampling = inference_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k)
+    if args.top_p is not None:
+        sampling.top_p = args.top_p
+    if args.seed is not None:
+        sampling.seed = args.seed
+    request = inference_pb2.GenerateRequest(
+        text=args.prompt,
+        sampling=sampling,
+        stopping=inference_pb2.StoppingCriteria(max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos),
+    )
+    with grpc.insecure_channel(args.target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        try:
+            for response in stub.Generate(request, timeout=args.timeout, wait_for_ready=False):
+                if response.WhichOneof("kind") == "chunk":
+                    sys.stdout.write(response.chunk.text)
+                    sys.stdout.flush()
+                else:
+                    f = response.finished
+                    print(f"\n[{_REASONS.get(f.finish_reason, '?')}: {f.usage.prompt_tokens} prompt + "
+                          f"{f.usage.completion_tokens} completion tokens, first token after "
+                          f"{f.timings.time_to_first_token_seconds * 1000:.1f} ms, total "
+                          f"{f.timings.total_seconds * 1000:.1f} ms]", file=sys.stderr)
+        except grpc.RpcError as exc:
+            print(f"graphserve generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,1 @@
+"""The continuous-batching engine: requests, scheduler, runner, sampler, stops, detokenization."""

@@ -1,0 +1,58 @@
+"""The decode step in the shape CUDA graphs need: static inputs sized for the max batch.
+
+`ModelDecodeStep` implements `cache_manager.DecodeStep`. The graph cache captures `run(size)`,
+which reads the first `size` rows of the static buffers; the engine writes the real rows before
+each step and the cache manager makes the padding rows safe.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from service.model.kv_cache import KVCache
+from service.model.llama import LlamaForCausalLM
+
+
+class ModelDecodeStep:
+    def __init__(self, model: LlamaForCausalLM, kv: KVCache, max_batch: int, device: torch.device) -> None:
+        self.model = model
+        self.kv = kv
+        self.max_batch = max_batch
+        self.device = device
+        # Static inputs: a captured graph holds views of these; they are never reallocated.
+        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.slot_ids = torch.full((max_batch,), kv.scratch_slot, dtype=torch.long, device=device)
+        # One host buffer, one copy per step for all three inputs.
+        self._host = torch.zeros((3, max_batch), dtype=torch.long, pin_memory=device.type == "cuda")
+
+    def write_rows(self, token_ids: list[int], positions: list[int], slot_ids: list[int]) -> None:
+        """Copy the real rows [0, n) into the static inputs."""
+        n = len(token_ids)
+        assert n == len(positions) == len(slot_ids) <= self.max_batch
+        host = self._host[:, :n]
+        host[0] = torch.tensor(token_ids, dtype=torch.long)
+        host[1] = torch.tensor(positions, dtype=torch.long)
+        host[2] = torch.tensor(slot_ids, dtype=torch.long)
+        device_rows = host.to(self.device, non_blocking=True)
+        self.input_ids[:n].copy_(device_rows[0])
+        self.positions[:n].copy_(device_rows[1])
+        self.slot_ids[:n].copy_(device_rows[2])
+
+    def set_padding_rows(self, start: int, stop: int) -> None:
+        """Rows [start, stop) write only into the scratch KV slot, at position 0."""
+        if stop <= start:
+            return
+        self.input_ids[start:stop].zero_()
+        self.positions[start:stop].zero_()
+        self.slot_ids[start:stop].fill_(self.kv.scratch_slot)
+
+    def run(self, batch_size: int) -> torch.Tensor:
+        """Float32 logits [batch_size, vocab] for rows [0, batch_size) of the static inputs."""
+        return self.model.decode(
+            self.input_ids[:batch_size], self.positions[:batch_size], self.slot_ids[:batch_size], self.kv
+        )
+
+    def input_addresses(self) -> tuple[int, ...]:
+        """Data pointers of the static inputs, for the debug check that they never move."""
+        return (self.input_ids.data_ptr(), self.positions.data_ptr(), self.slot_ids.data_ptr())

@@ -1,0 +1,226 @@
+"""The engine thread: schedule, run, postprocess, publish — one step at a time.
+
+Other threads talk to it only through `submit`, `abort` and `call`, which queue work that the
+engine thread applies between steps. Events reach clients through `publish`, called once per step
+with every (sink, event) pair of that step, so the gRPC side can hand them to its event loop in one
+wake-up instead of one per token.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import structlog
+
+from service.engine.output import RequestOutput
+from service.engine.request import EngineError, Finish, GenerationRequest, RequestEvent
+from service.engine.scheduler import Scheduler
+from service.engine.sequence import Sequence
+
+log = structlog.get_logger("graphserve.engine")
+
+Sink = Callable[[RequestEvent], None]
+Publish = Callable[[list[tuple[Sink, RequestEvent]]], None]
+
+
+class Runner(Protocol):
+    def prefill(self, seqs: list[Sequence]) -> list[int]: ...
+    def decode(self, seqs: list[Sequence]) -> list[int]: ...
+
+
+class EngineObserver(Protocol):
+    """Receives what the engine did, for metrics. Called on the engine thread."""
+
+    def on_step(self, num_running: int, num_waiting: int, num_decode: int, num_prefill: int) -> None: ...
+    def on_tokens(self, seq: Sequence, count: int, now: float) -> None: ...
+    def on_finish(self, seq: Sequence, finish: Finish) -> None: ...
+
+
+def _deliver_now(pairs: list[tuple[Sink, RequestEvent]]) -> None:
+    for sink, event in pairs:
+        sink(event)
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: Runner,
+        scheduler: Scheduler,
+        tokenizer: Any,
+        eos_token_ids: frozenset[int],
+        publish: Publish = _deliver_now,
+        observer: EngineObserver | None = None,
+        between_steps: Callable[[], None] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.publish = publish
+        self.observer = observer
+        self.between_steps = between_steps  # graph warm-start and stats saving, on the engine thread
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[GenerationRequest, Sink]] = []
+        self._aborts: list[str] = []
+        self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
+        self._outputs: dict[str, tuple[RequestOutput, Sink]] = {}
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # set when a step failed; the engine is then dead
+        self.steps = 0
+        self.last_progress = time.monotonic()
+
+    # ---- any thread ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="graphserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting + len(self._inbox)
+
+    @property
+    def waiting_prompt_tokens(self) -> int:
+        return self.scheduler.waiting_prompt_tokens + sum(len(r.prompt_token_ids) for r, _ in list(self._inbox))
+
+    def has_pending_work(self) -> bool:
+        return bool(self._inbox or self._calls or self.scheduler.has_work())
+
+    def submit(self, request: GenerationRequest, sink: Sink) -> None:
+        with self._cond:
+            if self.error is not None or self._stopping:
+                raise RuntimeError("the engine is not running")
+            self._inbox.append((request, sink))
+            self._cond.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run fn on the engine thread between two steps (e.g. an admin operation on the graph cache)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self.error is not None or self._stopping:
+                future.set_exception(RuntimeError("the engine is not running"))
+                return future
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return future
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- engine thread -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._inbox or self._aborts or self._calls
+                               or self.scheduler.has_work()):
+                        self.last_progress = time.monotonic()  # idle is not stuck
+                        self._cond.wait(timeout=0.5)
+                        if self.between_steps is not None:
+                            break
+                    if self._stopping:
+                        break
+                    inbox, self._inbox = self._inbox, []
+                    aborts, self._aborts = self._aborts, []
+                    calls, self._calls = self._calls, []
+                for fn, future in calls:
+                    self._run_call(fn, future)
+                for request, sink in inbox:
+                    seq = Sequence(request)
+                    self._outputs[request.request_id] = (RequestOutput(seq, self.tokenizer, self.eos_token_ids), sink)
+                    self.scheduler.add(seq)
+                for request_id in aborts:
+                    self.scheduler.abort(request_id)
+                self.step()
+                if self.between_steps is not None:
+                    self.between_steps()
+        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine; streams must end
+            self.error = exc
+            log.error("engine_failed", error=repr(exc), exc_info=True)
+            self._fail_all(f"the engine failed: {exc!r}; the server is shutting down")
+        finally:
+            with self._cond:
+                calls, self._calls = self._calls, []
+            for _, future in calls:
+                future.set_exception(RuntimeError("the engine stopped"))
+
+    def step(self) -> None:
+        batch = self.scheduler.schedule()
+        now = time.monotonic()
+        events: list[tuple[Sink, RequestEvent]] = []
+        for seq in self.scheduler.take_aborted():
+            events.append(self._finish(seq, None, now))
+        tokens: list[int] = []
+        seqs = batch.decodes + batch.prefills
+        if batch.decodes:
+            tokens += self.runner.decode(batch.decodes)
+        if batch.prefills:
+            tokens += self.runner.prefill(batch.prefills)
+        now = time.monotonic()
+        for seq, token in zip(seqs, tokens, strict=True):
+            seq.completion_token_ids.append(token)
+            output, sink = self._outputs[seq.request_id]
+            for event in output.on_token(token, now):
+                if isinstance(event, Finish):
+                    self.scheduler.finish(seq)
+                    events.append(self._finish(seq, event, now))
+                else:
+                    events.append((sink, event))
+            if self.observer is not None:
+                self.observer.on_tokens(seq, 1, now)
+        if events:
+            self.publish(events)
+        if seqs or events:
+            self.steps += 1
+            self.last_progress = now
+        if self.observer is not None and seqs:
+            self.observer.on_step(self.scheduler.num_running, self.num_waiting, len(batch.decodes), len(batch.prefills))
+
+    def _finish(self, seq: Sequence, finish: Finish | None, now: float) -> tuple[Sink, RequestEvent]:
+        output, sink = self._outputs.pop(seq.request_id)
+        finish = finish if finish is not None else output.abort(now)
+        if self.observer is not None:
+            self.observer.on_finish(seq, finish)
+        return sink, finish
+
+    def _run_call(self, fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except Exception as exc:  # noqa: BLE001 - the caller gets the exception through the future
+            future.set_exception(exc)
+
+    def _fail_all(self, message: str) -> None:
+        with self._cond:
+            inbox, self._inbox = self._inbox, []
+        pairs: list[tuple[Sink, RequestEvent]] = [(sink, EngineError(message)) for _, sink in inbox]
+        pairs += [(sink, EngineError(message)) for _, sink in self._outputs.values()]
+        self._outputs.clear()
+        try:
+            self.publish(pairs)
+        except Exception:  # noqa: BLE001 - the event loop may already be gone at shutdown
+            log.warning("engine_fail_publish_failed", exc_info=True)

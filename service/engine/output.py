@@ -1,0 +1,81 @@
+"""Turns one sequence's sampled tokens into the events its client sees.
+
+Stops are checked here (stop token ids, EOS, stop strings, max_tokens), text is detokenized
+incrementally, and tokens are grouped `stream_interval` at a time. A stop token or EOS ends the
+completion without being streamed; it still counts in the usage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from service.engine.detokenizer import IncrementalDetokenizer
+from service.engine.request import Finish, FinishReason, RequestEvent, TokenDelta
+from service.engine.sequence import Sequence
+from service.engine.stop import StopStringMatcher
+
+
+class RequestOutput:
+    def __init__(self, seq: Sequence, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
+        self.seq = seq
+        stopping = seq.request.stopping
+        self._stop_ids = frozenset(stopping.stop_token_ids)
+        self._eos_ids = frozenset() if stopping.ignore_eos else eos_token_ids
+        self._detokenizer = IncrementalDetokenizer(tokenizer, seq.request.prompt_token_ids)
+        self._stops = StopStringMatcher(stopping.stop)
+        self._pending_ids: list[int] = []
+        self._pending_text = ""
+
+    def on_token(self, token: int, now: float) -> list[RequestEvent]:
+        """Record one sampled token (already appended to the sequence). Returns the events to publish;
+        the last one is a Finish when the request is over."""
+        seq = self.seq
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+        if token in self._stop_ids:
+            return [self._finish(FinishReason.STOP, now, matched=token)]
+        if token in self._eos_ids:
+            return [self._finish(FinishReason.EOS, now)]
+        self._pending_ids.append(token)
+        text, matched = self._stops.feed(self._detokenizer.add([token]))
+        self._pending_text += text
+        if matched is not None:
+            return [self._finish(FinishReason.STOP, now, matched=matched, flush=False)]
+        if seq.num_completion_tokens >= seq.request.stopping.max_tokens:
+            return [self._finish(FinishReason.LENGTH, now)]
+        if len(self._pending_ids) >= seq.request.stream_interval:
+            return [self._take_delta()]
+        return []
+
+    def abort(self, now: float) -> Finish:
+        return self._finish(FinishReason.ABORT, now)
+
+    def _take_delta(self) -> TokenDelta:
+        delta = TokenDelta(self._pending_ids, self._pending_text)
+        self._pending_ids, self._pending_text = [], ""
+        return delta
+
+    def _finish(self, reason: FinishReason, now: float, matched: str | int | None = None, flush: bool = True) -> Finish:
+        if flush:
+            # Text held back (an incomplete character, a possible stop prefix) is settled now.
+            text, late_match = self._stops.feed(self._detokenizer.flush())
+            self._pending_text += text
+            if late_match is not None and reason is not FinishReason.ABORT:
+                reason, matched = FinishReason.STOP, late_match
+            elif late_match is None:
+                self._pending_text += self._stops.flush()
+        seq, request = self.seq, self.seq.request
+        scheduled = seq.scheduled_at if seq.scheduled_at is not None else now
+        first = seq.first_token_at if seq.first_token_at is not None else now
+        final = self._take_delta() if (self._pending_ids or self._pending_text) else None
+        return Finish(
+            reason=reason,
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_completion_tokens,
+            matched_stop=matched,
+            queue_seconds=max(0.0, scheduled - request.arrival_time),
+            time_to_first_token_seconds=max(0.0, first - request.arrival_time),
+            total_seconds=max(0.0, now - request.arrival_time),
+            seed=request.sampling.seed,
+            final_delta=final,
+        )

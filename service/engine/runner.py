@@ -1,0 +1,57 @@
+"""The model runner: the only code that touches the device.
+
+It owns the KV cache, the static decode inputs and the graph cache, and turns a list of sequences
+into one sampled token each, with one host sync per call (the token ids coming back to the CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cache_manager import Fingerprint, GraphCache, GraphCacheConfig
+from service.engine.decode_step import ModelDecodeStep
+from service.engine.sampler import SamplingBatch, sample
+from service.engine.sequence import Sequence
+from service.model.kv_cache import KVCache
+from service.model.loader import LoadedModel
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, max_running: int, max_seq_len: int, graph_config: GraphCacheConfig) -> None:
+        self.loaded = loaded
+        self.device = loaded.device
+        self.kv = KVCache(loaded.spec, max_running, max_seq_len, loaded.device, loaded.dtype)
+        self.step = ModelDecodeStep(loaded.model, self.kv, max_running, loaded.device)
+        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        fingerprint = Fingerprint(
+            model=loaded.name,
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            device_name=device_name,
+            torch_version=torch.__version__,
+            capture_sizes=tuple(graph_config.capture_sizes or ()),
+            max_batch=max_running,
+        )
+        self.graphs = GraphCache(self.step, graph_config, self.device, fingerprint)
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> list[int]:
+        """Run each prompt into its KV slot; returns the first completion token of each."""
+        logits = []
+        for seq in seqs:
+            assert seq.slot is not None
+            ids = torch.tensor(seq.request.prompt_token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            logits.append(self.loaded.model.prefill(ids, seq.slot, self.kv))
+        return self._sample(torch.stack(logits), seqs)
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> list[int]:
+        """One decode step for the running batch, through the graph cache."""
+        self.step.write_rows(
+            [s.last_token_id() for s in seqs], [s.next_position() for s in seqs], [s.slot for s in seqs]
+        )
+        logits = self.graphs.run(len(seqs))
+        return self._sample(logits, seqs)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        batch = SamplingBatch.build([(s.request.sampling, s.num_completion_tokens) for s in seqs], self.device)
+        return sample(logits, batch).tolist()  # the step's one host sync

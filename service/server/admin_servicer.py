@@ -1,0 +1,197 @@
+"""GraphCacheAdmin: the operator's view and control of the graph cache, over gRPC.
+
+A thin edge: reads come from `GraphCache.snapshot()` (safe from any thread); operations run on the
+engine thread between steps through `engine.call`, and their per-size results and errors are turned
+into protobuf and status codes here. Sizes are checked against the allowed list before anything
+else, so a wrong size is INVALID_ARGUMENT whatever the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import grpc
+import structlog
+
+from cache_manager import (
+    BucketCounters,
+    BucketEntry,
+    BucketState,
+    CacheSnapshot,
+    GraphCache,
+    GraphsUnavailableError,
+    OpResult,
+)
+from service.engine.engine import Engine
+from service.proto import admin_pb2, admin_pb2_grpc
+
+log = structlog.get_logger("graphserve.admin")
+
+# Above this a budget is a typo, not a plan (no device has a pebibyte of memory).
+MAX_BUDGET_BYTES = 1 << 50
+
+_STATES = {
+    BucketState.NOT_CAPTURED: admin_pb2.BUCKET_STATE_NOT_CAPTURED,
+    BucketState.CAPTURING: admin_pb2.BUCKET_STATE_CAPTURING,
+    BucketState.CAPTURED: admin_pb2.BUCKET_STATE_CAPTURED,
+    BucketState.EVICTED: admin_pb2.BUCKET_STATE_EVICTED,
+    BucketState.FAILED: admin_pb2.BUCKET_STATE_FAILED,
+}
+
+
+class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
+    def __init__(self, engine: Engine, graphs: GraphCache) -> None:
+        self.engine = engine
+        self.graphs = graphs
+
+    # ---- reads --------------------------------------------------------------------------------
+
+    async def GetCacheState(self, request: admin_pb2.GetCacheStateRequest,
+                            context: grpc.aio.ServicerContext) -> admin_pb2.CacheState:
+        snap = self.graphs.snapshot()
+        return admin_pb2.CacheState(
+            mode=snap.mode, device=snap.device, budget_bytes=snap.budget_bytes, used_bytes=snap.used_bytes,
+            capture_sizes=list(snap.capture_sizes), max_batch=snap.max_batch,
+            buckets=[_bucket_entry(b) for b in snap.buckets],
+        )
+
+    async def GetCaptureStats(self, request: admin_pb2.GetCaptureStatsRequest,
+                              context: grpc.aio.ServicerContext) -> admin_pb2.CaptureStats:
+        snap = self.graphs.snapshot()
+        persisted = self.graphs.persisted_stats()
+        return admin_pb2.CaptureStats(
+            since_start=_stats_view(snap, snap.requested_since_start, "since_start",
+                                    _sum_reasons(r.eager_fallbacks for r in snap.requested_detail)),
+            persisted=_stats_view(snap, snap.requested_persisted, "persisted",
+                                  _sum_reasons(c.eager for c in persisted.requested.values())),
+            stats_file=snap.stats_file or "",
+            last_save_unix=snap.last_save_time or 0.0,
+        )
+
+    # ---- operations (on the engine thread) ----------------------------------------------------
+
+    async def Capture(self, request: admin_pb2.SizesRequest,
+                      context: grpc.aio.ServicerContext) -> admin_pb2.OperationResponse:
+        sizes = await self._checked_sizes(request.sizes, context)
+        return await self._operate(context, "capture", lambda: self.graphs.capture(sizes), sizes=sizes)
+
+    async def Evict(self, request: admin_pb2.SizesRequest,
+                    context: grpc.aio.ServicerContext) -> admin_pb2.OperationResponse:
+        sizes = await self._checked_sizes(request.sizes, context)
+        return await self._operate(context, "evict", lambda: self.graphs.evict(sizes), sizes=sizes)
+
+    async def SetBudget(self, request: admin_pb2.SetBudgetRequest,
+                        context: grpc.aio.ServicerContext) -> admin_pb2.OperationResponse:
+        budget = request.budget_bytes
+        if budget == 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "budget_bytes must be > 0; to run without graphs start with --cudagraph-mode none")
+        if budget > MAX_BUDGET_BYTES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"budget_bytes {budget} is absurd (more than {MAX_BUDGET_BYTES} bytes)")
+
+        def set_budget() -> dict[int, OpResult]:
+            backend = self.graphs.backend
+            total = backend.total_memory() if backend is not None else None
+            if total is not None and budget > total:
+                raise ValueError(f"budget_bytes {budget} exceeds the device's {total} bytes of memory")
+            return self.graphs.set_budget(int(budget))
+
+        return await self._operate(context, "set_budget", set_budget, budget_bytes=budget)
+
+    async def ResetStats(self, request: admin_pb2.ResetStatsRequest,
+                         context: grpc.aio.ServicerContext) -> admin_pb2.ResetStatsResponse:
+        await self._on_engine(context, "reset_stats", self.graphs.reset_stats)
+        log.info("admin_stats_reset")
+        return admin_pb2.ResetStatsResponse()
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    async def _checked_sizes(self, sizes: Iterable[int], context: grpc.aio.ServicerContext) -> list[int]:
+        """Unique sizes in request order; INVALID_ARGUMENT (naming the allowed ones) otherwise."""
+        unique = list(dict.fromkeys(sizes))
+        allowed = self.graphs.config.sizes
+        if not unique:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"give at least one size; allowed: {list(allowed)}")
+        bad = [s for s in unique if s not in allowed]
+        if bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"sizes {bad} are not capture sizes; allowed: {list(allowed)}")
+        return unique
+
+    async def _operate(self, context: grpc.aio.ServicerContext, op: str,
+                       fn: Callable[[], dict[int, OpResult]], **fields: Any) -> admin_pb2.OperationResponse:
+        def run() -> tuple[dict[int, OpResult], int, int]:
+            results = fn()
+            return results, self.graphs.budget_bytes, self.graphs.used_bytes
+
+        results, budget, used = await self._on_engine(context, op, run)
+        log.info("admin_operation", op=op, **fields,
+                 results={s: r.outcome.value for s, r in results.items()}, used_bytes=used, budget_bytes=budget)
+        return admin_pb2.OperationResponse(
+            results=[admin_pb2.SizeResult(size=s, outcome=r.outcome.value, message=r.message, bytes=r.bytes)
+                     for s, r in results.items()],
+            budget_bytes=budget, used_bytes=used,
+        )
+
+    async def _on_engine(self, context: grpc.aio.ServicerContext, op: str, fn: Callable[[], Any]) -> Any:
+        """Run fn on the engine thread between steps; map its errors to status codes."""
+        try:
+            return await asyncio.wrap_future(self.engine.call(fn))
+        except GraphsUnavailableError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{op}: CUDA graphs are unavailable on this server ({exc.reason})")
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{op}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - any other failure is reported, the server keeps serving
+            if not self.engine.alive:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{op}: the engine is not running ({exc})")
+            log.error("admin_operation_failed", op=op, exc_info=True)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{op} failed: {type(exc).__name__}: {exc}")
+
+
+def _bucket_entry(b: BucketEntry) -> admin_pb2.BucketEntry:
+    """State counters are since this process started; bytes and capture time are the latest measured."""
+    c = b.since_start
+    reason = ""
+    if b.state is BucketState.FAILED and b.retry_at is not None:
+        reason = f"capture failed; lazy capture retries in {max(0.0, b.retry_at - time.time()):.0f} s"
+    return admin_pb2.BucketEntry(
+        size=b.size, state=_STATES[b.state], bytes=b.bytes, capture_ms=b.capture_ms,
+        replays=c.replays, padded_rows=c.padded_rows, eager_fallbacks=sum(c.eager_fallbacks.values()),
+        failures=c.failures, captures=c.captures, evictions=c.evictions,
+        last_use_unix=b.last_use or 0.0, failure_reason=reason,
+    )
+
+
+def _reason_counts(counts: dict[str, int]) -> list[admin_pb2.ReasonCount]:
+    return [admin_pb2.ReasonCount(reason=r, count=n) for r, n in sorted(counts.items())]
+
+
+def _sum_reasons(tables: Iterable[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for table in tables:
+        for reason, count in table.items():
+            total[reason] = total.get(reason, 0) + count
+    return total
+
+
+def _bucket_counters(b: BucketEntry, c: BucketCounters) -> admin_pb2.BucketCounters:
+    return admin_pb2.BucketCounters(
+        size=b.size, replays=c.replays, captures=c.captures, evictions=c.evictions, failures=c.failures,
+        padded_rows=c.padded_rows, eager_fallbacks=_reason_counts(c.eager_fallbacks),
+        capture_ms=b.capture_ms, bytes=b.bytes,
+    )
+
+
+def _stats_view(snap: CacheSnapshot, requested: dict[int, int], which: str,
+                eager: dict[str, int]) -> admin_pb2.StatsView:
+    return admin_pb2.StatsView(
+        requested_sizes=[admin_pb2.SizeCount(size=n, count=c) for n, c in sorted(requested.items())],
+        buckets=[_bucket_counters(b, getattr(b, which)) for b in snap.buckets],
+        eager_fallbacks=_reason_counts(eager),
+    )

@@ -1,0 +1,235 @@
+"""The running service: loads the model, starts the engine, serves gRPC, drains on SIGTERM.
+
+Start-up order: the gRPC port opens at once with health NOT_SERVING (Kubernetes probes get an
+answer while the model loads); the model loads off the event loop; one eager step runs; then
+health turns SERVING. Shutdown: health NOT_SERVING, new calls UNAVAILABLE, in-flight streams get
+up to --drain-timeout to finish, the rest are aborted, the stats are saved, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import grpc
+import structlog
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cache_manager import CudaGraphMode, GraphCacheConfig, parse_capture_sizes
+from service.config import ServeConfig
+from service.engine.engine import Engine
+from service.engine.request import Finish, GenerationRequest, SamplingParams, StoppingParams
+from service.engine.runner import ModelRunner
+from service.engine.scheduler import Scheduler
+from service.model.loader import LoadedModel, load_model
+from service.proto import inference_pb2, inference_pb2_grpc
+from service.server.inference_servicer import AdmissionLimits, InferenceServicer, LoopPublisher
+from service.server.transport import add_port
+from service.server.validation import Limits
+
+log = structlog.get_logger("graphserve.app")
+
+INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda was asked for but no CUDA device is visible; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class App:
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+        self.servicer = InferenceServicer(
+            AdmissionLimits(config.max_waiting_requests, config.max_waiting_tokens, config.max_concurrent_streams)
+        )
+        self.engine: Engine | None = None
+        self.runner: ModelRunner | None = None
+        self.loaded: LoadedModel | None = None
+        self.port: int | None = None
+        self.ready = asyncio.Event()
+        self.stopping = asyncio.Event()
+        self.exit_code = 0
+
+    # ---- start --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        c = self.config
+        options = [
+            ("grpc.max_receive_message_length", c.max_receive_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.server = grpc.aio.server(options=options)
+        inference_pb2_grpc.add_InferenceServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (INFERENCE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = add_port(self.server, f"{c.host}:{c.port}", c)
+        await self.server.start()
+        log.info("grpc_listening", address=f"{c.host}:{self.port}", tls=c.tls_cert is not None)
+
+    async def load(self) -> None:
+        """Load the model and start the engine (off the event loop), then one eager step, then SERVING."""
+        c = self.config
+        device = resolve_device(c.device)
+        dtype = resolve_dtype(c.dtype, device)
+        t0 = time.monotonic()
+        self.loaded = await asyncio.to_thread(load_model, c.model, device, dtype, c.model_cache_dir)
+        spec = self.loaded.spec
+        log.info("model_loaded", model=c.model, architecture=spec.architecture, device=str(device),
+                 dtype=str(dtype).removeprefix("torch."), seconds=round(time.monotonic() - t0, 2))
+        max_seq_len = min(c.max_seq_len, spec.max_position_embeddings)
+        mode = CudaGraphMode.parse(c.cudagraph_mode) if device.type == "cuda" else CudaGraphMode.NONE
+        graph_config = GraphCacheConfig(
+            mode=mode,
+            capture_sizes=parse_capture_sizes(c.capture_sizes, c.max_running_seqs) if c.capture_sizes else None,
+            max_batch=c.max_running_seqs,
+            memory_budget=c.graph_memory_budget,
+            stats_file=c.stats_file,
+            warm_start=c.warm_start,
+        )
+        self.runner = await asyncio.to_thread(ModelRunner, self.loaded, c.max_running_seqs, max_seq_len, graph_config)
+        loop = asyncio.get_running_loop()
+        graphs = self.runner.graphs
+
+        def between_steps() -> None:
+            graphs.warm_step()
+            graphs.maybe_save()
+
+        self.engine = Engine(
+            self.runner,
+            Scheduler(c.max_running_seqs, c.max_prefill_tokens),
+            self.loaded.tokenizer,
+            frozenset(spec.eos_token_ids),
+            publish=LoopPublisher(loop),
+            between_steps=between_steps,
+        )
+        self.engine.start()
+        await self._first_step()
+        limits = Limits.from_config(
+            ServeConfig(**{**c.__dict__, "max_seq_len": max_seq_len}), vocab_size=spec.vocab_size
+        )
+        self.servicer.attach(self.engine, self.loaded.tokenizer, limits, self._model_info(max_seq_len, device, dtype))
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self.ready.set()
+        log.info("serving", model=c.model, port=self.port, graph_mode=mode.value)
+
+    async def _first_step(self) -> None:
+        """One real prefill + decode before reporting SERVING: a broken model fails here, not on a client."""
+        assert self.engine is not None and self.loaded is not None
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        request = GenerationRequest(
+            request_id="graphserve-warmup",
+            prompt_token_ids=[self.loaded.spec.bos_token_id or 0],
+            sampling=SamplingParams(temperature=0.0),
+            stopping=StoppingParams(max_tokens=2, ignore_eos=True),
+            arrival_time=time.monotonic(),
+        )
+
+        def sink(event: object) -> None:
+            if not done.done() and not isinstance(event, Finish) and not hasattr(event, "token_ids"):
+                done.set_exception(RuntimeError(f"warm-up step failed: {event}"))
+            elif isinstance(event, Finish) and not done.done():
+                done.set_result(event)
+
+        self.engine.submit(request, sink)
+        await done
+
+    def _model_info(self, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> inference_pb2.ModelInfo:
+        assert self.loaded is not None
+        c, spec = self.config, self.loaded.spec
+        return inference_pb2.ModelInfo(
+            model=c.model, architecture=spec.architecture, vocab_size=spec.vocab_size,
+            max_sequence_length=max_seq_len, max_running_sequences=c.max_running_seqs, device=str(device),
+            dtype=str(dtype).removeprefix("torch."), eos_token_ids=list(spec.eos_token_ids),
+            max_tokens_limit=c.max_tokens_limit, default_max_tokens=c.default_max_tokens,
+        )
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", INFERENCE_SERVICE):
+            await self.health.set(name, status)
+
+    # ---- run and stop -------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Serve until SIGTERM/SIGINT or an engine failure; returns the process exit code."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        await self.start()
+        watchdog = asyncio.create_task(self._watchdog())
+        try:
+            loader = asyncio.create_task(self.load())
+            stop_wait = asyncio.create_task(self.stopping.wait())
+            await asyncio.wait({loader, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            if loader.done() and loader.exception() is not None:
+                raise loader.exception()
+            await self.stopping.wait()
+        finally:
+            watchdog.cancel()
+            await self.shutdown()
+        return self.exit_code
+
+    async def _watchdog(self) -> None:
+        """NOT_SERVING while the engine makes no progress with work pending; exit non-zero if it died."""
+        stuck = False
+        while True:
+            await asyncio.sleep(0.5)
+            engine = self.engine
+            if engine is None or not self.ready.is_set():
+                continue
+            if not engine.alive:
+                log.error("engine_dead", error=repr(engine.error))
+                await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+                self.exit_code = 1
+                self.stopping.set()
+                return
+            idle_for = time.monotonic() - engine.last_progress
+            now_stuck = engine.has_pending_work() and idle_for > self.config.watchdog_timeout
+            if now_stuck != stuck and not self.servicer.draining:
+                stuck = now_stuck
+                log.warning("engine_stalled" if stuck else "engine_recovered", seconds_without_progress=round(idle_for, 1))
+                await self._set_health(
+                    health_pb2.HealthCheckResponse.NOT_SERVING if stuck else health_pb2.HealthCheckResponse.SERVING
+                )
+
+    async def shutdown(self) -> None:
+        log.info("draining", timeout_s=self.config.drain_timeout, open_streams=len(self.servicer.active))
+        self.servicer.draining = True
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.servicer.active:
+            try:
+                await asyncio.wait_for(self.servicer.streams_idle.wait(), self.config.drain_timeout)
+            except TimeoutError:
+                log.warning("drain_timeout", aborted=len(self.servicer.active))
+                for request_id in list(self.servicer.active):
+                    if self.engine is not None:
+                        self.engine.abort(request_id)
+                try:
+                    await asyncio.wait_for(self.servicer.streams_idle.wait(), 5.0)
+                except TimeoutError:
+                    pass
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop)
+        if self.runner is not None:
+            await asyncio.to_thread(self.runner.graphs.close)
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+        log.info("stopped", exit_code=self.exit_code)

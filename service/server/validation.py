@@ -1,0 +1,146 @@
+"""Request validation: every check names the field and says what to change.
+
+Runs before admission, on the event loop, and never lets a malformed request reach the engine.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from service.config import ServeConfig
+from service.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from service.proto import inference_pb2
+
+MAX_REQUEST_ID_BYTES = 256
+MAX_STREAM_INTERVAL = 1024
+
+
+class InvalidRequest(ValueError):
+    """Bad input from the client: becomes INVALID_ARGUMENT with this message."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_seq_len: int
+    default_max_tokens: int
+    max_tokens_limit: int
+    max_prompt_bytes: int
+    max_stop_strings: int
+    max_stop_string_bytes: int
+    max_stop_token_ids: int
+
+    @classmethod
+    def from_config(cls, config: ServeConfig, vocab_size: int) -> Limits:
+        return cls(
+            vocab_size=vocab_size,
+            max_seq_len=config.max_seq_len,
+            default_max_tokens=config.default_max_tokens,
+            max_tokens_limit=config.max_tokens_limit,
+            max_prompt_bytes=config.max_prompt_bytes,
+            max_stop_strings=config.max_stop_strings,
+            max_stop_string_bytes=config.max_stop_string_bytes,
+            max_stop_token_ids=config.max_stop_token_ids,
+        )
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidRequest(message)
+
+
+def check_prompt_size(request: inference_pb2.GenerateRequest, limits: Limits) -> None:
+    """Cheap checks done before any tokenization."""
+    kind = request.WhichOneof("prompt")
+    _need(kind is not None, "prompt: set either text or token_ids")
+    if kind == "text":
+        size = len(request.text.encode("utf-8", "surrogatepass"))
+        _need(size > 0, "prompt.text is empty: send at least one character")
+        _need(size <= limits.max_prompt_bytes,
+              f"prompt.text is {size} bytes, over the limit of {limits.max_prompt_bytes} bytes (--max-prompt-bytes)")
+    else:
+        count = len(request.token_ids.ids)
+        _need(count > 0, "prompt.token_ids is empty: send at least one token id")
+        _need(count < limits.max_seq_len,
+              f"prompt.token_ids has {count} tokens; the context holds {limits.max_seq_len} (--max-seq-len)")
+
+
+def prompt_ids(request: inference_pb2.GenerateRequest, tokenizer: Any, limits: Limits) -> list[int]:
+    if request.WhichOneof("prompt") == "token_ids":
+        ids = list(request.token_ids.ids)
+        bad = next((i for i in ids if i >= limits.vocab_size), None)
+        _need(bad is None, f"prompt.token_ids: id {bad} is outside the vocabulary [0, {limits.vocab_size})")
+        return ids
+    ids = tokenizer.encode(request.text, add_special_tokens=True)
+    _need(len(ids) > 0, "prompt.text encodes to no tokens")
+    return ids
+
+
+def to_generation_request(
+    request: inference_pb2.GenerateRequest, prompt: list[int], limits: Limits, arrival_time: float | None = None
+) -> GenerationRequest:
+    request_id = request.request_id or uuid.uuid4().hex
+    _need(len(request_id.encode("utf-8", "surrogatepass")) <= MAX_REQUEST_ID_BYTES,
+          f"request_id is longer than {MAX_REQUEST_ID_BYTES} bytes")
+    _need(request_id.isprintable(), "request_id must be printable text")
+    return GenerationRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=_sampling(request.sampling),
+        stopping=_stopping(request.stopping, len(prompt), limits),
+        stream_interval=_stream_interval(request),
+        arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+    )
+
+
+def _sampling(s: inference_pb2.SamplingParams) -> SamplingParams:
+    temperature = s.temperature if s.HasField("temperature") else 1.0
+    _need(math.isfinite(temperature) and temperature >= 0,
+          f"sampling.temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    _need(math.isfinite(top_p) and 0 < top_p <= 1, f"sampling.top_p must be in (0, 1], got {top_p}")
+    # top_k is unsigned on the wire, so it cannot be negative; 0 disables it.
+    seed = s.seed if s.HasField("seed") else secrets.randbits(63)
+    return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=int(s.top_k), seed=int(seed))
+
+
+def _stopping(s: inference_pb2.StoppingCriteria, prompt_len: int, limits: Limits) -> StoppingParams:
+    _need(prompt_len < limits.max_seq_len,
+          f"the prompt has {prompt_len} tokens; the context holds {limits.max_seq_len} (--max-seq-len): shorten it")
+    room = limits.max_seq_len - prompt_len
+    if s.HasField("max_tokens"):
+        max_tokens = s.max_tokens
+        _need(max_tokens >= 1, "stopping.max_tokens must be >= 1")
+        _need(max_tokens <= limits.max_tokens_limit,
+              f"stopping.max_tokens is {max_tokens}, over the server limit of {limits.max_tokens_limit}")
+        _need(max_tokens <= room,
+              f"prompt ({prompt_len} tokens) plus stopping.max_tokens ({max_tokens}) exceeds the context of "
+              f"{limits.max_seq_len} tokens: ask for at most {room}")
+    else:
+        max_tokens = min(limits.default_max_tokens, room)
+    stops = tuple(s.stop)
+    _need(len(stops) <= limits.max_stop_strings,
+          f"stopping.stop has {len(stops)} strings; at most {limits.max_stop_strings} are allowed")
+    for text in stops:
+        _need(text != "", "stopping.stop contains an empty string")
+        _need(len(text.encode("utf-8", "surrogatepass")) <= limits.max_stop_string_bytes,
+              f"a stopping.stop string is longer than {limits.max_stop_string_bytes} bytes")
+    ids = tuple(s.stop_token_ids)
+    _need(len(ids) <= limits.max_stop_token_ids,
+          f"stopping.stop_token_ids has {len(ids)} ids; at most {limits.max_stop_token_ids} are allowed")
+    bad = next((i for i in ids if i >= limits.vocab_size), None)
+    _need(bad is None, f"stopping.stop_token_ids: id {bad} is outside the vocabulary [0, {limits.vocab_size})")
+    return StoppingParams(max_tokens=max_tokens, stop=stops, stop_token_ids=ids, ignore_eos=s.ignore_eos)
+
+
+def _stream_interval(request: inference_pb2.GenerateRequest) -> int:
+    if not request.HasField("stream_interval"):
+        return 1
+    value = request.stream_interval
+    _need(1 <= value <= MAX_STREAM_INTERVAL, f"stream_interval must be in [1, {MAX_STREAM_INTERVAL}], got {value}")
+    return value

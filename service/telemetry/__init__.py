@@ -1,0 +1,1 @@
+"""Logs, metrics and health: how the service is watched."""
