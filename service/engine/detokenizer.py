@@ -1,0 +1,84 @@
+"""Incremental detokenization: per-token text deltas at O(1) cost, never splitting a character."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_REPLACEMENT = "\ufffd"
+# Prompt tokens decoded as left context of the first completion tokens: enough for tokenizers whose
+# decoders strip a leading space from the first token of a sequence (SentencePiece "Metaspace"),
+# so a completion that starts with "▁Paris" streams as " Paris", as it reads after the prompt.
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Streams the text of one request's completion tokens.
+
+    Decodes a sliding window ids[prefix_offset:] and emits only what it adds beyond the text of
+    ids[prefix_offset:read_offset] (the prefix/read offsets of TGI and vLLM): the window holds the
+    last emitted chunk as context plus the tokens not yet emitted, so each step costs O(1) in the
+    length of the completion. Context matters because tokenizer decoders are not additive at the
+    edges (leading-space stripping, byte-level tokens that only together form a UTF-8 character).
+    While the window's text ends in U+FFFD, the trailing bytes may be an incomplete character: those
+    are held back until a later token completes them (or flush() at finish gives them up), while the
+    complete characters before them are emitted at once.
+
+    For byte-level tokenizers the concatenated deltas equal tokenizer.decode(completion ids,
+    skip_special_tokens=True). For SentencePiece-style ones they differ from it in one deliberate
+    way: the first completion token keeps its leading space (" Paris" after the prompt), because
+    the last prompt tokens are decoded as context. Decoding never applies clean_up_tokenization_spaces: that rewrite
+    (" ." -> ".") looks across token boundaries and cannot be streamed.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
+        self._tokenizer = tokenizer
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        if self._decode(context).endswith(_REPLACEMENT):
+            # The prompt ends inside a character: that character's bytes belong to the prompt, so
+            # the completion must not emit it. Start without context instead.
+            context = []
+        self._ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._prefix_text = self._decode(context)
+        # Characters of ids[read_offset:] already emitted: complete ones before an incomplete tail.
+        self._emitted_ahead = 0
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append new completion tokens; return the text they complete (possibly empty)."""
+        self._ids.extend(token_ids)
+        full_text = self._decode(self._ids[self._prefix_offset:])
+        start = len(self._prefix_text) + self._emitted_ahead
+        if not full_text.endswith(_REPLACEMENT):
+            return self._advance(full_text) if len(full_text) > start else ""
+        # The tail is (perhaps) an incomplete character, but a token such as b"\xe6\x97\xa5\xe6"
+        # also completes "日" before it: emit the complete characters now. Appending bytes can only
+        # change the trailing replacement characters, so the text before them is final.
+        stable_end = len(full_text.rstrip(_REPLACEMENT))
+        if stable_end <= start:
+            return ""
+        self._emitted_ahead += stable_end - start
+        return full_text[start:stable_end]
+
+    def flush(self) -> str:
+        """At finish: everything not yet emitted, including a character the model left incomplete."""
+        if self._read_offset == len(self._ids):
+            return ""
+        return self._advance(self._decode(self._ids[self._prefix_offset:]))
+
+    def _advance(self, full_text: str) -> str:
+        delta = full_text[len(self._prefix_text) + self._emitted_ahead:]
+        # The emitted tokens become the next window's context; older tokens are never decoded again.
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        self._emitted_ahead = 0
+        # Drop what no window will reach again, keeping list indices small and memory O(window).
+        del self._ids[: self._prefix_offset]
+        self._read_offset -= self._prefix_offset
+        self._prefix_offset = 0
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

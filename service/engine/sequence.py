@@ -1,0 +1,51 @@
+"""One request's mutable state inside the engine: status, KV slot, generated tokens, timing marks."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from service.engine.request import GenerationRequest
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)  # identity semantics: two sequences are never "equal", and they stay hashable
+class Sequence:
+    request: GenerationRequest
+    status: SequenceStatus = SequenceStatus.WAITING
+    slot: int | None = None  # the KV-cache slot, held only while RUNNING
+    completion_token_ids: list[int] = field(default_factory=list)
+    aborted: bool = False
+    scheduled_at: float | None = None  # time.monotonic() when admitted (prefill)
+    first_token_at: float | None = None  # time.monotonic() when the first completion token was sampled
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.completion_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_completion_tokens
+
+    def last_token_id(self) -> int:
+        """The input of the next decode step: the newest token, generated or (before any) prompt."""
+        if self.completion_token_ids:
+            return self.completion_token_ids[-1]
+        return self.request.prompt_token_ids[-1]
+
+    def next_position(self) -> int:
+        """Position of last_token_id in the sequence (0-based), i.e. where its KV entry is written."""
+        return self.num_tokens - 1
