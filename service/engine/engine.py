@@ -196,7 +196,7 @@ class Engine:
         if seqs or events:
             self.steps += 1
             self.last_progress = now
-        if self.observer is not None and seqs:
+        if self.observer is not None and (seqs or events):
             self.observer.on_step(self.scheduler.num_running, self.num_waiting, len(batch.decodes), len(batch.prefills))
 
     def _finish(self, seq: Sequence, finish: Finish | None, now: float) -> tuple[Sink, RequestEvent]:

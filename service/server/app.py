@@ -9,6 +9,7 @@ up to --drain-timeout to finish, the rest are aborted, the stats are saved, exit
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 
@@ -26,6 +27,8 @@ from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
 from service.model.loader import LoadedModel, load_model
 from service.proto import inference_pb2, inference_pb2_grpc
+from service.telemetry.metrics import Metrics
+from service.server.faults import Faults, wrap_decode
 from service.server.inference_servicer import AdmissionLimits, InferenceServicer, LoopPublisher
 from service.server.transport import add_port
 from service.server.validation import Limits
@@ -50,13 +53,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class App:
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, environ: dict[str, str] | None = None) -> None:
         self.config = config
+        self.faults = Faults.from_env(os.environ if environ is None else environ)
+        if self.faults.active:
+            log.warning("test_faults_enabled", faults=str(self.faults))
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
+        self.metrics = Metrics()
+        self.metrics_port: int | None = None
         self.servicer = InferenceServicer(
-            AdmissionLimits(config.max_waiting_requests, config.max_waiting_tokens, config.max_concurrent_streams)
+            AdmissionLimits(config.max_waiting_requests, config.max_waiting_tokens, config.max_concurrent_streams),
+            metrics=self.metrics,
         )
+        self._graph_snapshot = None  # refreshed by the engine thread, read by /metrics scrapes
         self.engine: Engine | None = None
         self.runner: ModelRunner | None = None
         self.loaded: LoadedModel | None = None
@@ -83,6 +93,9 @@ class App:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.port = add_port(self.server, f"{c.host}:{c.port}", c)
         await self.server.start()
+        if c.metrics_port:
+            self.metrics_port = self.metrics.serve(c.host, c.metrics_port)
+            log.info("metrics_listening", address=f"{c.host}:{self.metrics_port}", path="/metrics")
         log.info("grpc_listening", address=f"{c.host}:{self.port}", tls=c.tls_cert is not None)
 
     async def load(self) -> None:
@@ -91,6 +104,8 @@ class App:
         device = resolve_device(c.device)
         dtype = resolve_dtype(c.dtype, device)
         t0 = time.monotonic()
+        if self.faults.load_delay_s:
+            await asyncio.sleep(self.faults.load_delay_s)
         self.loaded = await asyncio.to_thread(load_model, c.model, device, dtype, c.model_cache_dir)
         spec = self.loaded.spec
         log.info("model_loaded", model=c.model, architecture=spec.architecture, device=str(device),
@@ -106,12 +121,20 @@ class App:
             warm_start=c.warm_start,
         )
         self.runner = await asyncio.to_thread(ModelRunner, self.loaded, c.max_running_seqs, max_seq_len, graph_config)
+        if self.faults.decode_raise_after is not None:
+            wrap_decode(self.runner, self.faults.decode_raise_after)
         loop = asyncio.get_running_loop()
         graphs = self.runner.graphs
 
+        last_snapshot = 0.0
+
         def between_steps() -> None:
+            nonlocal last_snapshot
             graphs.warm_step()
             graphs.maybe_save()
+            now = time.monotonic()
+            if now - last_snapshot > 1.0:  # scrapes read this copy; the cache is touched only here
+                self._graph_snapshot, last_snapshot = graphs.snapshot(), now
 
         self.engine = Engine(
             self.runner,
@@ -121,8 +144,11 @@ class App:
             publish=LoopPublisher(loop),
             between_steps=between_steps,
         )
+        self._graph_snapshot = graphs.snapshot()
+        self.metrics.set_graph_source(lambda: self._graph_snapshot)
         self.engine.start()
         await self._first_step()
+        self.engine.observer = self.metrics  # after the warm-up step, which is no client's request
         limits = Limits.from_config(
             ServeConfig(**{**c.__dict__, "max_seq_len": max_seq_len}), vocab_size=spec.vocab_size
         )
@@ -232,4 +258,5 @@ class App:
             await asyncio.to_thread(self.runner.graphs.close)
         if self.server is not None:
             await self.server.stop(grace=1.0)
+        self.metrics.close()
         log.info("stopped", exit_code=self.exit_code)

@@ -76,7 +76,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def GetModelInfo(self, request: inference_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
                            ) -> inference_pb2.ModelInfo:
         if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "loading", "the model is still loading; retry shortly")
         return self.model_info
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext

@@ -1,0 +1,107 @@
+"""A real server process: health through start-up, graceful drain on SIGTERM, engine faults."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from service.proto import inference_pb2, inference_pb2_grpc
+from tests.support.process import ServerProcess
+from tests.support.server import generate, greedy
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture
+def process_factory(tmp_path, model_cache_dir):  # noqa: ANN001, ANN201
+    started: list[ServerProcess] = []
+
+    def start(*argv: str, env: dict[str, str] | None = None) -> ServerProcess:
+        proc = ServerProcess(["--model-cache-dir", str(model_cache_dir), *argv], env=env,
+                             log_path=tmp_path / f"server-{len(started)}.log")
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.close()
+
+
+def test_health_is_not_serving_while_loading_then_serving(process_factory) -> None:
+    proc = process_factory(env={"GRAPHSERVE_TEST_FAULTS": "load_delay_s=3"})
+    proc.wait_for_health(NOT_SERVING, timeout=30)
+    assert proc.health_status("graphserve.v1.Inference") == NOT_SERVING
+    proc.wait_for_health(SERVING, timeout=120)
+    assert proc.health_status("graphserve.v1.Inference") == SERVING
+
+
+def test_sigterm_finishes_the_stream_refuses_new_calls_saves_stats_and_exits_0(process_factory, tmp_path) -> None:
+    stats = tmp_path / "state" / "stats.json"
+    stats.parent.mkdir()
+    proc = process_factory("--stats-file", str(stats), "--drain-timeout", "60")
+    proc.wait_for_health(SERVING)
+    stub = inference_pb2_grpc.InferenceStub(proc.channel)
+    result: dict[str, object] = {}
+    first_chunk = threading.Event()
+
+    def stream() -> None:
+        tokens = []
+        call = stub.Generate(inference_pb2.GenerateRequest(**greedy("Once upon a time", 400)), timeout=120)
+        for response in call:
+            if response.WhichOneof("kind") == "chunk":
+                tokens += response.chunk.token_ids
+                first_chunk.set()
+            else:
+                result["finished"] = response.finished
+        result["tokens"] = tokens
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert first_chunk.wait(60)
+    proc.terminate()
+    proc.wait_for_health(NOT_SERVING, timeout=10)
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stub, **greedy("too late", 4))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "shutting down" in info.value.details()
+    thread.join(120)
+    assert result["finished"].finish_reason == inference_pb2.FINISH_REASON_LENGTH
+    assert len(result["tokens"]) == 400
+    assert proc.wait(60) == 0
+    saved = json.loads(stats.read_text())
+    assert saved  # written at shutdown; its contents are the graph cache's own tests' business
+
+
+def test_drain_timeout_aborts_streams_with_finish_reason_abort(process_factory) -> None:
+    proc = process_factory("--drain-timeout", "0.5")
+    proc.wait_for_health(SERVING)
+    stub = inference_pb2_grpc.InferenceStub(proc.channel)
+    responses = stub.Generate(inference_pb2.GenerateRequest(**greedy("Once upon a time", 2000)), timeout=120)
+    first = next(responses)
+    assert first.WhichOneof("kind") == "chunk"
+    proc.terminate()
+    rest = list(responses)
+    assert rest[-1].finished.finish_reason == inference_pb2.FINISH_REASON_ABORT
+    assert proc.wait(60) == 0
+
+
+def test_a_failing_decode_step_fails_streams_turns_unhealthy_and_exits_nonzero(process_factory, tmp_path) -> None:
+    stats = tmp_path / "stats.json"
+    proc = process_factory("--stats-file", str(stats), env={"GRAPHSERVE_TEST_FAULTS": "decode_raise_after=20"})
+    proc.wait_for_health(SERVING)
+    stub = inference_pb2_grpc.InferenceStub(proc.channel)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stub, timeout=60, **greedy("Once upon a time", 200))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "engine failed" in info.value.details()
+    assert time.monotonic() - started < 30
+    assert proc.wait(60) != 0
+    assert stats.exists()
+    assert "engine_failed" in proc.log_text()

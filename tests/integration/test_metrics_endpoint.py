@@ -1,0 +1,57 @@
+"""/metrics of a real server counts what its clients saw."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.proto import inference_pb2 as pb
+from tests.support.server import generate, greedy, running_server
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def delta(before: dict, after: dict, name: str, **labels: str) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_metrics_count_requests_tokens_latencies_and_rejections(model_cache_dir) -> None:
+    with running_server(["--model-cache-dir", str(model_cache_dir), "--max-seq-len", "256"]) as server:
+        port = getattr(server.app, "metrics_port", None)
+        if port is None:
+            pytest.skip("metrics not wired")
+        before = scrape(port)  # the start-up warm-up request already went through the engine
+        stub = server.stub()
+        prompts = {"Once upon a time": 5, "hello": 3, "graphs and caches": 8}
+        prompt_tokens = 0
+        for prompt, max_tokens in prompts.items():
+            _, finished = generate(stub, **greedy(prompt, max_tokens))
+            assert finished.usage.completion_tokens == max_tokens
+            prompt_tokens += finished.usage.prompt_tokens
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(text="hi", stopping=pb.StoppingCriteria(max_tokens=0)), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        after = scrape(port)
+
+    n = len(prompts)
+    assert delta(before, after, "graphserve_requests_total", finish_reason="length") == n
+    assert delta(before, after, "graphserve_generated_tokens_total") == sum(prompts.values())
+    assert delta(before, after, "graphserve_prompt_tokens_total") == prompt_tokens
+    assert delta(before, after, "graphserve_time_to_first_token_seconds_count") == n
+    assert delta(before, after, "graphserve_request_duration_seconds_count") == n
+    assert delta(before, after, "graphserve_queue_time_seconds_count") == n
+    assert delta(before, after, "graphserve_inter_token_latency_seconds_count") == sum(prompts.values()) - n
+    assert delta(before, after, "graphserve_requests_rejected_total", reason="invalid_argument") == 1
+    assert after[("graphserve_requests_running", ())] == 0
+    assert after[("graphserve_requests_waiting", ())] == 0

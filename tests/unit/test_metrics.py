@@ -1,0 +1,222 @@
+"""Metrics as Prometheus scrapes them: counts and labels in the exposition text."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cache_manager import BucketCounters, BucketEntry, BucketState, CacheSnapshot, RequestedSize
+from service.engine.request import Finish, FinishReason, GenerationRequest, SamplingParams, StoppingParams
+from service.engine.sequence import Sequence, SequenceStatus
+from service.telemetry.metrics import Metrics
+
+
+def scrape(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the exposition text, keyed by (sample name, sorted labels)."""
+    text = generate_latest(metrics.registry).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+def make_seq(request_id: str, prompt_len: int, max_tokens: int, arrival: float = 10.0) -> Sequence:
+    request = GenerationRequest(request_id, list(range(1, prompt_len + 1)), SamplingParams(temperature=0.0),
+                                StoppingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=arrival)
+    return Sequence(request)
+
+
+def finish_of(seq: Sequence, reason: FinishReason, now: float) -> Finish:
+    arrival = seq.request.arrival_time
+    return Finish(reason, seq.num_prompt_tokens, seq.num_completion_tokens,
+                  queue_seconds=(seq.scheduled_at or now) - arrival,
+                  time_to_first_token_seconds=(seq.first_token_at or now) - arrival,
+                  total_seconds=now - arrival)
+
+
+def run_to_length(m: Metrics, seq: Sequence, token_times: list[float], scheduled: float) -> None:
+    """Feed the hooks in the engine's order: the last token's on_tokens comes after on_finish."""
+    seq.status, seq.scheduled_at = SequenceStatus.RUNNING, scheduled
+    for i, now in enumerate(token_times):
+        seq.completion_token_ids.append(100 + i)
+        seq.first_token_at = seq.first_token_at or now
+        if i == len(token_times) - 1:
+            seq.status = SequenceStatus.FINISHED
+            m.on_finish(seq, finish_of(seq, FinishReason.LENGTH, now))
+        m.on_tokens(seq, 1, now)
+
+
+def test_a_finished_request_counts_tokens_and_latencies() -> None:
+    m = Metrics()
+    seq = make_seq("r1", prompt_len=5, max_tokens=4, arrival=10.0)
+    run_to_length(m, seq, [10.5, 10.51, 10.53, 10.56], scheduled=10.2)
+    s = scrape(m)
+    assert value(s, "graphserve_requests_total", finish_reason="length") == 1
+    assert value(s, "graphserve_requests_total", finish_reason="abort") == 0  # every reason is exported
+    assert value(s, "graphserve_prompt_tokens_total") == 5
+    assert value(s, "graphserve_generated_tokens_total") == 4
+    assert value(s, "graphserve_time_to_first_token_seconds_count") == 1
+    assert value(s, "graphserve_time_to_first_token_seconds_sum") == pytest.approx(0.5)
+    assert value(s, "graphserve_queue_time_seconds_sum") == pytest.approx(0.2)
+    assert value(s, "graphserve_request_duration_seconds_sum") == pytest.approx(0.56)
+    # Three gaps (10 ms, 20 ms, 30 ms), the last one measured after the finish was reported.
+    assert value(s, "graphserve_inter_token_latency_seconds_count") == 3
+    assert value(s, "graphserve_inter_token_latency_seconds_sum") == pytest.approx(0.06)
+    assert value(s, "graphserve_inter_token_latency_seconds_bucket", le="0.01") == 1
+    assert value(s, "graphserve_inter_token_latency_seconds_bucket", le="0.02") == 2
+    assert m.tracked_requests == 0
+
+
+def test_a_one_token_request_has_a_ttft_and_no_inter_token_latency() -> None:
+    m = Metrics()
+    run_to_length(m, make_seq("r1", 2, 1), [10.1], scheduled=10.0)
+    s = scrape(m)
+    assert value(s, "graphserve_time_to_first_token_seconds_count") == 1
+    assert value(s, "graphserve_inter_token_latency_seconds_count") == 0
+    assert m.tracked_requests == 0
+
+
+def test_aborts_in_the_queue_and_mid_stream_count_as_abort_and_leave_nothing_tracked() -> None:
+    m = Metrics()
+    queued = make_seq("queued", 3, 8)
+    queued.status = SequenceStatus.FINISHED
+    m.on_finish(queued, finish_of(queued, FinishReason.ABORT, 11.0))
+    running = make_seq("running", 3, 8)
+    running.status, running.scheduled_at = SequenceStatus.RUNNING, 10.1
+    for i, now in enumerate([10.2, 10.3]):
+        running.completion_token_ids.append(i)
+        m.on_tokens(running, 1, now)
+    assert m.tracked_requests == 1
+    running.status = SequenceStatus.FINISHED
+    m.on_finish(running, finish_of(running, FinishReason.ABORT, 10.4))
+    s = scrape(m)
+    assert value(s, "graphserve_requests_total", finish_reason="abort") == 2
+    assert value(s, "graphserve_time_to_first_token_seconds_count") == 1  # the queued one never had a token
+    assert value(s, "graphserve_prompt_tokens_total") == 3
+    assert value(s, "graphserve_generated_tokens_total") == 2
+    assert value(s, "graphserve_request_duration_seconds_count") == 2
+    assert m.tracked_requests == 0
+
+
+def test_several_tokens_at_once_split_the_gap() -> None:
+    m = Metrics()
+    seq = make_seq("r1", 2, 10)
+    seq.status, seq.scheduled_at = SequenceStatus.RUNNING, 10.0
+    seq.completion_token_ids.append(1)
+    m.on_tokens(seq, 1, 10.1)
+    seq.completion_token_ids += [2, 3, 4]
+    m.on_tokens(seq, 3, 10.13)
+    s = scrape(m)
+    assert value(s, "graphserve_generated_tokens_total") == 4
+    assert value(s, "graphserve_inter_token_latency_seconds_count") == 3
+    assert value(s, "graphserve_inter_token_latency_seconds_sum") == pytest.approx(0.03)
+
+
+def test_step_sets_running_and_waiting_and_rejections_count_by_reason() -> None:
+    m = Metrics()
+    m.on_step(num_running=3, num_waiting=7, num_decode=2, num_prefill=1)
+    m.rejected("invalid_argument")
+    m.rejected("invalid_argument")
+    m.rejected("queue_full")
+    s = scrape(m)
+    assert value(s, "graphserve_requests_running") == 3
+    assert value(s, "graphserve_requests_waiting") == 7
+    assert value(s, "graphserve_requests_rejected_total", reason="invalid_argument") == 2
+    assert value(s, "graphserve_requests_rejected_total", reason="queue_full") == 1
+
+
+def bucket(size: int, state: BucketState, nbytes: int, capture_ms: float, counters: BucketCounters) -> BucketEntry:
+    return BucketEntry(size, state, nbytes, capture_ms, None, None, since_start=counters,
+                       persisted=BucketCounters(replays=10**6))
+
+
+def snapshot() -> CacheSnapshot:
+    """Sizes 1, 2, 4 (max batch 6). As the manager records them: a size-3 step that fell back for
+    budget counts in requested size 3 and in bucket 4; steps of 5 and 6 (above 4) only per size."""
+    buckets = (
+        bucket(1, BucketState.CAPTURED, 22 << 20, 20.0, BucketCounters(replays=40, captures=1)),
+        bucket(2, BucketState.EVICTED, 30 << 20, 25.0, BucketCounters(replays=7, padded_rows=0, captures=1, evictions=1)),
+        bucket(4, BucketState.FAILED, 0, 0.0, BucketCounters(replays=0, eager_fallbacks={"budget": 2, "failed": 1},
+                                                             failures=1)),
+    )
+    requested = (
+        RequestedSize(1, 40, 40, {}),
+        RequestedSize(2, 7, 7, {}),
+        RequestedSize(3, 3, 0, {"budget": 2, "failed": 1}),
+        RequestedSize(5, 4, 0, {"above_max": 4}),
+        RequestedSize(6, 1, 0, {"above_max": 1}),
+    )
+    return CacheSnapshot(
+        mode="full", configured_mode="full", disabled_reason=None, device="cuda:0",
+        budget_bytes=64 << 20, used_bytes=22 << 20, capture_sizes=(1, 2, 4), max_batch=6, buckets=buckets,
+        requested_since_start={r.size: r.requests for r in requested}, requested_persisted={},
+        requested_detail=requested, warm_queue=(), stats_file=None, last_save_time=None,
+    )
+
+
+def test_graph_metrics_come_from_the_snapshot_on_each_scrape() -> None:
+    m = Metrics()
+    current = {"snap": snapshot()}
+    m.set_graph_source(lambda: current["snap"])
+    s = scrape(m)
+    assert value(s, "graphserve_graph_replays_total", bucket="1") == 40
+    assert value(s, "graphserve_graph_replays_total", bucket="2") == 7  # since start, not persisted
+    assert value(s, "graphserve_graph_replays_total", bucket="4") == 0
+    assert value(s, "graphserve_graph_captures_total") == 2
+    assert value(s, "graphserve_graph_evictions_total") == 1
+    assert value(s, "graphserve_graph_capture_failures_total") == 1
+    assert value(s, "graphserve_graph_memory_bytes") == 22 << 20
+    assert value(s, "graphserve_graph_memory_budget_bytes") == 64 << 20
+    assert value(s, "graphserve_graph_capture_seconds", bucket="1") == pytest.approx(0.020)
+    assert value(s, "graphserve_graph_capture_seconds", bucket="4") is None  # never captured
+    assert value(s, "graphserve_graph_buckets", state="captured") == 1
+    # Each eager step once: not again for the bucket it would have padded to.
+    assert value(s, "graphserve_graph_eager_fallbacks_total", reason="budget") == 2
+    assert value(s, "graphserve_graph_eager_fallbacks_total", reason="failed") == 1
+    assert value(s, "graphserve_graph_eager_fallbacks_total", reason="above_max") == 5
+    current["snap"] = None  # no snapshot yet (model loading): the rest still scrapes
+    s = scrape(m)
+    assert value(s, "graphserve_graph_replays_total", bucket="1") is None
+    assert value(s, "graphserve_requests_waiting") == 0
+
+
+def test_a_failing_source_does_not_break_the_scrape() -> None:
+    m = Metrics()
+
+    def broken() -> CacheSnapshot:
+        raise RuntimeError("boom")
+
+    m.set_graph_source(broken)
+    s = scrape(m)
+    assert value(s, "graphserve_requests_running") == 0
+    assert value(s, "graphserve_graph_memory_bytes") is None
+
+
+def test_instances_have_their_own_registries() -> None:
+    a, b = Metrics(), Metrics()
+    a.rejected("queue_full")
+    assert value(scrape(a), "graphserve_requests_rejected_total", reason="queue_full") == 1
+    assert value(scrape(b), "graphserve_requests_rejected_total", reason="queue_full") is None
+
+
+def test_serve_on_a_free_port_exposes_metrics_and_close_stops_it() -> None:
+    m = Metrics()
+    m.set_graph_source(snapshot)
+    port = m.serve("127.0.0.1", 0)
+    try:
+        assert port > 0
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert "graphserve_requests_waiting 0.0" in body
+        assert 'graphserve_graph_replays_total{bucket="1"} 40.0' in body
+    finally:
+        m.close()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
