@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 # Stubs are generated, never edited. The virtual import path makes them importable as service.proto.*.
 protos: $(STUBS)
 
-$(PROTO_OUT)/%_pb2.py: $(PROTO_SRC)/%.proto $(VENV)/.installed
+$(PROTO_OUT)/%_pb2.py: $(PROTO_SRC)/%.proto | $(VENV)/.installed
 	$(PY) -m grpc_tools.protoc -I$(PROTO_OUT)=$(PROTO_SRC) --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_OUT)/$*.proto
 
 run: setup
