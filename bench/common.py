@@ -1,0 +1,183 @@
+"""Shared helpers of the benchmarks: result files with provenance, a fixed-width table, timing.
+
+Every benchmark writes `bench/results/<name>-<device-tag>-<UTC timestamp>.json` (plus its PNG
+beside it) recording the exact command line, the machine, the library versions and the git commit,
+so a number in a PR or issue can be traced back to how it was produced.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "bench" / "results"
+
+
+# ---- provenance ------------------------------------------------------------------------------
+
+
+def command_line() -> str:
+    return "python " + shlex.join(sys.argv)
+
+
+def git_commit() -> str:
+    """HEAD (+ "-dirty" if tracked files changed); without git, $GRAPHSERVE_COMMIT or "unknown"."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                                capture_output=True, text=True, timeout=10, check=True).stdout
+        return head + ("-dirty" if status.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("GRAPHSERVE_COMMIT") or "unknown"
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001 - a missing optional library is recorded as None
+        return None
+
+
+def _nvidia_smi(query: str) -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+        return out.strip().splitlines()[0].strip() or None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    cuda = torch.cuda.is_available()
+    return {
+        "hostname": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
+        "driver_version": _nvidia_smi("driver_version") if cuda else None,
+        "cuda_runtime": torch.version.cuda,
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "grpcio": _version("grpc"),
+    }
+
+
+def device_tag(device: torch.device | str | None = None) -> str:
+    """"cpu", or the GPU's name as a slug (e.g. "nvidia-h200")."""
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda":
+        return device.type
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+
+
+def write_result(name: str, payload: dict, device: torch.device | str | None = None,
+                 figure: Any | None = None, results_dir: Path | None = None) -> Path:
+    """Writes payload plus provenance as JSON (and `figure`, a matplotlib Figure, as a PNG beside
+    it); returns the JSON path. $GRAPHSERVE_BENCH_RESULTS overrides the directory (tests use it)."""
+    out_dir = Path(results_dir or os.environ.get("GRAPHSERVE_BENCH_RESULTS") or RESULTS_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    path = out_dir / f"{name}-{device_tag(device)}-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
+    record = {
+        "name": name,
+        "command": command_line(),
+        "timestamp": now.isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "machine": machine_info(),
+        **payload,
+    }
+    if figure is not None:
+        png = path.with_suffix(".png")
+        figure.savefig(png, dpi=120, bbox_inches="tight")
+        record["plot"] = png.name
+    path.write_text(json.dumps(record, indent=2, sort_keys=False, default=str) + "\n")
+    return path
+
+
+# ---- output ----------------------------------------------------------------------------------
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) >= 1000 or abs(value) < 0.01 and value != 0 else f"{value:.2f}"
+    return str(value)
+
+
+def print_table(rows: list[dict], columns: list[str], title: str | None = None) -> None:
+    """A fixed-width table of `columns` (missing values print as "-")."""
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    if title:
+        print(title)
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
+    sys.stdout.flush()
+
+
+# ---- timing ----------------------------------------------------------------------------------
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, iters: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of fn() over `iters` calls after `warmup` calls: CUDA events around each
+    call on a GPU (device time, queue drained between calls), time.perf_counter on a CPU."""
+    for _ in range(warmup):
+        fn()
+    samples: list[float] = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1000.0)
+    return statistics.median(samples)
+
+
+def wall_ms(fn: Callable[[], Any], device: torch.device) -> float:
+    """Wall milliseconds of one call, device work included."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) * 1000.0
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """q in [0, 100], linear interpolation; None for no values."""
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)

@@ -1,0 +1,396 @@
+"""Decode-step benchmark: our model eager vs CUDA-graphed, against the bandwidth floor and anchors.
+
+For each batch size: ms per decode step (eager through ModelDecodeStep.run, and the same step
+captured with cache_manager's CudaGraphBackend), tokens/s, memory-bandwidth utilisation
+((weights + KV read at the context) / step time / measured device copy rate) and the speed-up.
+Anchors (default on for CUDA): transformers generate() and the transformers StaticCache step,
+eager and hand-captured as a CUDA graph. `--buckets all` times every allowed capture size instead.
+
+    python bench/decode_bench.py --model builtin:llama-1b --device cuda --random-init
+    python bench/decode_bench.py --model builtin:tiny --device cpu --batches 1,4 --context 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import pathlib
+import sys
+import time
+import types
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from bench.common import print_table, time_ms, wall_ms, write_result
+from cache_manager import CudaGraphBackend, default_capture_sizes
+from service.engine.decode_step import ModelDecodeStep
+from service.model import KVCache, LlamaForCausalLM, ModelSpec, ensure_builtin
+from service.model.builtin import BUILTIN_PREFIX, BUILTIN_SHAPES, _hf_config
+from service.model.loader import default_cache_dir, load_model
+
+# DESIGN.md "Facts measured on an H200": gpt-fast, untied head, torch.compile; batch -> ms per step.
+GPT_FAST_MS = {1: 1.15, 8: 1.55, 64: 2.87}
+
+
+@dataclass
+class Setup:
+    model: LlamaForCausalLM
+    hf_config: dict  # config.json contents (for the transformers anchor)
+    path: pathlib.Path | None  # checkpoint directory; None with --random-init
+    device: torch.device
+    dtype: torch.dtype
+    load_s: float
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="builtin:llama-1b", help="builtin:<name> or a local HF directory")
+    p.add_argument("--cache-dir", type=pathlib.Path, default=None, help="where built-in models are generated")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--random-init", action="store_true",
+                   help="builtin only: random weights generated on the device, no files (fast on a fresh machine)")
+    p.add_argument("--context", type=int, default=512, help="positions already in every KV slot")
+    p.add_argument("--batches", default="1,8,32,64,128,256")
+    p.add_argument("--buckets", choices=["list", "all"], default="list",
+                   help="all: every default capture size 1..--max-bucket instead of --batches")
+    p.add_argument("--max-bucket", type=int, default=128)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--copy-mb", type=int, default=None, help="size of the copy-rate tensor (default 2048 cuda, 64 cpu)")
+    p.add_argument("--anchors", action=argparse.BooleanOptionalAction, default=None,
+                   help="transformers generate() and StaticCache anchors (default: on for cuda, off with --buckets all)")
+    p.add_argument("--anchor-batches", default="1,32", help="batches for the generate() anchor")
+    p.add_argument("--anchor-new-tokens", type=int, default=64)
+    p.add_argument("--anchor-prompt", type=int, default=128, help="prompt tokens of the generate() anchor")
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    args.device = torch.device(args.device)
+    args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32"))
+    if args.anchors is None:  # anchors are about the batch list; a bucket sweep leaves them out
+        args.anchors = args.device.type == "cuda" and args.buckets == "list"
+    if args.buckets == "all":
+        args.batch_list = list(default_capture_sizes(args.max_bucket))
+    else:
+        args.batch_list = sorted({int(b) for b in args.batches.split(",") if b.strip()})
+    args.anchor_batch_list = [int(b) for b in args.anchor_batches.split(",") if b.strip()]
+    return args
+
+
+# ---- model -----------------------------------------------------------------------------------
+
+
+def _random_init(name: str, device: torch.device, dtype: torch.dtype) -> tuple[LlamaForCausalLM, dict]:
+    """The built-in shape with random weights made on the device (same distributions as the files,
+    not the same values): seconds instead of generating and reading a 2.5 GB checkpoint."""
+    shape = BUILTIN_SHAPES[name]
+    num_regular = shape["vocab_size"] - shape["num_special"]
+    config = _hf_config({**shape, "dtype": str(dtype).removeprefix("torch.")}, num_regular, num_regular + 1)
+    spec = ModelSpec.from_hf_config(types.SimpleNamespace(**config))
+    model = LlamaForCausalLM(spec, device, dtype)
+    gen = torch.Generator(device).manual_seed(1234)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, shape["layer_std"] if pname.startswith("model.layers.") else 0.02, generator=gen)
+    return model.eval(), config
+
+
+def load(args: argparse.Namespace) -> Setup:
+    t0 = time.perf_counter()
+    if args.random_init:
+        if not args.model.startswith(BUILTIN_PREFIX):
+            raise SystemExit("--random-init needs a builtin:<name> model")
+        model, config = _random_init(args.model[len(BUILTIN_PREFIX):], args.device, args.dtype)
+        path = None
+    else:
+        loaded = load_model(args.model, args.device, args.dtype, args.cache_dir or default_cache_dir())
+        model, path = loaded.model, loaded.path
+        import json
+
+        config = json.loads((path / "config.json").read_text())
+    return Setup(model, config, path, args.device, args.dtype, time.perf_counter() - t0)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def kv_bytes_read(spec: ModelSpec, batch: int, context: int, dtype: torch.dtype) -> int:
+    """K and V of positions [0, context] (context old ones plus the new one) for every row."""
+    return batch * KVCache.bytes_per_slot(spec, context + 1, dtype)
+
+
+def copy_rate(device: torch.device, megabytes: int) -> float:
+    """Bytes per second of a device-to-device copy, counting read + write."""
+    n = megabytes * 2**20
+    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, iters=10, warmup=2)
+    return 2 * n / (ms / 1000.0)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- our model -------------------------------------------------------------------------------
+
+
+def make_step(s: Setup, max_batch: int, context: int) -> ModelDecodeStep:
+    """KV slots filled with random values to `context` positions; every row decodes at `context`."""
+    kv = KVCache(s.model.spec, max_batch, context + 64, s.device, s.dtype)
+    for t in (*kv.k, *kv.v):
+        t[:, :, :context].normal_()
+    return ModelDecodeStep(s.model, kv, max_batch, s.device)
+
+
+def bench_ours(s: Setup, step: ModelDecodeStep, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    vocab = s.model.spec.vocab_size
+    step.write_rows(torch.randint(0, vocab, (batch,)).tolist(), [args.context] * batch, list(range(batch)))
+    step.set_padding_rows(batch, step.max_batch)
+    row: dict[str, Any] = {"batch": batch}
+    row["eager_ms"] = time_ms(lambda: step.run(batch), s.device, args.iters, args.warmup)
+    if s.device.type != "cuda":
+        return row
+    backend = CudaGraphBackend(s.device)
+    try:
+        graph = backend.capture(step, batch)
+    except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+        row["graph_error"] = f"{type(exc).__name__}: {exc}"
+        CudaGraphBackend.cleanup_after_failure()
+        return row
+    row["graph_ms"] = time_ms(graph.replay, s.device, args.iters, args.warmup)
+    row["capture_ms"] = graph.capture_ms
+    row["graph_bytes"] = graph.nbytes
+    row["graph_mib"] = graph.nbytes / 2**20
+    row["released_bytes"] = backend.release(graph)
+    return row
+
+
+def add_derived(row: dict[str, Any], s: Setup, context: int, rate: float | None) -> None:
+    best = row.get("graph_ms") or row["eager_ms"]
+    row["tokens_per_s"] = row["batch"] / (best / 1000.0)
+    if row.get("graph_ms"):
+        row["speedup"] = row["eager_ms"] / row["graph_ms"]
+    if rate:
+        moved = weight_bytes(s.model) + kv_bytes_read(s.model.spec, row["batch"], context, s.dtype)
+        row["bw_util"] = moved / (best / 1000.0) / rate
+
+
+# ---- transformers anchors --------------------------------------------------------------------
+
+
+def hf_model(s: Setup) -> Any:
+    """transformers' LlamaForCausalLM with our weights: from the checkpoint directory when there is
+    one, else built from the same config with our tensors copied in."""
+    import transformers
+
+    if s.path is not None:
+        return transformers.LlamaForCausalLM.from_pretrained(str(s.path), dtype=s.dtype).to(s.device).eval()
+    config = transformers.LlamaConfig(**{k: v for k, v in s.hf_config.items() if k != "torch_dtype"})
+    with torch.device(s.device):
+        model = transformers.LlamaForCausalLM._from_config(config, dtype=s.dtype)
+    missing, unexpected = model.load_state_dict(s.model.state_dict(), strict=False)
+    assert not unexpected and all(m == "lm_head.weight" for m in missing), (missing, unexpected)
+    return model.eval()
+
+
+def anchor_generate(hf: Any, s: Setup, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    """ms per generated token = (generate(N new) - generate(1 new)) / (N - 1): prefill excluded."""
+    ids = torch.randint(0, s.model.spec.vocab_size - 300, (batch, args.anchor_prompt), device=s.device)
+    n = args.anchor_new_tokens
+
+    def gen(k: int) -> None:
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k, min_new_tokens=k,
+                    do_sample=False, pad_token_id=0)
+
+    with torch.inference_mode():
+        gen(2)  # warm-up
+        prefill_ms = wall_ms(lambda: gen(1), s.device)
+        total_ms = wall_ms(lambda: gen(n), s.device)
+    return {"batch": batch, "new_tokens": n, "prompt_tokens": args.anchor_prompt, "total_ms": total_ms,
+            "prefill_ms": prefill_ms, "ms_per_token": (total_ms - prefill_ms) / (n - 1),
+            "ms_per_token_incl_prefill": total_ms / n}
+
+
+def anchor_static_step(hf: Any, s: Setup, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One decode step of transformers + StaticCache at position `context`, eager and hand-captured."""
+    from transformers import StaticCache
+
+    row: dict[str, Any] = {"batch": batch}
+    cache = StaticCache(config=hf.config, max_cache_len=args.context + 64)
+    ids = torch.randint(0, s.model.spec.vocab_size, (batch, 1), device=s.device)
+    pos = torch.full((1,), args.context, dtype=torch.long, device=s.device)
+
+    def step() -> torch.Tensor:
+        return hf(input_ids=ids, cache_position=pos, position_ids=pos.expand(batch, 1),
+                  past_key_values=cache, use_cache=True).logits
+
+    with torch.inference_mode():
+        row["eager_ms"] = time_ms(step, s.device, max(5, args.iters // 3), 2)
+        if s.device.type != "cuda":
+            row["graph_error"] = "skipped: needs cuda"
+            return row
+        side = torch.cuda.Stream(s.device)
+        side.wait_stream(torch.cuda.current_stream(s.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream(s.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        t0 = time.perf_counter()
+        with torch.cuda.graph(graph):
+            step()
+        sync(s.device)
+        row["capture_ms"] = (time.perf_counter() - t0) * 1000.0
+        row["graph_ms"] = time_ms(graph.replay, s.device, args.iters, args.warmup)
+        row["speedup"] = row["eager_ms"] / row["graph_ms"]
+    del graph
+    return row
+
+
+def run_anchors(s: Setup, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"generate": [], "static_cache": [], "errors": []}
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        hf = hf_model(s)
+    except Exception as exc:  # noqa: BLE001 - anchors are optional context; record and go on
+        out["errors"].append(f"loading transformers model: {type(exc).__name__}: {exc}")
+        return out
+    out["generate_ms_per_token"] = "(generate(N new) - generate(1 new)) / (N - 1): decode only, prefill excluded"
+    for b in args.anchor_batch_list:
+        try:
+            out["generate"].append(anchor_generate(hf, s, b, args))
+        except Exception as exc:  # noqa: BLE001
+            out["errors"].append(f"generate batch {b}: {type(exc).__name__}: {exc}")
+    for b in args.batch_list:
+        try:
+            out["static_cache"].append(anchor_static_step(hf, s, b, args))
+        except Exception as exc:  # noqa: BLE001 - the StaticCache API moves between releases
+            out["errors"].append(f"static cache batch {b}: {type(exc).__name__}: {exc}")
+            out["static_cache"].append({"batch": b, "graph_error": f"{type(exc).__name__}: {exc}"})
+        gc.collect()
+        if s.device.type == "cuda":
+            torch.cuda.empty_cache()
+    del hf
+    gc.collect()
+    return out
+
+
+# ---- output ----------------------------------------------------------------------------------
+
+
+def plot(rows: list[dict], anchors: dict | None, floor_ms: float | None, title: str, gpt_fast: bool) -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+
+    def line(points: list[tuple[int, float]], label: str, **kw: Any) -> None:
+        if points:
+            ax.plot(*zip(*points), label=label, **kw)
+
+    line([(r["batch"], r["eager_ms"]) for r in rows], "ours, eager", marker="o")
+    line([(r["batch"], r["graph_ms"]) for r in rows if r.get("graph_ms")], "ours, CUDA graph", marker="o")
+    if anchors:
+        sc = anchors.get("static_cache", [])
+        line([(r["batch"], r["graph_ms"]) for r in sc if r.get("graph_ms")], "transformers StaticCache, CUDA graph",
+             marker="s", linestyle="--")
+        line([(r["batch"], r["eager_ms"]) for r in sc if r.get("eager_ms")], "transformers StaticCache, eager",
+             marker="s", linestyle=":")
+    if gpt_fast:  # measured for the Llama-3.2-1B shape only
+        ax.scatter(list(GPT_FAST_MS), list(GPT_FAST_MS.values()), marker="*", s=120, color="black", zorder=5,
+                   label="gpt-fast (DESIGN.md, not re-run)")
+    if floor_ms:
+        ax.axhline(floor_ms, color="gray", linestyle="-.", label=f"bandwidth floor {floor_ms:.3f} ms")
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def print_tables(rows: list[dict], anchors: dict | None, summary: dict) -> None:
+    if anchors:
+        if anchors["generate"]:
+            print_table(anchors["generate"], ["batch", "prompt_tokens", "new_tokens", "total_ms", "prefill_ms",
+                                              "ms_per_token"], title="\ntransformers generate() (eager)")
+        if anchors["static_cache"]:
+            print_table(anchors["static_cache"], ["batch", "eager_ms", "graph_ms", "capture_ms", "speedup"],
+                        title="\ntransformers + StaticCache, one decode step")
+        for e in anchors["errors"]:
+            print("anchor error:", e)
+    print(f"\n{summary['model']} {summary['dtype']} on {summary['device_name']}, context {summary['context']}: "
+          f"weights {summary['weight_bytes'] / 1e9:.3f} GB, copy rate {summary['copy_rate_gbps']:.0f} GB/s, "
+          f"floor {summary['floor_ms']:.3f} ms")
+    print_table(rows, ["batch", "eager_ms", "graph_ms", "speedup", "capture_ms", "graph_mib", "tokens_per_s",
+                       "bw_util"], title="ours: ms per decode step")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    checkpoint_s = None
+    if args.model.startswith(BUILTIN_PREFIX) and not args.random_init:
+        t0 = time.perf_counter()  # generation (first run on a machine) is timed apart from loading
+        ensure_builtin(args.model[len(BUILTIN_PREFIX):], args.cache_dir or default_cache_dir())
+        checkpoint_s = time.perf_counter() - t0
+        print(f"checkpoint ready in {checkpoint_s:.1f} s", flush=True)
+    rate = copy_rate(args.device, args.copy_mb or (2048 if args.device.type == "cuda" else 64))
+    s = load(args)
+    wbytes = weight_bytes(s.model)
+    device_name = torch.cuda.get_device_name(s.device) if s.device.type == "cuda" else "cpu"
+    print(f"model ready in {s.load_s:.1f} s; copy rate {rate / 1e9:.0f} GB/s", flush=True)
+
+    step = make_step(s, max(args.batch_list), args.context)
+    rows = []
+    for b in args.batch_list:
+        row = bench_ours(s, step, b, args)
+        add_derived(row, s, args.context, rate)
+        rows.append(row)
+    del step
+    gc.collect()
+    if s.device.type == "cuda":
+        torch.cuda.empty_cache()
+    anchors = run_anchors(s, args) if args.anchors else None
+
+    summary = {
+        "model": args.model, "random_init": args.random_init, "dtype": str(s.dtype).removeprefix("torch."),
+        "device_name": device_name, "context": args.context, "max_seq_len": args.context + 64,
+        "buckets": args.buckets, "weight_bytes": wbytes, "copy_rate_gbps": rate / 1e9,
+        "copy_rate_note": "device-to-device copy, read + write bytes", "floor_ms": wbytes / rate * 1000.0,
+        "checkpoint_s": checkpoint_s, "load_s": s.load_s, "iters": args.iters, "timing": "median of CUDA events per call" if
+        s.device.type == "cuda" else "median of perf_counter per call",
+        "kv_note": "bw_util counts KV of positions [0, context]; decode_attention gathers whole slots "
+                   "(max_seq_len positions), so it actually reads more",
+    }
+    fig = None if args.no_plot else plot(rows, anchors, summary["floor_ms"],
+                                         f"{args.model} {summary['dtype']} decode, context {args.context}, {device_name}",
+                                         gpt_fast=args.model == "builtin:llama-1b")
+    path = write_result("decode" if args.buckets == "list" else "decode-buckets",
+                        {"summary": summary, "rows": rows, "anchors": anchors,
+                         "gpt_fast_reference_ms": GPT_FAST_MS}, device=s.device, figure=fig)
+    print_tables(rows, anchors, summary)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,334 @@
+"""Serving benchmark: a grpc.aio load generator, and the same workload on the engine without gRPC.
+
+Fixed prompt length (random token ids) and output length (ignore_eos, greedy). Closed loop with
+--concurrency streams by default; --rate R gives Poisson arrivals at R requests/s (still at most
+--concurrency in flight). Reports TTFT and inter-token latency (p50/p99, client receive times),
+request and token throughput, and serving overhead = gRPC token throughput / engine-alone token
+throughput. By default it starts a server in-process (tests/support/server.py); --target uses a
+running one (and then skips nothing: the engine-alone run still loads the model here).
+
+    python bench/serve_bench.py --device cpu --concurrency 8 --requests 32 --output-tokens 32
+    python bench/serve_bench.py --model builtin:llama-1b --device cuda --dtype bfloat16 \
+        --concurrency 64 --requests 256 --output-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import pathlib
+import random
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from bench.common import percentile, print_table, write_result
+
+
+@dataclass
+class Trace:
+    """Client-side times (time.perf_counter) of one request."""
+
+    sent: float
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (receive time, tokens in chunk)
+    done: float | None = None
+    error: str | None = None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="builtin:tiny")
+    p.add_argument("--cache-dir", type=pathlib.Path, default=None, help="where built-in models are generated")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--max-running-seqs", type=int, default=None, help="default: --concurrency")
+    p.add_argument("--target", default=None, help="HOST:PORT of a running server (default: start one here)")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--rate", type=float, default=None, help="requests/s, Poisson arrivals (default: closed loop)")
+    p.add_argument("--stream-interval", type=int, default=1)
+    p.add_argument("--warmup-requests", type=int, default=None,
+                   help="short untimed requests first, to capture graphs (default: --concurrency)")
+    p.add_argument("--skip-engine", action="store_true", help="skip the engine-alone run")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.max_running_seqs = args.max_running_seqs or args.concurrency
+    args.warmup_requests = args.concurrency if args.warmup_requests is None else args.warmup_requests
+    args.max_seq_len = args.prompt_tokens + args.output_tokens + 8
+    return args
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab - 300) for _ in range(length)] for _ in range(n)]
+
+
+def arrival_offsets(n: int, rate: float | None, seed: int) -> list[float]:
+    """Seconds after the start at which request i may be sent (all 0 in closed loop)."""
+    if rate is None:
+        return [0.0] * n
+    rng, t, out = random.Random(seed + 1), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+# ---- summary ---------------------------------------------------------------------------------
+
+
+def summarize(label: str, traces: list[Trace], wall_s: float, output_tokens: int) -> dict[str, Any]:
+    """TTFT per request; ITL = gaps between consecutive chunk arrivals, one sample per chunk (a chunk
+    carrying k > 1 tokens is one gap: "coalesced" counts those chunks)."""
+    ok = [t for t in traces if t.error is None and t.chunks]
+    ttft = [(t.chunks[0][0] - t.sent) * 1000.0 for t in ok]
+    itl = [(b[0] - a[0]) * 1000.0 for t in ok for a, b in zip(t.chunks, t.chunks[1:])]
+    chunks = [k for t in ok for _, k in t.chunks]
+    tokens = sum(chunks)
+    return {
+        "path": label,
+        "requests": len(traces),
+        "ok": len(ok),
+        "errors": len(traces) - len(ok),
+        "first_error": next((t.error for t in traces if t.error), None),
+        "wall_s": wall_s,
+        "req_per_s": len(ok) / wall_s,
+        "tok_per_s": tokens / wall_s,
+        "tokens": tokens,
+        "short_requests": sum(1 for t in ok if sum(k for _, k in t.chunks) != output_tokens),
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p99_ms": percentile(ttft, 99),
+        "itl_p50_ms": percentile(itl, 50),
+        "itl_p99_ms": percentile(itl, 99),
+        "chunks": len(chunks),
+        "coalesced_chunks": sum(1 for k in chunks if k > 1),
+        "tokens_per_chunk": tokens / max(len(chunks), 1),
+    }
+
+
+# ---- gRPC path -------------------------------------------------------------------------------
+
+
+async def _one_grpc(stub: Any, pb: Any, prompt: list[int], args: argparse.Namespace, trace: Trace) -> None:
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingParams(temperature=0.0),
+        stopping=pb.StoppingCriteria(max_tokens=args.output_tokens, ignore_eos=True),
+        stream_interval=args.stream_interval,
+    )
+    try:
+        async for response in stub.Generate(request, timeout=600):
+            if response.WhichOneof("kind") == "chunk" and response.chunk.token_ids:
+                trace.chunks.append((time.perf_counter(), len(response.chunk.token_ids)))
+    except Exception as exc:  # noqa: BLE001 - recorded per request
+        trace.error = f"{type(exc).__name__}: {exc}"
+    trace.done = time.perf_counter()
+
+
+async def _drive_grpc(address: str, prompts: list[list[int]], offsets: list[float],
+                      args: argparse.Namespace) -> tuple[list[Trace], float]:
+    import grpc
+
+    from service.proto import inference_pb2 as pb
+    from service.proto import inference_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        gate = asyncio.Semaphore(args.concurrency)
+        traces: list[Trace] = []
+        start = time.perf_counter()
+
+        async def one(prompt: list[int], offset: float) -> None:
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            async with gate:
+                trace = Trace(sent=time.perf_counter())
+                traces.append(trace)
+                await _one_grpc(stub, pb, prompt, args, trace)
+
+        await asyncio.gather(*(one(p, o) for p, o in zip(prompts, offsets)))
+        return traces, time.perf_counter() - start
+
+
+def run_grpc(address: str, prompts: list[list[int]], offsets: list[float],
+             args: argparse.Namespace) -> tuple[list[Trace], float]:
+    return asyncio.run(_drive_grpc(address, prompts, offsets, args))
+
+
+def start_server(args: argparse.Namespace) -> Any:
+    from tests.support.server import ServerThread
+
+    argv = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
+            "--max-running-seqs", str(args.max_running_seqs), "--max-seq-len", str(args.max_seq_len),
+            "--log-level", "warning"]
+    if args.cache_dir is not None:
+        argv += ["--model-cache-dir", str(args.cache_dir)]
+    return ServerThread(argv).start()
+
+
+# ---- engine-alone path -----------------------------------------------------------------------
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    from cache_manager import CudaGraphMode, GraphCacheConfig
+    from service.engine.engine import Engine
+    from service.engine.runner import ModelRunner
+    from service.engine.scheduler import Scheduler
+    from service.model.loader import load_model
+
+    device = torch.device(args.device)
+    loaded = load_model(args.model, device, getattr(torch, args.dtype), args.cache_dir)
+    mode = CudaGraphMode.FULL if device.type == "cuda" else CudaGraphMode.NONE
+    graph_config = GraphCacheConfig(mode=mode, capture_sizes=None, max_batch=args.max_running_seqs)
+    runner = ModelRunner(loaded, args.max_running_seqs, args.max_seq_len, graph_config)
+    engine = Engine(runner, Scheduler(args.max_running_seqs, 4096), loaded.tokenizer,
+                    frozenset(loaded.spec.eos_token_ids))  # default publish: sinks run on the engine thread
+    engine.start()
+    return engine
+
+
+def run_engine(engine: Any, prompts: list[list[int]], offsets: list[float],
+               args: argparse.Namespace, tag: str) -> tuple[list[Trace], float]:
+    """Submits from this thread; sinks record perf_counter times on the engine thread."""
+    from service.engine.request import (
+        EngineError,
+        Finish,
+        GenerationRequest,
+        SamplingParams,
+        StoppingParams,
+        TokenDelta,
+    )
+
+    gate = threading.Semaphore(args.concurrency)
+    finished = threading.Semaphore(0)
+    traces: list[Trace] = []
+
+    def sink_for(trace: Trace):
+        def sink(event: Any) -> None:
+            now = time.perf_counter()
+            if isinstance(event, TokenDelta) and event.token_ids:
+                trace.chunks.append((now, len(event.token_ids)))
+            elif isinstance(event, (Finish, EngineError)):
+                if isinstance(event, Finish) and event.final_delta is not None and event.final_delta.token_ids:
+                    trace.chunks.append((now, len(event.final_delta.token_ids)))
+                if isinstance(event, EngineError):
+                    trace.error = event.message
+                trace.done = now
+                gate.release()
+                finished.release()
+        return sink
+
+    start = time.perf_counter()
+    for i, (prompt, offset) in enumerate(zip(prompts, offsets)):
+        time.sleep(max(0.0, start + offset - time.perf_counter()))
+        gate.acquire()
+        trace = Trace(sent=time.perf_counter())
+        traces.append(trace)
+        engine.submit(GenerationRequest(
+            request_id=f"{tag}-{i}", prompt_token_ids=prompt, sampling=SamplingParams(temperature=0.0),
+            stopping=StoppingParams(max_tokens=args.output_tokens, ignore_eos=True),
+            stream_interval=args.stream_interval, arrival_time=time.monotonic()), sink_for(trace))
+    for _ in prompts:
+        if not finished.acquire(timeout=600):
+            raise RuntimeError("engine-alone run timed out")
+    return traces, time.perf_counter() - start
+
+
+# ---- main ------------------------------------------------------------------------------------
+
+
+def vocab_size(args: argparse.Namespace) -> int:
+    from service.model.builtin import BUILTIN_PREFIX, BUILTIN_SHAPES
+
+    if args.model.startswith(BUILTIN_PREFIX):
+        return BUILTIN_SHAPES[args.model[len(BUILTIN_PREFIX):]]["vocab_size"]
+    import json
+
+    return int(json.loads((pathlib.Path(args.model).expanduser() / "config.json").read_text())["vocab_size"])
+
+
+def workload(args: argparse.Namespace, n: int, output_tokens: int, seed: int) -> tuple[list, list]:
+    prompts = make_prompts(n, args.prompt_tokens, vocab_size(args), seed)
+    return prompts, arrival_offsets(n, args.rate, seed)
+
+
+def bench_grpc(args: argparse.Namespace) -> dict[str, Any]:
+    server = None if args.target else start_server(args)
+    address = args.target or server.address
+    try:
+        if args.warmup_requests:
+            warm = argparse.Namespace(**{**vars(args), "output_tokens": 8, "rate": None})
+            run_grpc(address, *workload(warm, args.warmup_requests, 8, args.seed + 100), warm)
+        traces, wall = run_grpc(address, *workload(args, args.requests, args.output_tokens, args.seed), args)
+    finally:
+        if server is not None:
+            server.stop()
+    return summarize("grpc" if args.target is None else f"grpc {args.target}", traces, wall, args.output_tokens)
+
+
+def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
+    engine = build_engine(args)
+    try:
+        if args.warmup_requests:
+            warm = argparse.Namespace(**{**vars(args), "output_tokens": 8, "rate": None})
+            run_engine(engine, *workload(warm, args.warmup_requests, 8, args.seed + 100), warm, "warm")
+        traces, wall = run_engine(engine, *workload(args, args.requests, args.output_tokens, args.seed), args, "run")
+    finally:
+        engine.stop()
+    return summarize("engine", traces, wall, args.output_tokens)
+
+
+def free_device(args: argparse.Namespace) -> None:
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import logging
+
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    rows = [bench_grpc(args)]
+    free_device(args)
+    if not args.skip_engine:
+        rows.append(bench_engine(args))
+        free_device(args)
+    overhead = rows[0]["tok_per_s"] / rows[1]["tok_per_s"] if len(rows) == 2 and rows[1]["tok_per_s"] else None
+    workload_info = {k: getattr(args, k) for k in ("model", "device", "dtype", "concurrency", "requests",
+                                                   "prompt_tokens", "output_tokens", "rate", "stream_interval",
+                                                   "max_running_seqs", "max_seq_len", "warmup_requests", "target")}
+    path = write_result("serve", {
+        "workload": workload_info,
+        "results": rows,
+        "grpc_over_engine_token_throughput": overhead,
+        "notes": "client-side receive times (engine path: sink times on the engine thread); ITL is one "
+                 "sample per chunk, coalesced_chunks counts chunks carrying more than one token",
+    }, device=args.device)
+    print_table(rows, ["path", "ok", "errors", "wall_s", "req_per_s", "tok_per_s", "ttft_p50_ms", "ttft_p99_ms",
+                       "itl_p50_ms", "itl_p99_ms", "coalesced_chunks", "tokens_per_chunk"],
+                title=f"\n{args.model} {args.dtype} on {args.device}: {args.requests} requests, concurrency "
+                      f"{args.concurrency}, {args.prompt_tokens} prompt + {args.output_tokens} output tokens"
+                      f"{'' if args.rate is None else f', Poisson {args.rate}/s'}")
+    if overhead is not None:
+        print(f"serving overhead: gRPC / engine-alone token throughput = {overhead:.3f}")
+    if rows[0]["errors"]:
+        print("first gRPC error:", rows[0]["first_error"])
+    print(f"wrote {path}")
+    return 0 if all(r["errors"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

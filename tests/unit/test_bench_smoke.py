@@ -1,0 +1,49 @@
+"""Both benchmarks run end to end on a CPU at tiny sizes and write the JSON the README promises."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+PROVENANCE = {"name", "command", "timestamp", "git_commit", "machine"}
+
+
+def _run(script: str, args: list[str], results: pathlib.Path) -> dict:
+    env = {**os.environ, "GRAPHSERVE_BENCH_RESULTS": str(results), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, f"bench/{script}", *args], check=False, cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    (path,) = results.glob("*.json")
+    record = json.loads(path.read_text())
+    assert PROVENANCE <= record.keys()
+    assert record["command"].startswith(f"python bench/{script}")
+    return record
+
+
+def test_decode_bench(tmp_path: pathlib.Path) -> None:
+    record = _run("decode_bench.py", [
+        "--model", "builtin:tiny", "--device", "cpu", "--random-init", "--batches", "1,2", "--context", "16",
+        "--iters", "2", "--warmup", "1", "--copy-mb", "8", "--anchors", "--anchor-batches", "1",
+        "--anchor-new-tokens", "3", "--anchor-prompt", "8"], tmp_path)
+    assert {"floor_ms", "copy_rate_gbps", "weight_bytes", "context"} <= record["summary"].keys()
+    assert [r["batch"] for r in record["rows"]] == [1, 2]
+    assert all({"eager_ms", "tokens_per_s", "bw_util"} <= r.keys() for r in record["rows"])
+    anchors = record["anchors"]
+    assert not anchors["errors"], anchors["errors"]
+    assert anchors["generate"][0]["ms_per_token"] > 0 and anchors["static_cache"][0]["eager_ms"] > 0
+    assert (tmp_path / record["plot"]).is_file()
+
+
+def test_serve_bench(tmp_path: pathlib.Path) -> None:
+    record = _run("serve_bench.py", [
+        "--device", "cpu", "--cache-dir", str(tmp_path / "models"), "--concurrency", "4", "--requests", "8",
+        "--prompt-tokens", "16", "--output-tokens", "8", "--warmup-requests", "0"], tmp_path)
+    grpc_row, engine_row = record["results"]
+    for row in (grpc_row, engine_row):
+        assert row["ok"] == 8 and row["tokens"] == 64 and row["short_requests"] == 0
+        assert {"ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "req_per_s", "tok_per_s"} <= row.keys()
+    assert record["grpc_over_engine_token_throughput"] > 0
