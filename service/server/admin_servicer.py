@@ -100,7 +100,7 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
                 raise ValueError(f"budget_bytes {budget} exceeds the device's {total} bytes of memory")
             return self.graphs.set_budget(int(budget))
 
-        return await self._operate(context, "set_budget", set_budget, budget_bytes=budget)
+        return await self._operate(context, "set_budget", set_budget, requested_budget=budget)
 
     async def ResetStats(self, request: admin_pb2.ResetStatsRequest,
                          context: grpc.aio.ServicerContext) -> admin_pb2.ResetStatsResponse:
@@ -144,13 +144,14 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
             return await asyncio.wrap_future(self.engine.call(fn))
         except GraphsUnavailableError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"{op}: CUDA graphs are unavailable on this server ({exc.reason})")
+                                f"{op}: CUDA graphs are unavailable on this server ({exc.reason}, "
+                                f"device {self.graphs.device})")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{op}: {exc}")
-        except Exception as exc:  # noqa: BLE001 - any other failure is reported, the server keeps serving
+        except Exception as exc:
             if not self.engine.alive:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"{op}: the engine is not running ({exc})")
-            log.error("admin_operation_failed", op=op, exc_info=True)
+            log.exception("admin_operation_failed", op=op)
             await context.abort(grpc.StatusCode.INTERNAL, f"{op} failed: {type(exc).__name__}: {exc}")
 
 

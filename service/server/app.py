@@ -28,6 +28,7 @@ from service.engine.scheduler import Scheduler
 from service.model.loader import LoadedModel, load_model
 from service.proto import inference_pb2, inference_pb2_grpc
 from service.telemetry.metrics import Metrics
+from service.server.admin_server import start_admin_server
 from service.server.faults import Faults, wrap_decode
 from service.server.inference_servicer import AdmissionLimits, InferenceServicer, LoopPublisher
 from service.server.transport import add_port
@@ -68,6 +69,8 @@ class App:
         )
         self._graph_snapshot = None  # refreshed by the engine thread, read by /metrics scrapes
         self.engine: Engine | None = None
+        self.admin_server: grpc.aio.Server | None = None
+        self.admin_port: int | None = None
         self.runner: ModelRunner | None = None
         self.loaded: LoadedModel | None = None
         self.port: int | None = None
@@ -149,6 +152,7 @@ class App:
         self.engine.start()
         await self._first_step()
         self.engine.observer = self.metrics  # after the warm-up step, which is no client's request
+        self.admin_server, self.admin_port = await start_admin_server(c, self.engine, graphs)
         limits = Limits.from_config(
             ServeConfig(**{**c.__dict__, "max_seq_len": max_seq_len}), vocab_size=spec.vocab_size
         )
@@ -252,6 +256,8 @@ class App:
                     await asyncio.wait_for(self.servicer.streams_idle.wait(), 5.0)
                 except TimeoutError:
                     pass
+        if self.admin_server is not None:
+            await self.admin_server.stop(grace=1.0)
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
         if self.runner is not None:

@@ -1,0 +1,300 @@
+"""The admin port and graphctl against a real server on loopback (CPU: graphs are off, mode none)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import structlog
+import torch
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from cache_manager import Fingerprint, GraphCache, GraphCacheConfig
+from cache_manager.testing import CountingStep, FakeGraphBackend
+from service import graphctl
+from service.config import ServeConfig
+from service.engine.engine import Engine
+from service.engine.scheduler import Scheduler
+from service.proto import admin_pb2, admin_pb2_grpc
+from service.server.admin_server import start_admin_server
+from tests.support.server import ServerThread, free_port, generate, greedy, running_server
+
+TOKEN = "s3cret-admin-token-for-tests"
+SIZES = [1, 2, 4, 8, 16]
+
+
+class Admin:
+    """The admin side of a running server: its address, a raw stub and graphctl in-process."""
+
+    def __init__(self, server: ServerThread, port: int, token_file: str, logs: list[dict]) -> None:
+        self.server = server
+        self.logs = logs  # the server's log events while this module runs
+        self.target = f"127.0.0.1:{port}"
+        self.token_file = token_file
+        self.stub = admin_pb2_grpc.GraphCacheAdminStub(grpc.insecure_channel(self.target))
+
+    def auth(self, token: str = TOKEN) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {token}"),)
+
+    def ctl(self, capsys: pytest.CaptureFixture, *argv: str, token_file: str | None = None) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = graphctl.main(["--target", self.target, "--token-file", token_file or self.token_file, *argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    def ctl_json(self, capsys: pytest.CaptureFixture, *argv: str) -> dict:
+        code, out, err = self.ctl(capsys, "--json", *argv)
+        assert code == 0, err
+        return json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def admin(model_cache_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Admin]:
+    tmp = tmp_path_factory.mktemp("admin")
+    token_file = tmp / "token"
+    token_file.write_text(TOKEN + "\n")
+    argv = ["--model-cache-dir", str(model_cache_dir), "--max-running-seqs", "16", "--max-seq-len", "256",
+            "--stats-file", str(tmp / "stats.json")]
+    # Capturing the server's logs keeps them out of graphctl's stdout (same process) and lets a test
+    # check that the token never reaches them.
+    with structlog.testing.capture_logs() as logs, \
+            running_server(argv, environ={"GRAPHSERVE_ADMIN_TOKEN": TOKEN}) as server:
+        port = getattr(server.app, "admin_port", None)
+        own = None
+        if port is None:  # until app.py starts the admin server itself
+            app = server.app
+            own, port = server._run(start_admin_server(server.config, app.engine, app.runner.graphs))
+        try:
+            yield Admin(server, port, str(token_file), logs)
+        finally:
+            if own is not None:
+                server._run(own.stop(1.0))
+
+
+def one_line_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("graphctl: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def requested(stats: dict, view: str = "since_start") -> dict[int, int]:
+    return {int(c["size"]): int(c["count"]) for c in stats[view]["requested_sizes"]}
+
+
+def test_state_json_shows_mode_none_on_cpu(admin: Admin, capsys) -> None:
+    state = admin.ctl_json(capsys, "state")
+    assert state["mode"] == "none"
+    assert state["device"] == "cpu"
+    assert state["capture_sizes"] == SIZES
+    assert [b["size"] for b in state["buckets"]] == SIZES
+    assert {b["state"] for b in state["buckets"]} == {"BUCKET_STATE_NOT_CAPTURED"}
+    assert state["used_bytes"] == "0"
+
+
+def test_requested_size_histogram_grows_with_generate_calls(admin: Admin, capsys) -> None:
+    before = requested(admin.ctl_json(capsys, "stats"))
+    for prompt in ("Once upon a time", "hello", "graphs"):
+        generate(admin.server.stub(), **greedy(prompt, 6))
+    stats = admin.ctl_json(capsys, "stats")
+    after = requested(stats)
+    assert after.get(1, 0) >= before.get(1, 0) + 3 * 5  # 6 tokens: one prefill, then 5 decode steps of 1 row
+    assert requested(stats, "persisted").get(1, 0) >= after[1]
+    eager = {r["reason"]: int(r["count"]) for r in stats["since_start"]["eager_fallbacks"]}
+    assert eager["mode_none"] >= 15
+    assert stats["stats_file"].endswith("stats.json")
+
+
+def test_table_names_every_bucket(admin: Admin, capsys) -> None:
+    code, out, err = admin.ctl(capsys, "state")
+    assert code == 0, err
+    assert out.startswith("graph cache: mode none on cpu")
+    rows = [line.split() for line in out.splitlines()[2:]]
+    assert [int(r[0]) for r in rows] == SIZES
+    assert all(r[1] == "not_captured" for r in rows)
+    code, out, err = admin.ctl(capsys, "stats")
+    assert code == 0, err
+    assert "requested batch sizes" in out and "mode_none" in out
+
+
+def test_missing_or_wrong_token_is_unauthenticated(admin: Admin, capsys, tmp_path, monkeypatch) -> None:
+    for metadata in ((), admin.auth("wrong-token"), (("authorization", TOKEN),), admin.auth(TOKEN + "x")):
+        with pytest.raises(grpc.RpcError) as info:
+            admin.stub.GetCacheState(admin_pb2.GetCacheStateRequest(), metadata=metadata, timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert TOKEN not in info.value.details() and "wrong-token" not in info.value.details()
+    wrong = tmp_path / "wrong"
+    wrong.write_text("wrong-token")
+    code, out, err = admin.ctl(capsys, "state", token_file=str(wrong))
+    assert code == graphctl.EXIT_UNAUTHENTICATED and out == ""
+    assert "rejected the admin token" in one_line_error(err)
+    monkeypatch.delenv("GRAPHSERVE_ADMIN_TOKEN", raising=False)
+    capsys.readouterr()
+    code = graphctl.main(["--target", admin.target, "state"])
+    assert code == graphctl.EXIT_UNAUTHENTICATED
+    assert "no admin token" in one_line_error(capsys.readouterr().err)
+    assert any(e["event"] == "admin_unauthenticated" for e in admin.logs)
+    assert TOKEN not in repr(admin.logs)
+
+
+def test_token_from_environment(admin: Admin, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("GRAPHSERVE_ADMIN_TOKEN", TOKEN)
+    monkeypatch.setenv("GRAPHSERVE_ADMIN_TARGET", admin.target)
+    capsys.readouterr()
+    assert graphctl.main(["--json", "state"]) == 0
+    assert json.loads(capsys.readouterr().out)["mode"] == "none"
+
+
+def test_reflection_needs_the_token_too(admin: Admin) -> None:
+    stub = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(admin.target))
+    ask = [reflection_pb2.ServerReflectionRequest(list_services="")]
+    replies = list(stub.ServerReflectionInfo(iter(ask), metadata=admin.auth(), timeout=10))
+    names = {s.name for s in replies[0].list_services_response.service}
+    assert "graphserve.v1.GraphCacheAdmin" in names
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.ServerReflectionInfo(iter(ask), timeout=10))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_capture_and_evict_on_cpu_are_failed_precondition(admin: Admin, capsys) -> None:
+    for method in (admin.stub.Capture, admin.stub.Evict):
+        with pytest.raises(grpc.RpcError) as info:
+            method(admin_pb2.SizesRequest(sizes=[8]), metadata=admin.auth(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "cpu" in info.value.details()
+    code, out, err = admin.ctl(capsys, "capture", "8")
+    assert code == graphctl.EXIT_REFUSED and out == ""
+    assert "FAILED_PRECONDITION" in one_line_error(err)
+
+
+def test_size_outside_the_allowed_list_is_invalid_argument(admin: Admin, capsys) -> None:
+    for method in (admin.stub.Capture, admin.stub.Evict):
+        with pytest.raises(grpc.RpcError) as info:
+            method(admin_pb2.SizesRequest(sizes=[3, 8]), metadata=admin.auth(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "[3]" in info.value.details() and str(SIZES) in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        admin.stub.Capture(admin_pb2.SizesRequest(), metadata=admin.auth(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    code, _, err = admin.ctl(capsys, "evict", "3")
+    assert code == graphctl.EXIT_REFUSED
+    assert "allowed: [1, 2, 4, 8, 16]" in one_line_error(err)
+    code, _, err = admin.ctl(capsys, "capture", "0")
+    assert code == graphctl.EXIT_USAGE and "Traceback" not in err
+
+
+def test_budget_zero_or_absurd_is_invalid_argument(admin: Admin, capsys) -> None:
+    for budget in (0, 1 << 62):
+        with pytest.raises(grpc.RpcError) as info:
+            admin.stub.SetBudget(admin_pb2.SetBudgetRequest(budget_bytes=budget), metadata=admin.auth(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    code, _, err = admin.ctl(capsys, "budget", "0")
+    assert code == graphctl.EXIT_USAGE and "budget" in one_line_error(err)
+    code, _, err = admin.ctl(capsys, "budget", "lots")
+    assert code == graphctl.EXIT_USAGE and "not a byte count" in one_line_error(err)
+
+
+def test_budget_accepts_units(admin: Admin, capsys) -> None:
+    response = admin.ctl_json(capsys, "budget", "512MiB")
+    assert int(response["budget_bytes"]) == 512 << 20 and response["results"] == []
+    code, out, _ = admin.ctl(capsys, "budget", "1GiB")
+    assert code == 0 and "nothing evicted" in out and "budget 1.0 GiB" in out
+
+
+def test_reset_stats_zeroes_the_histogram(admin: Admin, capsys) -> None:
+    generate(admin.server.stub(), **greedy("before the reset", 4))
+    assert requested(admin.ctl_json(capsys, "stats"))
+    code, out, _ = admin.ctl(capsys, "reset-stats")
+    assert code == 0 and "reset" in out
+    stats = admin.ctl_json(capsys, "stats")
+    assert requested(stats) == {} and requested(stats, "persisted") == {}
+
+
+def test_unreachable_target_is_one_line_and_exit_3(capsys, tmp_path) -> None:
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    capsys.readouterr()
+    code = graphctl.main(["--target", f"127.0.0.1:{free_port()}", "--token-file", str(token), "--timeout", "5", "state"])
+    assert code == graphctl.EXIT_UNREACHABLE
+    assert "cannot reach the admin server" in one_line_error(capsys.readouterr().err)
+
+
+def test_no_token_configured_keeps_the_admin_port_closed(server: ServerThread) -> None:
+    assert server.config.admin_token is None
+    assert getattr(server.app, "admin_port", None) is None
+    started = asyncio.run_coroutine_threadsafe(
+        start_admin_server(server.config, server.app.engine, server.app.runner.graphs), server.loop
+    ).result(30)
+    assert started == (None, None)
+
+
+@pytest.fixture
+def fake_graphs_admin(tmp_path) -> Iterator[Admin]:
+    """The admin server over a graph cache whose backend fakes graphs of 1000 bytes per row (CPU).
+
+    Exercises capture, evict and budget end to end through a real engine thread; the real-GPU
+    version is tests/gpu/test_admin_gpu.py.
+    """
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    config = GraphCacheConfig(mode="full", capture_sizes=None, max_batch=16, memory_budget=100_000)
+    fingerprint = Fingerprint("fake", "float32", "cpu", torch.__version__, config.sizes, 16)
+    graphs = GraphCache(CountingStep(16), config, torch.device("cpu"), fingerprint, FakeGraphBackend())
+    engine = Engine(runner=None, scheduler=Scheduler(16, 4096), tokenizer=None, eos_token_ids=frozenset())
+    engine.start()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    serve = ServeConfig(admin_port=0, admin_token=TOKEN)
+    with structlog.testing.capture_logs() as logs:
+        server, port = asyncio.run_coroutine_threadsafe(start_admin_server(serve, engine, graphs), loop).result(30)
+        try:
+            yield Admin(None, port, str(token_file), logs)
+        finally:
+            asyncio.run_coroutine_threadsafe(server.stop(1.0), loop).result(30)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            engine.stop()
+
+
+def by_size(response: dict) -> dict[int, dict]:
+    return {int(r["size"]): r for r in response.get("results", response.get("buckets", []))}
+
+
+def test_capture_evict_and_budget_with_fake_graphs(fake_graphs_admin: Admin, capsys) -> None:
+    admin = fake_graphs_admin
+    code, out, err = admin.ctl(capsys, "capture", "8")
+    assert code == 0, err
+    assert "captured" in out and "7.8 KiB" in out
+    state = admin.ctl_json(capsys, "state")
+    assert state["mode"] == "full" and int(state["used_bytes"]) == 8000
+    assert by_size(state)[8]["state"] == "BUCKET_STATE_CAPTURED" and int(by_size(state)[8]["bytes"]) == 8000
+    assert by_size(admin.ctl_json(capsys, "capture", "8"))[8]["outcome"] == "already_captured"
+    assert {s: r["outcome"] for s, r in by_size(admin.ctl_json(capsys, "capture", "16", "4")).items()} == {
+        16: "captured", 4: "captured"}
+
+    code, out, _ = admin.ctl(capsys, "state")
+    rows = {int(r.split()[0]): r.split()[1] for r in out.splitlines()[2:]}
+    assert rows == {1: "not_captured", 2: "not_captured", 4: "captured", 8: "captured", 16: "captured"}
+
+    response = admin.ctl_json(capsys, "budget", "10000")
+    assert int(response["budget_bytes"]) == 10000 and int(response["used_bytes"]) <= 10000
+    assert {r["outcome"] for r in response["results"]} == {"evicted"}
+    evicted = set(by_size(response))
+    assert evicted and 16 in evicted
+
+    code, out, err = admin.ctl(capsys, "capture", "16")
+    assert code == graphctl.EXIT_REFUSED and "over_budget" in out
+    assert "did not complete for 16" in one_line_error(err)
+
+    kept = sorted({4, 8} - evicted)
+    response = admin.ctl_json(capsys, "evict", *map(str, [*kept, 16]))
+    assert by_size(response)[16]["outcome"] == "not_captured"
+    assert all(by_size(response)[s]["outcome"] == "evicted" for s in kept)
+    assert int(response["used_bytes"]) == 0
+    state = admin.ctl_json(capsys, "state")
+    assert by_size(state)[16]["state"] == "BUCKET_STATE_EVICTED" and int(by_size(state)[16]["evictions"]) == 1
