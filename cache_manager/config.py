@@ -1,0 +1,62 @@
+"""Typed configuration of the graph cache, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from cache_manager.budget import parse_memory_budget
+from cache_manager.sizes import CudaGraphMode, default_capture_sizes, validate_capture_sizes
+
+DEFAULT_BUDGET_FRACTION = 0.1
+
+
+@dataclass(frozen=True)
+class GraphCacheConfig:
+    """Graph cache settings.
+
+    memory_budget: bytes (int), a fraction of device memory (float in (0, 1]) or a string accepted
+    by `parse_memory_budget`; None means 0.1 of the device's total memory (about 14 GiB on an H200,
+    room for dozens of decode graphs of a 1B model while leaving the KV cache its share).
+    capture_sizes None means `default_capture_sizes(max_batch)`.
+    """
+
+    mode: CudaGraphMode | str
+    capture_sizes: tuple[int, ...] | None
+    max_batch: int
+    memory_budget: str | int | float | None = None
+    stats_file: Path | None = None
+    warm_start: bool = True
+    save_interval_s: float = 5.0
+    debug_check_addresses: bool = False
+    failure_backoff_s: float = 60.0
+    max_failure_backoff_s: float = 3600.0
+    heat_half_life_s: float = 300.0  # decay of "recent replays" in the eviction score
+    replay_log_interval_s: float = 60.0  # period of the graph_replay_totals log event
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", CudaGraphMode.parse(self.mode))
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        sizes = (
+            default_capture_sizes(self.max_batch)
+            if self.capture_sizes is None
+            else validate_capture_sizes(tuple(self.capture_sizes), self.max_batch)
+        )
+        object.__setattr__(self, "capture_sizes", sizes)
+        if isinstance(self.memory_budget, str):
+            parse_memory_budget(self.memory_budget)  # raises with a clear message
+        elif self.memory_budget is not None and (
+            isinstance(self.memory_budget, bool) or self.memory_budget <= 0
+        ):
+            raise ValueError(f"memory_budget must be positive, got {self.memory_budget!r}")
+        if self.stats_file is not None:
+            object.__setattr__(self, "stats_file", Path(self.stats_file))
+        for name in ("save_interval_s", "failure_backoff_s", "max_failure_backoff_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        assert self.capture_sizes is not None
+        return self.capture_sizes

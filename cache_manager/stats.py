@@ -1,0 +1,121 @@
+"""Counters per requested (unpadded) batch size and per bucket, their merge and JSON schema."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+EAGER_REASONS = ("above_max", "mode_none", "budget", "failed", "capturing")
+_SUMMED = ("requests", "replays", "padded_rows", "captures", "evictions", "failures")
+
+
+@dataclass
+class Counters:
+    """Counts (summed across runs) plus the latest measurements (newest wins across runs).
+
+    Requested sizes use requests/replays/eager; buckets use all fields.
+    """
+
+    requests: int = 0
+    replays: int = 0
+    padded_rows: int = 0
+    captures: int = 0
+    evictions: int = 0
+    failures: int = 0
+    eager: dict[str, int] = field(default_factory=dict)  # reason -> count
+    capture_ms: float = 0.0  # latest capture
+    bytes: int = 0  # latest measured graph memory
+    last_use: float | None = None  # wall time
+
+    def add_eager(self, reason: str) -> None:
+        self.eager[reason] = self.eager.get(reason, 0) + 1
+
+    @property
+    def eager_total(self) -> int:
+        return sum(self.eager.values())
+
+    def merged(self, newer: Counters) -> Counters:
+        out = Counters(**{name: getattr(self, name) + getattr(newer, name) for name in _SUMMED})
+        out.eager = dict(self.eager)
+        for reason, count in newer.eager.items():
+            out.eager[reason] = out.eager.get(reason, 0) + count
+        out.capture_ms = newer.capture_ms or self.capture_ms
+        out.bytes = newer.bytes or self.bytes
+        out.last_use = newer.last_use if newer.last_use is not None else self.last_use
+        return out
+
+    def to_json(self) -> dict:
+        return {
+            f.name: (dict(self.eager) if f.name == "eager" else getattr(self, f.name)) for f in fields(self)
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> Counters:
+        if not isinstance(data, dict):
+            raise ValueError(f"counters must be an object, got {type(data).__name__}")
+        out = cls()
+        for name in _SUMMED:
+            value = data.get(name, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"counter {name!r} must be a non-negative integer, got {value!r}")
+            setattr(out, name, value)
+        eager = data.get("eager", {})
+        if not isinstance(eager, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            for k, v in eager.items()
+        ):
+            raise ValueError(f"'eager' must map reasons to non-negative integers, got {eager!r}")
+        out.eager = dict(eager)
+        for name, kinds in (("capture_ms", (int, float)), ("bytes", (int,))):
+            value = data.get(name, 0)
+            if isinstance(value, bool) or not isinstance(value, kinds) or value < 0:
+                raise ValueError(f"{name!r} must be a non-negative number, got {value!r}")
+            setattr(out, name, value)
+        last_use = data.get("last_use")
+        if last_use is not None and (isinstance(last_use, bool) or not isinstance(last_use, (int, float))):
+            raise ValueError(f"'last_use' must be a number or null, got {last_use!r}")
+        out.last_use = last_use
+        return out
+
+
+@dataclass
+class StatsTables:
+    """Counters keyed by requested size and by bucket (padded size)."""
+
+    requested: dict[int, Counters] = field(default_factory=dict)
+    buckets: dict[int, Counters] = field(default_factory=dict)
+
+    def req(self, n: int) -> Counters:
+        return self.requested.setdefault(n, Counters())
+
+    def bucket(self, size: int) -> Counters:
+        return self.buckets.setdefault(size, Counters())
+
+    def merged(self, newer: StatsTables) -> StatsTables:
+        def merge(a: dict[int, Counters], b: dict[int, Counters]) -> dict[int, Counters]:
+            return {k: a.get(k, Counters()).merged(b.get(k, Counters())) for k in sorted(a.keys() | b.keys())}
+
+        return StatsTables(merge(self.requested, newer.requested), merge(self.buckets, newer.buckets))
+
+    def to_json(self) -> dict:
+        return {
+            "requested": {str(k): v.to_json() for k, v in sorted(self.requested.items())},
+            "buckets": {str(k): v.to_json() for k, v in sorted(self.buckets.items())},
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> StatsTables:
+        if not isinstance(data, dict):
+            raise ValueError("stats tables must be an object")
+
+        def table(name: str) -> dict[int, Counters]:
+            raw = data.get(name)
+            if not isinstance(raw, dict):
+                raise ValueError(f"{name!r} must be an object keyed by batch size")
+            out: dict[int, Counters] = {}
+            for key, value in raw.items():
+                if not (isinstance(key, str) and key.isdigit() and int(key) >= 1):
+                    raise ValueError(f"{name!r} key {key!r} is not a positive batch size")
+                out[int(key)] = Counters.from_json(value)
+            return out
+
+        return cls(table("requested"), table("buckets"))
