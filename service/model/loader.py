@@ -1,0 +1,135 @@
+"""load_model: a built-in generated checkpoint or a local Hugging Face directory -> LoadedModel.
+
+Never touches the network: configs and tokenizers are read with local_files_only=True.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+
+from service.model.builtin import BUILTIN_PREFIX, ensure_builtin
+from service.model.llama import LlamaForCausalLM
+from service.model.spec import ModelLoadError, ModelSpec
+
+if TYPE_CHECKING:
+    import transformers
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass
+class LoadedModel:
+    name: str  # what the user passed, e.g. "builtin:tiny" or a path
+    path: pathlib.Path
+    spec: ModelSpec
+    model: LlamaForCausalLM
+    tokenizer: transformers.PreTrainedTokenizerBase
+    device: torch.device
+    dtype: torch.dtype
+
+
+def default_cache_dir() -> pathlib.Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(pathlib.Path.home() / ".cache")
+    return pathlib.Path(base) / "graphserve"
+
+
+def _weight_files(path: pathlib.Path) -> list[pathlib.Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError) as e:
+            raise ModelLoadError(f"{index} is not a valid safetensors index ({e})") from e
+        files = [path / n for n in names]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ModelLoadError(f"{path}: shards named in {index.name} are missing: {', '.join(absent)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        other = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf")]
+        hint = f" (found {', '.join(sorted(other))}: convert them to safetensors)" if other else ""
+        raise ModelLoadError(f"{path}: no *.safetensors weight files{hint}")
+    return files
+
+
+def _read_weights(files: list[pathlib.Path], device: torch.device) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device=str(device)) as sf:
+                for key in sf.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    state[key] = sf.get_tensor(key)
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+            raise ModelLoadError(f"cannot read weights {f}: {e}") from e
+    return state
+
+
+def _eos_from_generation_config(path: pathlib.Path) -> tuple[int, ...]:
+    # Instruct checkpoints list extra stop ids (e.g. <|eot_id|>) only in generation_config.json.
+    gen = path / "generation_config.json"
+    if not gen.is_file():
+        return ()
+    try:
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    except ValueError:
+        return ()
+    return (eos,) if isinstance(eos, int) else tuple(int(e) for e in eos or ())
+
+
+def _read_spec(path: pathlib.Path) -> ModelSpec:
+    import transformers
+
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path}: config.json is missing; is this a Hugging Face model directory?")
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # unknown model_type, bad JSON, ...
+        raise ModelLoadError(f"{path}/config.json cannot be read by transformers: {e}") from e
+    spec = ModelSpec.from_hf_config(config)
+    extra = [e for e in _eos_from_generation_config(path) if e not in spec.eos_token_ids]
+    return dataclasses.replace(spec, eos_token_ids=spec.eos_token_ids + tuple(extra)) if extra else spec
+
+
+def _read_tokenizer(path: pathlib.Path) -> transformers.PreTrainedTokenizerBase:
+    import transformers
+
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        raise ModelLoadError(f"{path}: no tokenizer (expected one of {', '.join(_TOKENIZER_FILES)})")
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: tokenizer cannot be loaded: {e}") from e
+
+
+def load_model(
+    model: str, device: torch.device, dtype: torch.dtype, cache_dir: pathlib.Path | None = None
+) -> LoadedModel:
+    """ "builtin:<name>" (generated once into cache_dir) or a local HF directory -> LoadedModel."""
+    device = torch.device(device)
+    if model.startswith(BUILTIN_PREFIX):
+        path = ensure_builtin(model[len(BUILTIN_PREFIX) :], cache_dir or default_cache_dir())
+    else:
+        path = pathlib.Path(model).expanduser()
+        if not path.is_dir():
+            raise ModelLoadError(
+                f"model directory {path} does not exist; pass a local Hugging Face directory "
+                "or builtin:<name>"
+            )
+    spec = _read_spec(path)
+    files = _weight_files(path)
+    tokenizer = _read_tokenizer(path)
+    net = LlamaForCausalLM(spec, device, dtype)
+    net.load_weights(_read_weights(files, device))
+    net.eval()
+    return LoadedModel(
+        name=model, path=path, spec=spec, model=net, tokenizer=tokenizer, device=device, dtype=dtype
+    )
