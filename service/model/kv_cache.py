@@ -12,7 +12,7 @@ class KVCache:
     padding rows of a decode batch write into (so padding never touches a live sequence's KV).
 
     Slot s holds positions [0, max_seq_len) of one sequence. The scheduler owns which slot is free;
-    this class only owns the memory.
+    this class only owns the memory. dtype must equal the model's dtype.
     """
 
     def __init__(

@@ -4,9 +4,9 @@ Parameter names follow Hugging Face so checkpoints load as they are. All tokens 
 handled as a flat [N, ...] batch so prefill, decode and the cache-free forward share the layer code
 and differ only in how attention reads and writes keys and values.
 
-Mistral's sliding window is not applied: attention is always over the full context. That is exact
-while the context is no longer than the window (4096 for Mistral-7B); for longer contexts the
-engine should cap max_seq_len at the window (see ModelSpec / loader report).
+Mistral's (and Qwen2's optional) sliding window is not applied: attention is always over the full
+context. That is exact while the context is no longer than the window (4096 for Mistral-7B v0.1);
+ModelSpec.sliding_window tells the engine where to cap max_seq_len.
 """
 
 from __future__ import annotations

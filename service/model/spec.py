@@ -66,6 +66,9 @@ class ModelSpec:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # Mistral/Qwen2 sliding-window size. Our attention is always full, which is exact only while
+    # the context stays within the window: the engine should cap max_seq_len at it.
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -94,6 +97,9 @@ class ModelSpec:
         # Qwen2 hard-codes q/k/v biases; Llama and Mistral read attention_bias.
         bias = True if arch == "Qwen2ForCausalLM" else bool(getattr(config, "attention_bias", False))
         bos = getattr(config, "bos_token_id", None)
+        window = getattr(config, "sliding_window", None)
+        if arch == "Qwen2ForCausalLM" and not getattr(config, "use_sliding_window", False):
+            window = None  # Qwen2 configs carry a window value even when it is switched off
         return cls(
             architecture=arch,
             vocab_size=int(config.vocab_size),
@@ -111,4 +117,5 @@ class ModelSpec:
             max_position_embeddings=int(config.max_position_embeddings),
             eos_token_ids=_as_ids(getattr(config, "eos_token_id", None)),
             bos_token_id=int(bos) if isinstance(bos, int) else None,
+            sliding_window=int(window) if window and window < config.max_position_embeddings else None,
         )

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from service.model import KVCache, LoadedModel, ModelLoadError, ensure_builtin, load_model
+from service.model import KVCache, LoadedModel, ModelLoadError, ModelSpec, ensure_builtin, load_model
 
 CPU = torch.device("cpu")
 VOCAB = 768  # the builtin tiny tokenizer's size, reused by every test checkpoint
@@ -213,3 +213,13 @@ def test_weight_names_checked(good_dir: pathlib.Path):
         ModelLoadError, match=r"missing: model.layers.1.mlp.up_proj.weight.*unexpected: model.layers.9"
     ):
         loaded.model.load_weights(state)
+
+
+def test_spec_reports_sliding_window_and_rejects_unknown_rope():
+    mistral = transformers.MistralConfig(sliding_window=4096, max_position_embeddings=32768)
+    assert ModelSpec.from_hf_config(mistral).sliding_window == 4096
+    qwen_off = transformers.Qwen2Config(use_sliding_window=False, sliding_window=4096)
+    assert ModelSpec.from_hf_config(qwen_off).sliding_window is None
+    yarn = transformers.LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+    with pytest.raises(ModelLoadError, match="'yarn' is not supported"):
+        ModelSpec.from_hf_config(yarn)
