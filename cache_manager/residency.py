@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import structlog
 
-from cache_manager.backend import GraphBackend
+from cache_manager.backend import CapturedGraph, GraphBackend
 from cache_manager.buckets import Bucket
 from cache_manager.budget import Candidate, choose_victims, estimate_bytes
 from cache_manager.ops import OpOutcome
@@ -53,6 +53,9 @@ class Residency:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.last_replayed: int | None = None  # its output may still be read by the caller: in use
+        # Bytes that released graphs did not give back to the device (measured at release). They
+        # still occupy device memory, so they count against the budget like a live graph.
+        self.unreclaimed_bytes = 0
 
     def larger_captured(self, size: int) -> int | None:
         larger = [s for s, b in self.buckets.items() if s > size and b.graph is not None]
@@ -63,11 +66,17 @@ class Residency:
             if b.graph is not None:
                 with self._lock:
                     graph, b.graph, b.state = b.graph, None, BucketState.NOT_CAPTURED
-                self.backend.release(graph)
+                self._release(graph)
 
     @property
     def used_bytes(self) -> int:
-        return sum(b.graph.nbytes for b in self.buckets.values() if b.graph is not None)
+        held = sum(b.graph.nbytes for b in self.buckets.values() if b.graph is not None)
+        return held + self.unreclaimed_bytes
+
+    def _release(self, graph: CapturedGraph) -> int:
+        freed = self.backend.release(graph)
+        self.unreclaimed_bytes += max(0, graph.nbytes - freed)
+        return freed
 
     def victims(self, need: int, protect: set[int], max_score: float, now: float) -> list[int] | None:
         cands = [
@@ -118,7 +127,7 @@ class Residency:
                 )
                 victims = self.victims(over, protect | {size}, max_score, now)
             if victims is None:
-                freed = self.backend.release(graph)
+                freed = self._release(graph)
                 with self._lock:
                     b.state = (
                         BucketState.EVICTED
@@ -165,7 +174,7 @@ class Residency:
         with self._lock:
             b.graph = None
             b.state = BucketState.EVICTED
-        freed = self.backend.release(graph)
+        freed = self._release(graph)
         self.stats.eviction(size)
         if self.last_replayed == size:
             self.last_replayed = None

@@ -139,6 +139,25 @@ def test_memory_never_exceeds_budget_cycling_three_buckets():
         assert fake.live_bytes <= 8000 and cache.snapshot().used_bytes == fake.live_bytes
 
 
+def test_memory_a_released_graph_keeps_counts_against_the_budget():
+    """A release that returns less than the graph held (memory some other owner keeps) is still
+    device memory: the budget must see it, or graphs plus that memory would exceed it."""
+
+    class Leaky(FakeGraphBackend):
+        def release(self, graph):  # noqa: ANN001, ANN202
+            return super().release(graph) - 1000  # the device gets 1000 bytes less back
+
+    cache, step, _, _ = make(budget=8000, bytes_for=lambda s: 4000)
+    cache.residency.backend = cache.backend = Leaky(lambda s: 4000)
+    for n in (1, 3, 7, 1, 3, 7):
+        write(step, n)
+        cache.run(n)
+        assert cache.used_bytes <= 8000
+    assert cache.residency.unreclaimed_bytes > 0
+    held = sum(b.bytes for b in cache.snapshot().buckets if b.state is BucketState.CAPTURED)
+    assert cache.used_bytes == held + cache.residency.unreclaimed_bytes
+
+
 def test_failed_capture_backs_off_doubling_then_recovers():
     cache, step, fake, clock = make(fail={4}, failure_backoff_s=60)
     with structlog.testing.capture_logs() as logs:
