@@ -28,8 +28,9 @@ Publish = Callable[[list[tuple[Sink, RequestEvent]]], None]
 
 
 class Runner(Protocol):
-    def prefill(self, seqs: list[Sequence]) -> list[int]: ...
-    def decode(self, seqs: list[Sequence]) -> list[int]: ...
+    def step(self, decodes: list[Sequence], prefills: list[Sequence]) -> list[int]:
+        """One sampled token per sequence, decodes first."""
+        ...
 
 
 class EngineObserver(Protocol):
@@ -173,12 +174,8 @@ class Engine:
         events: list[tuple[Sink, RequestEvent]] = []
         for seq in self.scheduler.take_aborted():
             events.append(self._finish(seq, None, now))
-        tokens: list[int] = []
         seqs = batch.decodes + batch.prefills
-        if batch.decodes:
-            tokens += self.runner.decode(batch.decodes)
-        if batch.prefills:
-            tokens += self.runner.prefill(batch.prefills)
+        tokens = self.runner.step(batch.decodes, batch.prefills) if seqs else []
         now = time.monotonic()
         for seq, token in zip(seqs, tokens, strict=True):
             seq.completion_token_ids.append(token)

@@ -21,7 +21,7 @@ class ModelRunner:
         self.loaded = loaded
         self.device = loaded.device
         self.kv = KVCache(loaded.spec, max_running, max_seq_len, loaded.device, loaded.dtype)
-        self.step = ModelDecodeStep(loaded.model, self.kv, max_running, loaded.device)
+        self.decode_step = ModelDecodeStep(loaded.model, self.kv, max_running, loaded.device)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         fingerprint = Fingerprint(
             model=loaded.name,
@@ -31,11 +31,21 @@ class ModelRunner:
             capture_sizes=tuple(graph_config.capture_sizes or ()),
             max_batch=max_running,
         )
-        self.graphs = GraphCache(self.step, graph_config, self.device, fingerprint)
+        self.graphs = GraphCache(self.decode_step, graph_config, self.device, fingerprint)
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> list[int]:
-        """Run each prompt into its KV slot; returns the first completion token of each."""
+    def step(self, decodes: list[Sequence], prefills: list[Sequence]) -> list[int]:
+        """One engine step: decode the running batch, prefill the admitted prompts. Returns one token
+        per sequence (decodes first), with the step's single host sync."""
+        sampled = []
+        if decodes:
+            sampled.append(self.decode(decodes))
+        if prefills:
+            sampled.append(self.prefill(prefills))
+        return torch.cat(sampled).tolist() if sampled else []
+
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Run each prompt into its KV slot; returns the first completion token of each (on device)."""
         logits = []
         for seq in seqs:
             assert seq.slot is not None
@@ -43,15 +53,14 @@ class ModelRunner:
             logits.append(self.loaded.model.prefill(ids, seq.slot, self.kv))
         return self._sample(torch.stack(logits), seqs)
 
-    @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> list[int]:
-        """One decode step for the running batch, through the graph cache."""
-        self.step.write_rows(
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One decode step for the running batch, through the graph cache; tokens on device."""
+        self.decode_step.write_rows(
             [s.last_token_id() for s in seqs], [s.next_position() for s in seqs], [s.slot for s in seqs]
         )
         logits = self.graphs.run(len(seqs))
         return self._sample(logits, seqs)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         batch = SamplingBatch.build([(s.request.sampling, s.num_completion_tokens) for s in seqs], self.device)
-        return sample(logits, batch).tolist()  # the step's one host sync
+        return sample(logits, batch)
