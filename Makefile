@@ -34,13 +34,16 @@ test: setup
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
+# GPU benchmarks (Llama-3.2-1B shape, bf16): decode steps per batch with the anchors, every capture
+# bucket, then streaming through gRPC against the engine alone. Results land in bench/results/.
 bench: setup
-	$(PY) bench/graph_bench.py
-	$(PY) bench/decode_bench.py
-	$(PY) bench/serve_bench.py --device cuda
+	$(PY) bench/decode_bench.py --model builtin:llama-1b --device cuda --random-init
+	$(PY) bench/decode_bench.py --model builtin:llama-1b --device cuda --random-init --buckets all
+	$(PY) bench/serve_bench.py --model builtin:llama-1b --device cuda --dtype bfloat16 --concurrency 64 --requests 256 --output-tokens 128
 
 bench-cpu: setup
-	$(PY) bench/serve_bench.py --device cpu
+	$(PY) bench/decode_bench.py --model builtin:tiny --device cpu --batches 1,4,16 --context 64
+	$(PY) bench/serve_bench.py --device cpu --concurrency 8 --requests 32 --output-tokens 32
 
 lint: setup
 	$(PY) -m ruff check service cache_manager tests bench
