@@ -98,7 +98,6 @@ class App:
         await self.server.start()
         if c.metrics_port:
             self.metrics_port = self.metrics.serve(c.host, c.metrics_port)
-            log.info("metrics_listening", address=f"{c.host}:{self.metrics_port}", path="/metrics")
         log.info("grpc_listening", address=f"{c.host}:{self.port}", tls=c.tls_cert is not None)
 
     async def load(self) -> None:
