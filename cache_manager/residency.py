@@ -75,7 +75,8 @@ class Residency:
 
     def _release(self, graph: CapturedGraph) -> int:
         freed = self.backend.release(graph)
-        self.unreclaimed_bytes += max(0, graph.nbytes - freed)
+        # A release can also free more than measured at capture (memory an earlier graph left behind).
+        self.unreclaimed_bytes = max(0, self.unreclaimed_bytes + graph.nbytes - freed)
         return freed
 
     def victims(self, need: int, protect: set[int], max_score: float, now: float) -> list[int] | None:

@@ -102,6 +102,23 @@ class ServeConfig:
             (self.tls_cert is None) == (self.tls_key is None), "--tls-cert and --tls-key must be given together"
         )
         need(self.tls_client_ca is None or self.tls_cert is not None, "--tls-client-ca needs --tls-cert and --tls-key")
+        need(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+             f"--log-level must be debug, info, warning, error or critical, not {self.log_level!r}")
+        # The graph-cache values are parsed by the graph cache; parse them here too, so a typo fails
+        # at start with the flag's name instead of after the model has loaded.
+        from cache_manager.budget import parse_memory_budget
+        from cache_manager.sizes import parse_capture_sizes
+
+        if self.graph_memory_budget is not None:
+            try:
+                parse_memory_budget(self.graph_memory_budget)
+            except ValueError as exc:
+                raise ConfigError(f"--graph-memory-budget: {exc}") from None
+        if self.capture_sizes is not None:
+            try:
+                parse_capture_sizes(self.capture_sizes, self.max_running_seqs)
+            except ValueError as exc:
+                raise ConfigError(f"--capture-sizes: {exc}") from None
         for name in ("tls_cert", "tls_key", "tls_client_ca", "admin_token_file"):
             path = getattr(self, name)
             need(path is None or Path(path).is_file(), f"--{name.replace('_', '-')}: no such file: {path}")

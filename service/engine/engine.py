@@ -9,6 +9,7 @@ wake-up instead of one per token.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,11 @@ from service.engine.sequence import Sequence
 log = structlog.get_logger("graphserve.engine")
 
 Sink = Callable[[RequestEvent], None]
+
+
+class EngineStopped(RuntimeError):
+    """The engine accepts no more work (it failed or is shutting down)."""
+
 Publish = Callable[[list[tuple[Sink, RequestEvent]]], None]
 
 
@@ -41,7 +47,8 @@ class EngineObserver(Protocol):
     def on_finish(self, seq: Sequence, finish: Finish) -> None: ...
 
 
-def _deliver_now(pairs: list[tuple[Sink, RequestEvent]]) -> None:
+def deliver(pairs: list[tuple[Sink, RequestEvent]]) -> None:
+    """Call each sink with its event, in order (on the calling thread)."""
     for sink, event in pairs:
         sink(event)
 
@@ -53,7 +60,7 @@ class Engine:
         scheduler: Scheduler,
         tokenizer: Any,
         eos_token_ids: frozenset[int],
-        publish: Publish = _deliver_now,
+        publish: Publish = deliver,
         observer: EngineObserver | None = None,
         between_steps: Callable[[], None] | None = None,
     ) -> None:
@@ -65,14 +72,17 @@ class Engine:
         self.observer = observer
         self.between_steps = between_steps  # graph warm-start and stats saving, on the engine thread
         self._cond = threading.Condition()
-        self._inbox: list[tuple[GenerationRequest, Sink]] = []
+        # Requests are known inside the engine by a key unique to this submit, not by the client's
+        # request id: a client may cancel and resubmit the same id before the engine has seen the abort.
+        self._keys = itertools.count()
+        self._inbox: list[tuple[str, GenerationRequest, Sink]] = []
         self._aborts: list[str] = []
         self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
         self._outputs: dict[str, tuple[RequestOutput, Sink]] = {}
+        self._step_events: list[tuple[Sink, RequestEvent]] = []  # built this step, not yet published
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # set when a step failed; the engine is then dead
-        self.steps = 0
         self.last_progress = time.monotonic()
 
     # ---- any thread ------------------------------------------------------------------------
@@ -80,6 +90,10 @@ class Engine:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="graphserve-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def alive(self) -> bool:
@@ -95,21 +109,25 @@ class Engine:
 
     @property
     def waiting_prompt_tokens(self) -> int:
-        return self.scheduler.waiting_prompt_tokens + sum(len(r.prompt_token_ids) for r, _ in list(self._inbox))
+        return self.scheduler.waiting_prompt_tokens + sum(len(r.prompt_token_ids) for _, r, _ in list(self._inbox))
 
     def has_pending_work(self) -> bool:
         return bool(self._inbox or self._calls or self.scheduler.has_work())
 
-    def submit(self, request: GenerationRequest, sink: Sink) -> None:
+    def submit(self, request: GenerationRequest, sink: Sink) -> str:
+        """Queue a request; returns the key that `abort` takes. Raises EngineStopped when the engine
+        no longer accepts work."""
         with self._cond:
             if self.error is not None or self._stopping:
-                raise RuntimeError("the engine is not running")
-            self._inbox.append((request, sink))
+                raise EngineStopped("the engine is not running")
+            key = f"{request.request_id}#{next(self._keys)}"
+            self._inbox.append((key, request, sink))
             self._cond.notify()
+        return key
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, key: str) -> None:
         with self._cond:
-            self._aborts.append(request_id)
+            self._aborts.append(key)
             self._cond.notify()
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
@@ -143,24 +161,28 @@ class Engine:
                         if self.between_steps is not None:
                             break
                     if self._stopping:
+                        self._fail_all("the server is shutting down")
                         break
                     inbox, self._inbox = self._inbox, []
                     aborts, self._aborts = self._aborts, []
                     calls, self._calls = self._calls, []
                 for fn, future in calls:
                     self._run_call(fn, future)
-                for request, sink in inbox:
-                    seq = Sequence(request)
-                    self._outputs[request.request_id] = (RequestOutput(seq, self.tokenizer, self.eos_token_ids), sink)
+                for key, request, sink in inbox:
+                    seq = Sequence(request, key=key)
+                    self._outputs[key] = (RequestOutput(seq, self.tokenizer, self.eos_token_ids), sink)
                     self.scheduler.add(seq)
-                for request_id in aborts:
-                    self.scheduler.abort(request_id)
+                for key in aborts:
+                    self.scheduler.abort(key)
                 self.step()
                 if self.between_steps is not None:
                     self.between_steps()
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine; streams must end
             self.error = exc
             log.error("engine_failed", error=repr(exc), exc_info=True)
+            # Terminal events this step already built (their outputs are gone) still go out first.
+            events, self._step_events = self._step_events, []
+            self._publish_safely(events)
             self._fail_all(f"the engine failed: {exc!r}; the server is shutting down")
         finally:
             with self._cond:
@@ -171,7 +193,7 @@ class Engine:
     def step(self) -> None:
         batch = self.scheduler.schedule()
         now = time.monotonic()
-        events: list[tuple[Sink, RequestEvent]] = []
+        events = self._step_events = []
         for seq in self.scheduler.take_aborted():
             events.append(self._finish(seq, None, now))
         seqs = batch.decodes + batch.prefills
@@ -179,7 +201,7 @@ class Engine:
         now = time.monotonic()
         for seq, token in zip(seqs, tokens, strict=True):
             seq.completion_token_ids.append(token)
-            output, sink = self._outputs[seq.request_id]
+            output, sink = self._outputs[seq.key]
             for event in output.on_token(token, now):
                 if isinstance(event, Finish):
                     self.scheduler.finish(seq)
@@ -188,16 +210,16 @@ class Engine:
                     events.append((sink, event))
             if self.observer is not None:
                 self.observer.on_tokens(seq, 1, now)
+        self._step_events = []
         if events:
             self.publish(events)
         if seqs or events:
-            self.steps += 1
             self.last_progress = now
         if self.observer is not None and (seqs or events):
             self.observer.on_step(self.scheduler.num_running, self.num_waiting, len(batch.decodes), len(batch.prefills))
 
     def _finish(self, seq: Sequence, finish: Finish | None, now: float) -> tuple[Sink, RequestEvent]:
-        output, sink = self._outputs.pop(seq.request_id)
+        output, sink = self._outputs.pop(seq.key)
         finish = finish if finish is not None else output.abort(now)
         if self.observer is not None:
             self.observer.on_finish(seq, finish)
@@ -212,12 +234,18 @@ class Engine:
             future.set_exception(exc)
 
     def _fail_all(self, message: str) -> None:
-        with self._cond:
+        """Every request still queued or running ends with an EngineError."""
+        with self._cond:  # reentrant: also called with the lock held
             inbox, self._inbox = self._inbox, []
-        pairs: list[tuple[Sink, RequestEvent]] = [(sink, EngineError(message)) for _, sink in inbox]
+        pairs: list[tuple[Sink, RequestEvent]] = [(sink, EngineError(message)) for _, _, sink in inbox]
         pairs += [(sink, EngineError(message)) for _, sink in self._outputs.values()]
         self._outputs.clear()
+        self._publish_safely(pairs)
+
+    def _publish_safely(self, pairs: list[tuple[Sink, RequestEvent]]) -> None:
+        if not pairs:
+            return
         try:
             self.publish(pairs)
         except Exception:  # noqa: BLE001 - the event loop may already be gone at shutdown
-            log.warning("engine_fail_publish_failed", exc_info=True)
+            log.warning("engine_publish_failed", exc_info=True)

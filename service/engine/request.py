@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class FinishReason(enum.Enum):
@@ -78,11 +78,3 @@ class EngineError:
 
 RequestEvent = TokenDelta | Finish | EngineError
 
-
-@dataclass
-class TimingMarks:
-    arrival: float
-    scheduled: float | None = None
-    first_token: float | None = None
-    finished: float | None = None
-    token_times: list[float] = field(default_factory=list)

@@ -34,6 +34,15 @@ class ModelRunner:
         self.graphs = GraphCache(self.decode_step, graph_config, self.device, fingerprint)
 
     @torch.inference_mode()
+    def warmup(self) -> None:
+        """One eager prefill and decode on the scratch slot, outside the graph cache (no stats)."""
+        scratch = self.kv.scratch_slot
+        bos = self.loaded.spec.bos_token_id or 0
+        self.loaded.model.prefill(torch.tensor([bos], device=self.device), scratch, self.kv)
+        self.decode_step.write_rows([bos], [1], [scratch])
+        self.decode_step.run(1).argmax(dim=-1).tolist()
+
+    @torch.inference_mode()
     def step(self, decodes: list[Sequence], prefills: list[Sequence]) -> list[int]:
         """One engine step: decode the running batch, prefill the admitted prompts. Returns one token
         per sequence (decodes first), with the step's single host sync."""

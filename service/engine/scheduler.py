@@ -36,7 +36,7 @@ class Scheduler:
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: dict[int, Sequence] = {}  # slot -> sequence
         self._free_slots: list[int] = list(range(max_running))  # a min-heap: lowest slot first
-        self._by_id: dict[str, Sequence] = {}  # every waiting or running sequence
+        self._by_key: dict[str, Sequence] = {}  # every waiting or running sequence, by Sequence.key
         self._aborted: list[Sequence] = []
         self._waiting_prompt_tokens = 0
 
@@ -64,25 +64,25 @@ class Scheduler:
     # ---- mutations -----------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        if seq.request_id in self._by_id:
-            raise ValueError(f"duplicate request id {seq.request_id!r}")
+        if seq.key in self._by_key:
+            raise ValueError(f"duplicate sequence key {seq.key!r}")
         if seq.status is not SequenceStatus.WAITING or seq.slot is not None:
             raise ValueError(f"request {seq.request_id!r} is not a fresh waiting sequence")
         self._waiting.append(seq)
-        self._by_id[seq.request_id] = seq
+        self._by_key[seq.key] = seq
         self._waiting_prompt_tokens += seq.num_prompt_tokens
 
-    def abort(self, request_id: str) -> Sequence | None:
+    def abort(self, key: str) -> Sequence | None:
         """Mark a request aborted. A waiting one leaves at once; a running one keeps its slot until
         the next schedule(), because the step in flight may still be writing its KV entries."""
-        seq = self._by_id.get(request_id)
+        seq = self._by_key.get(key)
         if seq is None or seq.aborted:
             return seq
         seq.aborted = True
         if seq.status is SequenceStatus.WAITING:
             self._waiting.remove(seq)  # O(n), but aborts are rare next to steps
             self._waiting_prompt_tokens -= seq.num_prompt_tokens
-            del self._by_id[request_id]
+            del self._by_key[key]
             seq.status = SequenceStatus.FINISHED
             self._aborted.append(seq)
         return seq
@@ -132,7 +132,7 @@ class Scheduler:
         assert seq.slot is not None
         del self._running[seq.slot]
         heapq.heappush(self._free_slots, seq.slot)
-        del self._by_id[seq.request_id]
+        del self._by_key[seq.key]
         seq.slot = None
         seq.status = SequenceStatus.FINISHED
 

@@ -23,6 +23,12 @@ class Sequence:
     aborted: bool = False
     scheduled_at: float | None = None  # time.monotonic() when admitted (prefill)
     first_token_at: float | None = None  # time.monotonic() when the first completion token was sampled
+    # The engine's name for this sequence: unique per submit, unlike the client's request id.
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            self.key = self.request.request_id
 
     @property
     def request_id(self) -> str:

@@ -9,7 +9,11 @@ up to --drain-timeout to finish, the rest are aborted, the stats are saved, exit
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import threading
+from collections.abc import Callable
+from typing import Any
 import signal
 import time
 
@@ -22,10 +26,10 @@ from grpc_reflection.v1alpha import reflection
 from cache_manager import CudaGraphMode, GraphCacheConfig, parse_capture_sizes
 from service.config import ServeConfig
 from service.engine.engine import Engine
-from service.engine.request import Finish, GenerationRequest, SamplingParams, StoppingParams
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
 from service.model.loader import LoadedModel, load_model
+from service.model.spec import ModelLoadError
 from service.proto import inference_pb2, inference_pb2_grpc
 from service.telemetry.metrics import Metrics
 from service.server.admin_server import start_admin_server
@@ -37,6 +41,35 @@ from service.server.validation import Limits
 log = structlog.get_logger("graphserve.app")
 
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+
+
+async def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run blocking start-up work (model loading) off the event loop in a daemon thread, so that a
+    SIGTERM during a long load can exit without waiting for it, as asyncio.to_thread would."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # the awaiting task was cancelled (shutdown during loading)
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def work() -> None:
+        result, error = None, None
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop is closed: the process is exiting
+            pass
+
+    threading.Thread(target=work, name="graphserve-load", daemon=True).start()
+    return await future
 
 
 def resolve_device(name: str) -> torch.device:
@@ -67,7 +100,6 @@ class App:
             AdmissionLimits(config.max_waiting_requests, config.max_waiting_tokens, config.max_concurrent_streams),
             metrics=self.metrics,
         )
-        self._graph_snapshot = None  # refreshed by the engine thread, read by /metrics scrapes
         self.engine: Engine | None = None
         self.admin_server: grpc.aio.Server | None = None
         self.admin_port: int | None = None
@@ -106,9 +138,7 @@ class App:
         device = resolve_device(c.device)
         dtype = resolve_dtype(c.dtype, device)
         t0 = time.monotonic()
-        if self.faults.load_delay_s:
-            await asyncio.sleep(self.faults.load_delay_s)
-        self.loaded = await asyncio.to_thread(load_model, c.model, device, dtype, c.model_cache_dir)
+        self.loaded = await _in_daemon_thread(self._load_model, device, dtype)
         spec = self.loaded.spec
         log.info("model_loaded", model=c.model, architecture=spec.architecture, device=str(device),
                  dtype=str(dtype).removeprefix("torch."), seconds=round(time.monotonic() - t0, 2))
@@ -122,21 +152,17 @@ class App:
             stats_file=c.stats_file,
             warm_start=c.warm_start,
         )
-        self.runner = await asyncio.to_thread(ModelRunner, self.loaded, c.max_running_seqs, max_seq_len, graph_config)
+        self.runner = await _in_daemon_thread(ModelRunner, self.loaded, c.max_running_seqs, max_seq_len, graph_config)
+        # One real prefill and eager decode before SERVING: a broken model fails here, not on a client.
+        await _in_daemon_thread(self.runner.warmup)
         if self.faults.decode_raise_after is not None:
             wrap_decode(self.runner, self.faults.decode_raise_after)
         loop = asyncio.get_running_loop()
         graphs = self.runner.graphs
 
-        last_snapshot = 0.0
-
         def between_steps() -> None:
-            nonlocal last_snapshot
             graphs.warm_step()
             graphs.maybe_save()
-            now = time.monotonic()
-            if now - last_snapshot > 1.0:  # scrapes read this copy; the cache is touched only here
-                self._graph_snapshot, last_snapshot = graphs.snapshot(), now
 
         self.engine = Engine(
             self.runner,
@@ -145,41 +171,21 @@ class App:
             frozenset(spec.eos_token_ids),
             publish=LoopPublisher(loop),
             between_steps=between_steps,
+            observer=self.metrics,
         )
-        self._graph_snapshot = graphs.snapshot()
-        self.metrics.set_graph_source(lambda: self._graph_snapshot)
+        self.metrics.set_graph_source(graphs.snapshot)  # snapshot() is safe from any thread
         self.engine.start()
-        await self._first_step()
-        self.engine.observer = self.metrics  # after the warm-up step, which is no client's request
         self.admin_server, self.admin_port = await start_admin_server(c, self.engine, graphs)
-        limits = Limits.from_config(
-            ServeConfig(**{**c.__dict__, "max_seq_len": max_seq_len}), vocab_size=spec.vocab_size
-        )
+        limits = Limits.from_config(dataclasses.replace(c, max_seq_len=max_seq_len), vocab_size=spec.vocab_size)
         self.servicer.attach(self.engine, self.loaded.tokenizer, limits, self._model_info(max_seq_len, device, dtype))
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.ready.set()
         log.info("serving", model=c.model, port=self.port, graph_mode=mode.value)
 
-    async def _first_step(self) -> None:
-        """One real prefill + decode before reporting SERVING: a broken model fails here, not on a client."""
-        assert self.engine is not None and self.loaded is not None
-        done: asyncio.Future = asyncio.get_running_loop().create_future()
-        request = GenerationRequest(
-            request_id="graphserve-warmup",
-            prompt_token_ids=[self.loaded.spec.bos_token_id or 0],
-            sampling=SamplingParams(temperature=0.0),
-            stopping=StoppingParams(max_tokens=2, ignore_eos=True),
-            arrival_time=time.monotonic(),
-        )
-
-        def sink(event: object) -> None:
-            if not done.done() and not isinstance(event, Finish) and not hasattr(event, "token_ids"):
-                done.set_exception(RuntimeError(f"warm-up step failed: {event}"))
-            elif isinstance(event, Finish) and not done.done():
-                done.set_result(event)
-
-        self.engine.submit(request, sink)
-        await done
+    def _load_model(self, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+        if self.faults.load_delay_s:  # a slow load, as a big checkpoint would be (tests only)
+            time.sleep(self.faults.load_delay_s)
+        return load_model(self.config.model, device, dtype, self.config.model_cache_dir)
 
     def _model_info(self, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> inference_pb2.ModelInfo:
         assert self.loaded is not None
@@ -204,15 +210,20 @@ class App:
             loop.add_signal_handler(sig, self.stopping.set)
         await self.start()
         watchdog = asyncio.create_task(self._watchdog())
+        loader = asyncio.create_task(self.load())
+        stop_wait = asyncio.create_task(self.stopping.wait())
         try:
-            loader = asyncio.create_task(self.load())
-            stop_wait = asyncio.create_task(self.stopping.wait())
             await asyncio.wait({loader, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
             if loader.done() and loader.exception() is not None:
                 raise loader.exception()
             await self.stopping.wait()
+        except ModelLoadError as exc:
+            log.error("model_load_failed", model=self.config.model, error=str(exc))
+            self.exit_code = 2
         finally:
-            watchdog.cancel()
+            # A SIGTERM during loading must not wait for the load: the load runs in a daemon thread.
+            for task in (loader, stop_wait, watchdog):
+                task.cancel()
             await self.shutdown()
         return self.exit_code
 
@@ -248,9 +259,9 @@ class App:
                 await asyncio.wait_for(self.servicer.streams_idle.wait(), self.config.drain_timeout)
             except TimeoutError:
                 log.warning("drain_timeout", aborted=len(self.servicer.active))
-                for request_id in list(self.servicer.active):
-                    if self.engine is not None:
-                        self.engine.abort(request_id)
+                for key in list(self.servicer.active.values()):
+                    if self.engine is not None and key is not None:
+                        self.engine.abort(key)
                 try:
                     await asyncio.wait_for(self.servicer.streams_idle.wait(), 5.0)
                 except TimeoutError:
@@ -260,7 +271,10 @@ class App:
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
         if self.runner is not None:
-            await asyncio.to_thread(self.runner.graphs.close)
+            if self.engine is not None and not self.engine.thread_alive:
+                await asyncio.to_thread(self.runner.graphs.close)
+            else:  # the device may still be in use (a step that would not stop, or loading): stats only
+                await asyncio.to_thread(self.runner.graphs.save)
         if self.server is not None:
             await self.server.stop(grace=1.0)
         self.metrics.close()

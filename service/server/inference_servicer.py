@@ -14,9 +14,16 @@ from typing import Any
 import grpc
 import structlog
 
-from service.engine.engine import Engine, Sink
+from service.engine.engine import Engine, EngineStopped, Sink, deliver
 from service.engine.request import EngineError, Finish, FinishReason, RequestEvent, TokenDelta
-from service.server.validation import InvalidRequest, Limits, check_prompt_size, prompt_ids, to_generation_request
+from service.server.validation import (
+    InvalidRequest,
+    Limits,
+    check_prompt_size,
+    prompt_ids,
+    request_id_of,
+    to_generation_request,
+)
 from service.proto import inference_pb2, inference_pb2_grpc
 
 log = structlog.get_logger("graphserve.server")
@@ -40,12 +47,7 @@ class LoopPublisher:
 
     def __call__(self, pairs: list[tuple[Sink, RequestEvent]]) -> None:
         if not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(_deliver, pairs)
-
-
-def _deliver(pairs: list[tuple[Sink, RequestEvent]]) -> None:
-    for sink, event in pairs:
-        sink(event)
+            self.loop.call_soon_threadsafe(deliver, pairs)
 
 
 class AdmissionLimits:
@@ -66,7 +68,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.admission = admission
         self.metrics = metrics
         self.draining = False
-        self.active: set[str] = set()  # request ids of open streams
+        self.active: dict[str, str | None] = {}  # open streams: request id -> engine key once submitted
         self.streams_idle = asyncio.Event()
         self.streams_idle.set()
 
@@ -81,46 +83,59 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        if self.engine is None:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "loading", "the model is still loading; retry shortly")
         if self.draining:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "draining",
                                "the server is shutting down; retry on another replica")
-        if self.engine is None:
-            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "loading", "the model is still loading; retry shortly")
         if not self.engine.alive:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "engine_down",
                                "the engine is not running; retry on another replica")
         await self._admit(request, context)
         try:
-            check_prompt_size(request, self.limits)
-            if request.WhichOneof("prompt") == "text" and len(request.text) > _INLINE_TOKENIZE_BYTES:
-                prompt = await asyncio.to_thread(prompt_ids, request, self.tokenizer, self.limits)
-            else:
-                prompt = prompt_ids(request, self.tokenizer, self.limits)
-            gen = to_generation_request(request, prompt, self.limits)
+            request_id = request_id_of(request)
         except InvalidRequest as exc:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
-        if gen.request_id in self.active:
+        if request_id in self.active:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "duplicate_request_id",
-                               f"request_id {gen.request_id!r} is already streaming: use a unique id or leave it empty")
-
-        queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
-        self.active.add(gen.request_id)
+                               f"request_id {request_id!r} is already streaming: use a unique id or leave it empty")
+        # Counted from here, before any await: admission and drain see the stream while it tokenizes.
+        self.active[request_id] = None
         self.streams_idle.clear()
+        key: str | None = None
         finished = False
         try:
-            self.engine.submit(gen, queue.put_nowait)
+            try:
+                check_prompt_size(request, self.limits)
+                if request.WhichOneof("prompt") == "text" and len(request.text) > _INLINE_TOKENIZE_BYTES:
+                    prompt = await asyncio.to_thread(prompt_ids, request, self.tokenizer, self.limits)
+                else:
+                    prompt = prompt_ids(request, self.tokenizer, self.limits)
+                gen = to_generation_request(request, request_id, prompt, self.limits)
+            except InvalidRequest as exc:
+                await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
+            if self.draining:
+                await self._reject(context, grpc.StatusCode.UNAVAILABLE, "draining",
+                                   "the server is shutting down; retry on another replica")
+            queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
+            try:
+                key = self.engine.submit(gen, queue.put_nowait)
+            except EngineStopped:
+                await self._reject(context, grpc.StatusCode.UNAVAILABLE, "engine_down",
+                                   "the engine is not running; retry on another replica")
+            self.active[request_id] = key
             while True:
                 event = await queue.get()
                 if isinstance(event, TokenDelta):
                     event = _merge_ready(event, queue)
                 if isinstance(event, TokenDelta):
-                    yield _chunk(gen.request_id, event)
+                    yield _chunk(request_id, event)
                 elif isinstance(event, Finish):
                     finished = True
                     if event.final_delta is not None:
-                        yield _chunk(gen.request_id, event.final_delta)
-                    yield _finished(gen.request_id, event)
-                    log.info("request_finished", request_id=gen.request_id, reason=event.reason.value,
+                        yield _chunk(request_id, event.final_delta)
+                    yield _finished(request_id, event)
+                    log.info("request_finished", request_id=request_id, reason=event.reason.value,
                              prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                              queue_s=round(event.queue_seconds, 4), ttft_s=round(event.time_to_first_token_seconds, 4),
                              total_s=round(event.total_seconds, 4))
@@ -129,11 +144,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     finished = True
                     await context.abort(grpc.StatusCode.UNAVAILABLE, event.message)
         finally:
-            if not finished:
+            if key is not None and not finished:
                 # Cancelled, deadline exceeded or disconnected: free the slot at the next step.
-                self.engine.abort(gen.request_id)
-                log.info("request_cancelled", request_id=gen.request_id)
-            self.active.discard(gen.request_id)
+                self.engine.abort(key)
+                log.info("request_cancelled", request_id=request_id)
+            del self.active[request_id]
             if not self.active:
                 self.streams_idle.set()
 
@@ -148,7 +163,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                                f"{self.engine.num_waiting} requests are waiting, the limit is "
                                f"{a.max_waiting_requests}: retry later")
         # Estimated prompt tokens: exact for token ids, at most one token per byte for text.
-        estimate = len(request.token_ids.ids) if request.WhichOneof("prompt") == "token_ids" else len(request.text)
+        estimate = (len(request.token_ids.ids) if request.WhichOneof("prompt") == "token_ids"
+                    else len(request.text.encode("utf-8", "surrogatepass")))
         if self.engine.num_waiting > 0 and self.engine.waiting_prompt_tokens + estimate > a.max_waiting_tokens:
             await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_tokens",
                                f"the waiting queue holds {self.engine.waiting_prompt_tokens} prompt tokens, the "

@@ -81,13 +81,19 @@ def prompt_ids(request: inference_pb2.GenerateRequest, tokenizer: Any, limits: L
     return ids
 
 
-def to_generation_request(
-    request: inference_pb2.GenerateRequest, prompt: list[int], limits: Limits, arrival_time: float | None = None
-) -> GenerationRequest:
+def request_id_of(request: inference_pb2.GenerateRequest) -> str:
+    """The client's id, checked, or a fresh one when it sent none."""
     request_id = request.request_id or uuid.uuid4().hex
     _need(len(request_id.encode("utf-8", "surrogatepass")) <= MAX_REQUEST_ID_BYTES,
           f"request_id is longer than {MAX_REQUEST_ID_BYTES} bytes")
     _need(request_id.isprintable(), "request_id must be printable text")
+    return request_id
+
+
+def to_generation_request(
+    request: inference_pb2.GenerateRequest, request_id: str, prompt: list[int], limits: Limits,
+    arrival_time: float | None = None,
+) -> GenerationRequest:
     return GenerationRequest(
         request_id=request_id,
         prompt_token_ids=prompt,

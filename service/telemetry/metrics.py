@@ -157,7 +157,7 @@ class Metrics:
         """`count` new completion tokens of `seq` (already appended), sampled at `now`."""
         self.generated_tokens.inc(count)
         seen = seq.num_completion_tokens
-        previous = self._last_token.pop(seq.request_id, None)
+        previous = self._last_token.pop(seq.key, None)
         if seen == count:  # the prefill's tokens: the request's first
             arrival = seq.request.arrival_time
             self.prompt_tokens.inc(seq.num_prompt_tokens)
@@ -169,15 +169,15 @@ class Metrics:
             for _ in range(count):
                 self.itl.observe(gap)
         if seq.status is not SequenceStatus.FINISHED:
-            self._last_token[seq.request_id] = (now, seen)
+            self._last_token[seq.key] = (now, seen)
 
     def on_finish(self, seq: Sequence, finish: Finish) -> None:
         self.requests.labels(finish.reason.value).inc()
         self.duration.observe(finish.total_seconds)
         # The engine may report the last token after the finish: keep its time until on_tokens uses it.
-        entry = self._last_token.get(seq.request_id)
+        entry = self._last_token.get(seq.key)
         if entry is None or entry[1] >= finish.completion_tokens:
-            self._last_token.pop(seq.request_id, None)
+            self._last_token.pop(seq.key, None)
 
     # ---- servicer (event loop) -----------------------------------------------------------------
 

@@ -153,3 +153,17 @@ def test_model_info(server) -> None:
     assert info.architecture == "LlamaForCausalLM"
     assert info.vocab_size == server.app.loaded.spec.vocab_size
     assert info.max_sequence_length == 512
+
+
+def test_resubmitting_a_cancelled_request_id_at_once_is_served(server) -> None:
+    """The engine sees the abort of the first call after the second call's submit: both must be fine."""
+    stub = server.stub()
+    for attempt in range(5):
+        call = stub.Generate(inference_pb2.GenerateRequest(request_id="retry-me", **greedy("Once upon a time", 200)),
+                             timeout=60)
+        next(call)
+        call.cancel()
+        _, finished = generate(stub, request_id="retry-me", **greedy("Once upon a time", 5))
+        assert finished.usage.completion_tokens == 5 and finished.finish_reason == inference_pb2.FINISH_REASON_LENGTH
+    assert server.app.engine.alive
+    _wait_idle(server)

@@ -41,6 +41,15 @@ def test_health_is_not_serving_while_loading_then_serving(process_factory) -> No
     assert proc.health_status("graphserve.v1.Inference") == SERVING
 
 
+def test_sigterm_while_the_model_loads_exits_at_once(process_factory) -> None:
+    proc = process_factory(env={"GRAPHSERVE_TEST_FAULTS": "load_delay_s=60"})
+    proc.wait_for_health(NOT_SERVING, timeout=30)
+    started = time.monotonic()
+    proc.terminate()
+    assert proc.wait(30) == 0
+    assert time.monotonic() - started < 15, "shutdown waited for the model load"
+
+
 def test_sigterm_finishes_the_stream_refuses_new_calls_saves_stats_and_exits_0(process_factory, tmp_path) -> None:
     stats = tmp_path / "state" / "stats.json"
     stats.parent.mkdir()

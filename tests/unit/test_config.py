@@ -1,0 +1,38 @@
+"""Flags and GRAPHSERVE_* variables become one validated config; a bad value names its flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.config import ConfigError, load_config
+
+
+def test_command_line_wins_over_environment_and_secrets_are_redacted() -> None:
+    config = load_config(["--port", "6000"], {"GRAPHSERVE_PORT": "7000", "GRAPHSERVE_MODEL": "builtin:tiny",
+                                              "GRAPHSERVE_WARM_START": "false", "GRAPHSERVE_ADMIN_TOKEN": "s3cret"})
+    assert config.port == 6000 and config.warm_start is False and config.admin_token == "s3cret"
+    assert "s3cret" not in str(config.redacted())
+
+
+def test_admin_token_file_is_read_and_an_empty_one_refused(tmp_path) -> None:  # noqa: ANN001
+    token = tmp_path / "token"
+    token.write_text("abc\n")
+    assert load_config(["--admin-token-file", str(token)], {}).admin_token == "abc"
+    token.write_text("\n")
+    with pytest.raises(ConfigError, match="--admin-token-file"):
+        load_config(["--admin-token-file", str(token)], {})
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--graph-memory-budget", "lots"], "--graph-memory-budget"),
+    (["--capture-sizes", "0,abc"], "--capture-sizes"),
+    (["--capture-sizes", "64", "--max-running-seqs", "8"], "--capture-sizes"),
+    (["--log-level", "loud"], "--log-level"),
+    (["--max-running-seqs", "0"], "--max-running-seqs"),
+    (["--port", "70000"], "--port"),
+    (["--tls-cert", "/nonexistent.pem"], "--tls-cert"),
+    (["--default-max-tokens", "5000"], "--default-max-tokens"),
+])
+def test_bad_values_fail_at_start_naming_the_flag(argv: list[str], flag: str) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        load_config(argv, {})
