@@ -18,11 +18,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from service.model.kernels import FastPath
+from service.model.kernels.activation import silu_mul_torch, silu_mul_triton
+from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton
+from service.model.kernels.norm import add_rmsnorm_torch, add_rmsnorm_triton
+from service.model.kernels.rope import apply_rope, rope_kv_write_torch, rope_kv_write_triton, split_qkv
 from service.model.kv_cache import KVCache
 from service.model.spec import ModelLoadError, ModelSpec
 
-# attend(layer_idx, q [N, H, D], k [N, KVH, D], v [N, KVH, D]) -> [N, H * D]
+# attend(layer_idx, qkv [N, (H + 2 KVH) * D], cos, sin [N, 1, D]) -> [N, H * D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# The torch reference (gathers whole slots); the CPU path. Kept under this name for callers.
+decode_attention = decode_attention_torch
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
@@ -52,35 +60,6 @@ def rope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_ids: torch.Tensor,
-    positions: torch.Tensor,
-) -> torch.Tensor:
-    """One query token per row against its own slot, positions [0, positions[i]] visible.
-
-    q: [B, H, D]; k_cache, v_cache: [num_slots + 1, KVH, T, D]; slot_ids, positions: [B] long.
-    Returns [B, H * D]. Fixed shapes for a given B and no host syncs, so it can be graph-captured;
-    it gathers whole slots, which a paged or flash-decoding kernel can later replace.
-    """
-    b, h, d = q.shape
-    kvh, t = k_cache.shape[1], k_cache.shape[2]
-    k = k_cache.index_select(0, slot_ids)  # [B, KVH, T, D]
-    v = v_cache.index_select(0, slot_ids)
-    visible = torch.arange(t, device=q.device)[None, :] <= positions[:, None]  # [B, T]
-    qg = q.view(b, kvh, h // kvh, d)  # GQA: the query heads of one kv head share its keys
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=visible[:, None, None, :])  # [B, KVH, G, D]
-    return out.reshape(b, h * d)
-
-
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     # q: [L, H, D], k, v: [L, KVH, D] -> [L, H * D]
     groups = q.shape[1] // k.shape[1]
@@ -104,6 +83,45 @@ class Linear(nn.Module):
         self.weight = _empty(n_out, n_in, device=device, dtype=dtype)
         self.bias = _empty(n_out, device=device, dtype=dtype) if bias else None
 
+    @classmethod
+    def view_of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        """A Linear whose parameters share the given tensors' storage (no allocation)."""
+        part = cls.__new__(cls)
+        nn.Module.__init__(part)
+        part.weight = nn.Parameter(weight, requires_grad=False)
+        part.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        return part
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class FusedLinear(nn.Module):
+    """One GEMM for several projections of the same input (q/k/v, gate/up).
+
+    The fused weight (and bias) are non-persistent buffers; `parts` are plain Linear modules whose
+    parameters are row-slice views of them, registered by the owner under their HF names. So
+    load_weights, checkpoints and anything filling named_parameters() write the fused storage.
+    Do not move the model with .to()/.cuda(): that would copy parameters and buffers apart.
+    """
+
+    def __init__(
+        self, n_in: int, n_outs: tuple[int, ...], bias: bool, device: torch.device | str, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.register_buffer(
+            "weight", torch.empty(sum(n_outs), n_in, device=device, dtype=dtype), persistent=False
+        )
+        self.register_buffer(
+            "bias", torch.empty(sum(n_outs), device=device, dtype=dtype) if bias else None, persistent=False
+        )
+        self.parts: list[Linear] = []
+        start = 0
+        for n in n_outs:
+            rows = slice(start, start + n)
+            self.parts.append(Linear.view_of(self.weight[rows], self.bias[rows] if bias else None))
+            start += n
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
@@ -123,10 +141,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _empty(dim, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()  # normalise in float32 like transformers, scale in the model dtype
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, delta: torch.Tensor | None, fast: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, rmsnorm(x + delta)); normalises in float32 like transformers, scales in the model dtype."""
+        if fast:
+            return add_rmsnorm_triton(x, delta, self.weight, self.eps)
+        return add_rmsnorm_torch(x, delta, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -134,9 +155,9 @@ class Attention(nn.Module):
         super().__init__()
         hd, bias = spec.head_dim, spec.attention_bias
         kw = {"device": device, "dtype": dtype}
-        self.q_proj = Linear(spec.hidden_size, spec.num_heads * hd, bias, **kw)
-        self.k_proj = Linear(spec.hidden_size, spec.num_kv_heads * hd, bias, **kw)
-        self.v_proj = Linear(spec.hidden_size, spec.num_kv_heads * hd, bias, **kw)
+        qkv = (spec.num_heads * hd, spec.num_kv_heads * hd, spec.num_kv_heads * hd)
+        self.qkv_proj = FusedLinear(spec.hidden_size, qkv, bias, **kw)
+        self.q_proj, self.k_proj, self.v_proj = self.qkv_proj.parts
         # Llama's attention_bias also covers o_proj; Qwen2 biases only q/k/v.
         o_bias = bias and spec.architecture != "Qwen2ForCausalLM"
         self.o_proj = Linear(spec.num_heads * hd, spec.hidden_size, o_bias, **kw)
@@ -146,12 +167,16 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype, "bias": False}
-        self.gate_proj = Linear(spec.hidden_size, spec.intermediate_size, **kw)
-        self.up_proj = Linear(spec.hidden_size, spec.intermediate_size, **kw)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, **kw)
+        inter = spec.intermediate_size
+        self.gate_up_proj = FusedLinear(spec.hidden_size, (inter, inter), **kw)
+        self.gate_proj, self.up_proj = self.gate_up_proj.parts
+        self.down_proj = Linear(inter, spec.hidden_size, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, fast: bool) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [N, 2 * intermediate]
+        if fast:
+            return self.down_proj(silu_mul_triton(gate_up))
+        return self.down_proj(silu_mul_torch(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -164,16 +189,22 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
 
     def forward(
-        self, idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
-    ) -> torch.Tensor:
-        # x: [N, hidden]
-        n, a = x.shape[0], self.self_attn
-        h = self.input_layernorm(x)
-        q = apply_rope(a.q_proj(h).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(a.k_proj(h).view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = a.v_proj(h).view(n, self.num_kv_heads, self.head_dim)
-        x = x + a.o_proj(attend(idx, q, k, v))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        idx: int,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Attend,
+        fast: FastPath,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: residual stream [N, hidden]; delta: the previous layer's MLP output, not yet added
+        (None for the first layer), so the add fuses with this layer's norm. Returns (x, mlp delta)."""
+        a = self.self_attn
+        x, h = self.input_layernorm(x, delta, fast.norm)
+        attn = a.o_proj(attend(idx, a.qkv_proj(h), cos, sin))
+        x, h = self.post_attention_layernorm(x, attn, fast.norm)
+        return x, self.mlp(h, fast.silu_mul)
 
 
 class LlamaModel(nn.Module):
@@ -185,9 +216,16 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Weights are allocated uninitialised and must be filled by load_weights."""
+    """Weights are allocated uninitialised and must be filled by load_weights.
 
-    def __init__(self, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype) -> None:
+    On CUDA with fp16/bf16 and Triton importable, `fast` enables fused Triton kernels (each
+    self-checked here against its torch reference, see service.model.kernels); `fast_path=False`
+    or any failed check keeps the torch path, which is also the CPU path.
+    """
+
+    def __init__(
+        self, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype, fast_path: bool = True
+    ) -> None:
         super().__init__()
         self.spec, self.dtype = spec, dtype
         self.model = LlamaModel(spec, device, dtype)
@@ -198,14 +236,36 @@ class LlamaForCausalLM(nn.Module):
             else Linear(spec.hidden_size, spec.vocab_size, False, device, dtype)
         )
         self.register_buffer("inv_freq", rope_inv_freq(spec).to(device), persistent=False)
+        self.fast = (
+            FastPath.build(
+                device,
+                dtype,
+                spec.num_heads,
+                spec.num_kv_heads,
+                spec.head_dim,
+                spec.hidden_size,
+                spec.intermediate_size,
+            )
+            if fast_path
+            else FastPath()
+        )
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         # input_ids, positions: [N] -> final hidden states [N, hidden]
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        delta = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(i, x, cos, sin, attend)
-        return self.model.norm(x)
+            x, delta = layer(i, x, delta, cos, sin, attend, self.fast)
+        return self.model.norm(x, delta, self.fast.norm)[1]
+
+    def _rope(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # qkv [N, (H + 2 KVH) * D] -> rotated q [N, H, D], rotated k, v [N, KVH, D]
+        s = self.spec
+        q, k, v = split_qkv(qkv, s.num_heads, s.num_kv_heads, s.head_dim)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -218,7 +278,8 @@ class LlamaForCausalLM(nn.Module):
         if n > kv.max_seq_len:
             raise ValueError(f"prompt of {n} tokens exceeds the KV cache length {kv.max_seq_len}")
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attend(i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            q, k, v = self._rope(qkv, cos, sin)
             kv.k[i][slot, :, :n] = k.transpose(0, 1)
             kv.v[i][slot, :, :n] = v.transpose(0, 1)
             return causal_attention(q, k, v)
@@ -231,11 +292,16 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor, kv: KVCache
     ) -> torch.Tensor:
         """input_ids, positions, slot_ids: [B] -> float32 logits [B, V]. Graph-safe: no host syncs."""
+        s = self.spec
+        rope_kv_write = rope_kv_write_triton if self.fast.rope_kv else rope_kv_write_torch
+        attention = decode_attention_triton if self.fast.attention else decode_attention_torch
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            kv.k[i][slot_ids, :, positions] = k  # [B, KVH, D] into (slot, :, position)
-            kv.v[i][slot_ids, :, positions] = v
-            return decode_attention(q, kv.k[i], kv.v[i], slot_ids, positions)
+        def attend(i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            # rotates q and k, writes k and v into (slot, :, position) of layer i's cache
+            q = rope_kv_write(
+                qkv, cos, sin, kv.k[i], kv.v[i], slot_ids, positions, s.num_heads, s.num_kv_heads
+            )
+            return attention(q, kv.k[i], kv.v[i], slot_ids, positions)
 
         return self._logits(self._run(input_ids, positions, attend))
 
@@ -244,7 +310,7 @@ class LlamaForCausalLM(nn.Module):
         """[1, L] -> float32 logits [1, L, V] without a cache (reference path for tests)."""
         ids = input_ids[0]
         positions = torch.arange(ids.shape[0], device=ids.device)
-        h = self._run(ids, positions, lambda i, q, k, v: causal_attention(q, k, v))
+        h = self._run(ids, positions, lambda i, qkv, cos, sin: causal_attention(*self._rope(qkv, cos, sin)))
         return self._logits(h)[None]
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:

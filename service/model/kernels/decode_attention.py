@@ -1,0 +1,227 @@
+"""Decode attention: one query token per row against the filled part of its own KV slot.
+
+`decode_attention_torch` gathers whole slots and masks (the CPU path and the reference);
+`decode_attention_triton` is flash-decoding: a grid over (row, kv head, split of the sequence)
+reads only positions [0, positions[i]] of row i, the query heads of one kv head share its loads
+(GQA), and the softmax runs online in float32. Lengths come from the `positions` tensor, so both
+are graph-safe (fixed grid, no host syncs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from service.model.kernels._triton import tl, triton
+
+BLOCK_N = 64  # KV positions per inner step
+
+
+def decode_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """q: [B, H, D]; k_cache, v_cache: [num_slots + 1, KVH, T, D]; slot_ids, positions: [B] long -> [B, H * D]."""
+    b, h, d = q.shape
+    kvh, t = k_cache.shape[1], k_cache.shape[2]
+    k = k_cache.index_select(0, slot_ids)  # [B, KVH, T, D]
+    v = v_cache.index_select(0, slot_ids)
+    visible = torch.arange(t, device=q.device)[None, :] <= positions[:, None]  # [B, T]
+    qg = q.view(b, kvh, h // kvh, d)  # GQA: the query heads of one kv head share its keys
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=visible[:, None, None, :])  # [B, KVH, G, D]
+    return out.reshape(b, h * d)
+
+
+def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> tuple[int, int]:
+    """(num_splits, split_len): enough programs to fill the GPU twice over; split_len a multiple of BLOCK_N."""
+    blocks = triton_cdiv(max_seq_len, BLOCK_N)
+    want = max(1, min(blocks, triton_cdiv(2 * num_sms, batch * num_kv_heads)))
+    split_len = triton_cdiv(blocks, want) * BLOCK_N
+    return triton_cdiv(max_seq_len, split_len), split_len
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+_num_sms: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter on CPU: any value; small so splits get exercised
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _num_sms:
+        _num_sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _num_sms[idx]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    positions: torch.Tensor,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Same contract as decode_attention_torch. `num_splits` overrides the heuristic (tests)."""
+    b, h, d = q.shape
+    kvh, t = k_cache.shape[1], k_cache.shape[2]
+    assert h % kvh == 0 and q.dtype == k_cache.dtype == v_cache.dtype
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    q = q.contiguous()
+    groups = h // kvh
+    if num_splits is None:
+        num_splits, split_len = num_splits_for(b, kvh, t, _sm_count(q.device))
+    else:
+        split_len = triton_cdiv(triton_cdiv(t, num_splits), BLOCK_N) * BLOCK_N
+        num_splits = triton_cdiv(t, split_len)
+    out = torch.empty((b, h, d), device=q.device, dtype=q.dtype)
+    if num_splits > 1:
+        part = torch.empty((b, h, num_splits, d), device=q.device, dtype=torch.float32)
+        lse = torch.empty((b, h, num_splits), device=q.device, dtype=torch.float32)
+    else:  # unused: the kernel writes `out` directly
+        part, lse = out, out
+    block_d = max(16, _next_pow2(d))
+    block_g = max(16, _next_pow2(groups))  # tl.dot needs M >= 16
+    _decode_attn_kernel[(b, kvh, num_splits)](
+        q, k_cache, v_cache, slot_ids, positions, out, part, lse,
+        d**-0.5,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1),
+        GROUPS=groups, HEAD_DIM=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
+        SPLIT_LEN=split_len, NUM_SPLITS=num_splits, DYNAMIC_LOOP=not _interpreting(),
+        num_warps=4,
+    )
+    if num_splits > 1:
+        _combine_kernel[(b, h)](
+            part, lse, out,
+            part.stride(0), part.stride(1), part.stride(2),
+            lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=max(2, _next_pow2(num_splits)),
+            num_warps=1,
+        )
+    return out.view(b, h * d)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attend_tile(q, k_ptr, v_ptr, kv_off, offs_n, end, offs_d, d_mask, stride_kt, sm_scale, m_i, l_i, acc):
+        # One tile of BLOCK_N positions: scores, online-softmax rescale, accumulate p @ v.
+        n_mask = offs_n < end
+        tile = kv_off + offs_n[:, None] * stride_kt + offs_d[None, :]
+        tile_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + tile, mask=tile_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_G, BLOCK_N] float32
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked tile must not give inf - inf
+        alpha = tl.exp(m_i - m_ref)
+        p = tl.exp(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + tile, mask=tile_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _decode_attn_kernel(
+        q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, out_ptr, part_ptr, lse_ptr,
+        sm_scale,
+        stride_qb, stride_qh,
+        stride_ks, stride_kh, stride_kt,
+        stride_ob, stride_oh,
+        GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        length = tl.load(pos_ptr + row).to(tl.int32) + 1
+        start = split * SPLIT_LEN
+        end = tl.minimum(start + SPLIT_LEN, length)
+
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        g_mask = offs_g < GROUPS
+        d_mask = offs_d < HEAD_DIM
+        heads = kvh * GROUPS + offs_g
+        q = tl.load(
+            q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        kv_off = slot * stride_ks + kvh * stride_kh
+
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        if DYNAMIC_LOOP:  # only the filled tiles of this split
+            for n0 in range(start, end, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(
+                    q, k_ptr, v_ptr, kv_off, n0 + tl.arange(0, BLOCK_N), end, offs_d, d_mask, stride_kt,
+                    sm_scale, m_i, l_i, acc,
+                )
+        else:  # the interpreter cannot loop over runtime bounds: every tile of the split, masked
+            for i in range(0, SPLIT_LEN, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(
+                    q, k_ptr, v_ptr, kv_off, start + i + tl.arange(0, BLOCK_N), end, offs_d, d_mask, stride_kt,
+                    sm_scale, m_i, l_i, acc,
+                )
+
+        l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (start >= length) has l = 0
+        o = acc / l_safe[:, None]
+        o_mask = g_mask[:, None] & d_mask[None, :]
+        if NUM_SPLITS == 1:
+            tl.store(
+                out_ptr + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=o_mask,
+            )
+        else:
+            # part: [B, H, NUM_SPLITS, HEAD_DIM] float32, lse: [B, H, NUM_SPLITS], both contiguous
+            part_row = (row * (GROUPS * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+            tl.store(part_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=o_mask)
+            lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
+            tl.store(lse_ptr + part_row, lse, mask=g_mask)
+
+    @triton.jit
+    def _combine_kernel(
+        part_ptr, lse_ptr, out_ptr,
+        stride_pb, stride_ph, stride_ps,
+        stride_lb, stride_lh,
+        stride_ob, stride_oh,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_mask = offs_s < NUM_SPLITS
+        d_mask = offs_d < HEAD_DIM
+        lse = tl.load(lse_ptr + row * stride_lb + head * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+        m = tl.max(lse, 0)  # finite: split 0 always holds position 0
+        w = tl.exp(lse - m)  # [BLOCK_S], 0 for empty splits
+        parts = tl.load(
+            part_ptr + row * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+            mask=s_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        o = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_mask)

@@ -1,0 +1,131 @@
+"""Which fused Triton kernels the model uses: decided once at construction, by a self-check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from service.model.kernels import _triton
+
+log = structlog.get_logger("graphserve.model")
+
+FAST_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class FastPath:
+    """Flags per fused kernel; all False is the torch path (CPU, float32, no Triton, or a failed check)."""
+
+    attention: bool = False
+    norm: bool = False
+    rope_kv: bool = False
+    silu_mul: bool = False
+
+    @classmethod
+    def build(
+        cls, device: torch.device | str, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+        head_dim: int, hidden_size: int, intermediate_size: int,
+    ) -> FastPath:
+        """Self-checks each Triton kernel on small random inputs of the model's head shape."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            return cls()
+        if dtype not in FAST_DTYPES:
+            log.info("fast_path_disabled", reason=f"dtype {dtype} (Triton kernels are for fp16/bf16)")
+            return cls()
+        if _triton.triton is None:
+            log.warning("fast_path_disabled", reason="triton is not importable")
+            return cls()
+        shape = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+        checks = {
+            "attention": lambda: check_attention(device, dtype, **shape),
+            "norm": lambda: check_norm(device, dtype, hidden_size),
+            "rope_kv": lambda: check_rope_kv(device, dtype, **shape),
+            "silu_mul": lambda: check_silu_mul(device, dtype, intermediate_size),
+        }
+        flags = {}
+        for name, check in checks.items():
+            try:
+                with torch.cuda.device(device), torch.inference_mode():
+                    check()
+                flags[name] = True
+            except Exception as e:  # noqa: BLE001  (the fast path must never take the service down)
+                log.warning("fast_path_disabled", kernel=name, reason=f"{type(e).__name__}: {e}"[:500])
+                flags[name] = False
+        fast = cls(**flags)
+        log.info("fast_path", **flags)
+        return fast
+
+
+def _close(ours: torch.Tensor, ref: torch.Tensor, what: str, atol: float, rtol: float) -> None:
+    if ours.shape != ref.shape or ours.dtype != ref.dtype:
+        raise AssertionError(f"{what}: got {ours.dtype}{tuple(ours.shape)}, want {ref.dtype}{tuple(ref.shape)}")
+    if not torch.allclose(ours.float(), ref.float(), atol=atol, rtol=rtol):
+        diff = (ours.float() - ref.float()).abs().max().item()
+        raise AssertionError(f"{what}: max abs diff {diff:.3g} over atol {atol} rtol {rtol}")
+
+
+def check_attention(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+    batch: int = 3, max_seq_len: int = 200, num_splits: int | None = None, seed: int = 0,
+) -> None:
+    from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton
+
+    gen = torch.Generator(device).manual_seed(seed)
+    slots = 4
+    q = torch.randn(batch, num_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(slots + 1, num_kv_heads, max_seq_len, head_dim, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(k.shape, device=device, dtype=dtype, generator=gen)
+    slot_ids = torch.randint(0, slots + 1, (batch,), device=device, generator=gen)
+    positions = torch.randint(0, max_seq_len, (batch,), device=device, generator=gen)
+    positions[0] = 0  # a padding-like row of length 1
+    positions[-1] = max_seq_len - 1  # a full row
+    ref = decode_attention_torch(q.float(), k.float(), v.float(), slot_ids, positions).to(dtype)
+    ours = decode_attention_triton(q, k, v, slot_ids, positions, num_splits=num_splits)
+    _close(ours, ref, "decode_attention", atol=2e-2, rtol=2e-2)
+
+
+def check_norm(device: torch.device, dtype: torch.dtype, hidden: int, rows: int = 3, seed: int = 0) -> None:
+    from service.model.kernels.norm import add_rmsnorm_torch, add_rmsnorm_triton
+
+    gen = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(rows, hidden, device=device, dtype=dtype, generator=gen)
+    d = torch.randn(rows, hidden, device=device, dtype=dtype, generator=gen)
+    w = 1 + 0.1 * torch.randn(hidden, device=device, dtype=dtype, generator=gen)
+    for delta in (None, d):
+        res_ref, h_ref = add_rmsnorm_torch(x, delta, w, 1e-5)
+        res, h = add_rmsnorm_triton(x, delta, w, 1e-5)
+        _close(res, res_ref, "residual add", atol=0, rtol=0)
+        _close(h, h_ref, "rmsnorm", atol=1e-2, rtol=1e-2)
+
+
+def check_rope_kv(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+    batch: int = 3, max_seq_len: int = 16, seed: int = 0,
+) -> None:
+    from service.model.kernels.rope import rope_kv_write_torch, rope_kv_write_triton
+
+    gen = torch.Generator(device).manual_seed(seed)
+    slots = max(4, batch)  # distinct slots: two rows writing one (slot, position) would race
+    qkv = torch.randn(batch, (num_heads + 2 * num_kv_heads) * head_dim, device=device, dtype=dtype, generator=gen)
+    slot_ids = torch.randperm(slots + 1, device=device, generator=gen)[:batch]  # may include the scratch slot
+    positions = torch.randint(0, max_seq_len, (batch,), device=device, generator=gen)
+    angles = positions[:, None].float() * (1.0 / 10000 ** (torch.arange(0, head_dim, 2, device=device) / head_dim))
+    emb = torch.cat((angles, angles), dim=-1)[:, None, :]
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    caches = [torch.zeros(slots + 1, num_kv_heads, max_seq_len, head_dim, device=device, dtype=dtype) for _ in range(4)]
+    q_ref = rope_kv_write_torch(qkv, cos, sin, caches[0], caches[1], slot_ids, positions, num_heads, num_kv_heads)
+    q = rope_kv_write_triton(qkv, cos, sin, caches[2], caches[3], slot_ids, positions, num_heads, num_kv_heads)
+    _close(q, q_ref, "rope q", atol=1e-2, rtol=1e-2)
+    _close(caches[2], caches[0], "rope k cache", atol=1e-2, rtol=1e-2)
+    _close(caches[3], caches[1], "v cache", atol=0, rtol=0)
+
+
+def check_silu_mul(device: torch.device, dtype: torch.dtype, intermediate: int, rows: int = 3, seed: int = 0) -> None:
+    from service.model.kernels.activation import silu_mul_torch, silu_mul_triton
+
+    gen = torch.Generator(device).manual_seed(seed)
+    gu = torch.randn(rows, 2 * intermediate, device=device, dtype=dtype, generator=gen)
+    _close(silu_mul_triton(gu), silu_mul_torch(gu), "silu_mul", atol=1e-2, rtol=1e-2)

@@ -1,0 +1,72 @@
+"""RMSNorm, optionally fused with the residual add before it: x = x + delta; h = rmsnorm(x).
+
+Numerics follow transformers (and the torch path): normalise in float32 (x.float(), mean of
+squares, rsqrt), cast to the model dtype, then multiply by the weight in the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from service.model.kernels._triton import tl, triton
+
+
+def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def add_rmsnorm_torch(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, delta: [N, hidden] -> (x + delta, rmsnorm(x + delta)); delta None means no add."""
+    if delta is not None:
+        x = x + delta
+    return x, rmsnorm_torch(x, weight, eps)
+
+
+def add_rmsnorm_triton(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    assert x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous()
+    n, hidden = x.shape
+    out = torch.empty_like(x)
+    if delta is not None:
+        assert delta.shape == x.shape and delta.stride(-1) == 1
+        res = torch.empty_like(x)
+    else:
+        delta, res = x, x  # not read / written: HAS_DELTA is False
+    block = triton.next_power_of_2(hidden)
+    _add_rmsnorm_kernel[(n,)](
+        x, delta, weight, out, res,
+        x.stride(0), delta.stride(0), out.stride(0), res.stride(0),
+        hidden, eps,
+        HAS_DELTA=res is not x, BLOCK=block,
+        num_warps=max(1, min(16, block // 256)),
+    )
+    return res, out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rmsnorm_kernel(
+        x_ptr, d_ptr, w_ptr, out_ptr, res_ptr,
+        stride_x, stride_d, stride_o, stride_r,
+        hidden, eps,
+        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < hidden
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        if HAS_DELTA:
+            d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)  # rounded once, like torch's add
+            tl.store(res_ptr + row * stride_r + offs, x, mask=mask)
+        xf = x.to(tl.float32)
+        mean_sq = tl.sum(xf * xf, 0) / hidden
+        h = (xf * tl.rsqrt(mean_sq + eps)).to(x.dtype)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + row * stride_o + offs, (w.to(tl.float32) * h.to(tl.float32)).to(x.dtype), mask=mask)

@@ -1,0 +1,121 @@
+"""RoPE on q and k plus the decode KV-cache write, in one kernel.
+
+Input is the fused qkv projection [B, (H + 2 * KVH) * D]. Writes rotated k and v into
+(slot_ids[i], :, positions[i]) of the layer's cache and returns rotated q [B, H, D]. cos/sin are
+computed once per step by the caller (float32, cast to the model dtype, like transformers); the
+kernel repeats the torch op order: x * cos and rotate_half(x) * sin each rounded, then summed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from service.model.kernels._triton import tl, triton
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def split_qkv(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # qkv: [N, (H + 2 KVH) * D] -> views q [N, H, D], k, v [N, KVH, D]
+    n = qkv.shape[0]
+    q, k, v = qkv.split((num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim), dim=-1)
+    return q.view(n, num_heads, head_dim), k.view(n, num_kv_heads, head_dim), v.view(n, num_kv_heads, head_dim)
+
+
+def rope_kv_write_torch(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """cos, sin: [B, 1, D]; caches [num_slots + 1, KVH, T, D]; slot_ids, positions [B] -> q [B, H, D]."""
+    head_dim = k_cache.shape[-1]
+    q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_cache[slot_ids, :, positions] = k  # [B, KVH, D] into (slot, :, position)
+    v_cache[slot_ids, :, positions] = v
+    return q
+
+
+def rope_kv_write_triton(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    b = qkv.shape[0]
+    head_dim = k_cache.shape[-1]
+    assert head_dim % 2 == 0 and qkv.stride(-1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    cos2, sin2 = cos.reshape(b, head_dim), sin.reshape(b, head_dim)
+    assert cos2.stride(-1) == 1 and sin2.stride() == cos2.stride()
+    q = torch.empty((b, num_heads, head_dim), device=qkv.device, dtype=qkv.dtype)
+    half = head_dim // 2
+    _rope_kv_kernel[(b, num_heads + num_kv_heads)](
+        qkv, cos2, sin2, slot_ids, positions, q, k_cache, v_cache,
+        qkv.stride(0), cos2.stride(0), q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
+        BLOCK=triton.next_power_of_2(half),
+        num_warps=1,
+    )
+    return q
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_kv_kernel(
+        qkv_ptr, cos_ptr, sin_ptr, slot_ptr, pos_ptr, q_ptr, k_ptr, v_ptr,
+        stride_qkv, stride_cs, stride_qb, stride_qh,
+        stride_ks, stride_kh, stride_kt,
+        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)  # [0, H) query heads, then [H, H + KVH) key heads
+        offs = tl.arange(0, BLOCK)
+        mask = offs < HALF
+        src = qkv_ptr + row * stride_qkv + head * HEAD_DIM
+        x1 = tl.load(src + offs, mask=mask, other=0.0)
+        x2 = tl.load(src + HALF + offs, mask=mask, other=0.0)
+        dt = x1.dtype
+        c1 = tl.load(cos_ptr + row * stride_cs + offs, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + row * stride_cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + row * stride_cs + offs, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + row * stride_cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        f1 = x1.to(tl.float32)
+        f2 = x2.to(tl.float32)
+        # torch: x * cos + cat(-x2, x1) * sin, each product rounded to the model dtype, then the sum
+        o1 = ((f1 * c1).to(dt).to(tl.float32) + ((-f2) * s1).to(dt).to(tl.float32)).to(dt)
+        o2 = ((f2 * c2).to(dt).to(tl.float32) + (f1 * s2).to(dt).to(tl.float32)).to(dt)
+        if head < NUM_HEADS:
+            dst = q_ptr + row * stride_qb + head * stride_qh
+            tl.store(dst + offs, o1, mask=mask)
+            tl.store(dst + HALF + offs, o2, mask=mask)
+        else:
+            kh = head - NUM_HEADS
+            slot = tl.load(slot_ptr + row).to(tl.int64)
+            pos = tl.load(pos_ptr + row).to(tl.int64)
+            cache_off = slot * stride_ks + kh * stride_kh + pos * stride_kt
+            tl.store(k_ptr + cache_off + offs, o1, mask=mask)
+            tl.store(k_ptr + cache_off + HALF + offs, o2, mask=mask)
+            vsrc = qkv_ptr + row * stride_qkv + (NUM_HEADS + NUM_KV_HEADS + kh) * HEAD_DIM
+            tl.store(v_ptr + cache_off + offs, tl.load(vsrc + offs, mask=mask, other=0.0), mask=mask)
+            tl.store(v_ptr + cache_off + HALF + offs, tl.load(vsrc + HALF + offs, mask=mask, other=0.0), mask=mask)
