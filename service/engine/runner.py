@@ -32,6 +32,11 @@ class ModelRunner:
             max_batch=max_running,
         )
         self.graphs = GraphCache(self.decode_step, graph_config, self.device, fingerprint)
+        # Sampled tokens come back through one pinned buffer; waiting on an event (which releases
+        # the GIL) instead of a blocking copy lets the event loop run while the GPU works.
+        on_cuda = self.device.type == "cuda"
+        self._host_tokens = torch.zeros(2 * max_running, dtype=torch.long, pin_memory=on_cuda)
+        self._tokens_ready = torch.cuda.Event() if on_cuda else None
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -51,7 +56,16 @@ class ModelRunner:
             sampled.append(self.decode(decodes))
         if prefills:
             sampled.append(self.prefill(prefills))
-        return torch.cat(sampled).tolist() if sampled else []
+        if not sampled:
+            return []
+        tokens = torch.cat(sampled)
+        if self._tokens_ready is None:
+            return tokens.tolist()
+        host = self._host_tokens[: tokens.shape[0]]
+        host.copy_(tokens, non_blocking=True)
+        self._tokens_ready.record()
+        self._tokens_ready.synchronize()  # the step's one host sync
+        return host.tolist()
 
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """Run each prompt into its KV slot; returns the first completion token of each (on device)."""

@@ -75,7 +75,9 @@ def test_capture_then_evict_gives_the_memory_back(gpu_server, capsys) -> None:
     state = ctl.json("state")
     assert state["mode"] == "full" and state["device"].startswith("cuda")
     captured = [int(b["bytes"]) for b in state["buckets"] if b["state"] == "BUCKET_STATE_CAPTURED"]
-    assert int(state["used_bytes"]) == sum(captured) >= nbytes  # start-up traffic may have captured size 1
+    assert int(state["used_bytes"]) >= sum(captured) >= nbytes  # start-up traffic may have captured size 1
+    # The capture's eager warm-up leaves activations in the allocator's cache; they are not the graph's.
+    torch.cuda.empty_cache()
     reserved_captured = torch.cuda.memory_reserved()
     grown = reserved_captured - reserved0
     assert grown > 0
@@ -89,6 +91,7 @@ def test_capture_then_evict_gives_the_memory_back(gpu_server, capsys) -> None:
     assert [r["outcome"] for r in response["results"]] == ["evicted"]
     assert int(response["results"][0]["bytes"]) > 0
     assert ctl.bucket(8)["state"] == "BUCKET_STATE_EVICTED"
+    torch.cuda.empty_cache()
     dropped = reserved_captured - torch.cuda.memory_reserved()
     assert dropped >= 0.9 * grown, (dropped, grown, nbytes)
 
