@@ -45,10 +45,6 @@ class ServeConfig:
     metrics_port: int = 9464
     drain_timeout: float = 30.0
     watchdog_timeout: float = 60.0
-    # How long a Python thread may hold the GIL before another waiting thread gets it. The default
-    # of 5 ms lets the event loop keep the engine thread waiting for whole milliseconds after each
-    # GPU step; a shorter interval hands the engine the GIL back sooner (see bench/NOTES.md).
-    gil_switch_interval_ms: float = 0.5
     log_format: str = "auto"  # auto | json | console
     log_level: str = "info"
     # Limits (admission control)
@@ -102,7 +98,6 @@ class ServeConfig:
         need(self.default_max_tokens <= self.max_tokens_limit, "--default-max-tokens must be <= --max-tokens-limit")
         need(self.drain_timeout >= 0, "--drain-timeout must be >= 0 seconds")
         need(self.watchdog_timeout > 0, "--watchdog-timeout must be > 0 seconds")
-        need(0 < self.gil_switch_interval_ms <= 100, "--gil-switch-interval-ms must be in (0, 100]")
         need(
             (self.tls_cert is None) == (self.tls_key is None), "--tls-cert and --tls-key must be given together"
         )
@@ -172,8 +167,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-port", type=int, default=d.metrics_port, help="0 disables /metrics")
     g.add_argument("--drain-timeout", type=float, default=d.drain_timeout, help="seconds")
     g.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout, help="seconds")
-    g.add_argument("--gil-switch-interval-ms", type=float, default=d.gil_switch_interval_ms,
-                   help="Python's thread switch interval; lower favours the engine thread")
     g.add_argument("--log-format", default=d.log_format, choices=["auto", "json", "console"])
     g.add_argument("--log-level", default=d.log_level)
     g = p.add_argument_group("limits")

@@ -15,7 +15,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 import signal
-import sys
 import time
 
 import grpc
@@ -115,7 +114,6 @@ class App:
 
     async def start(self) -> None:
         c = self.config
-        sys.setswitchinterval(c.gil_switch_interval_ms / 1000.0)
         options = [
             ("grpc.max_receive_message_length", c.max_receive_message_bytes),
             ("grpc.so_reuseport", 0),

@@ -62,6 +62,9 @@ def gpu_server(model_cache_dir, tmp_path) -> Iterator[tuple[ServerThread, str, s
 def test_capture_then_evict_gives_the_memory_back(gpu_server, capsys) -> None:
     server, target, token_file = gpu_server
     ctl = Ctl(target, token_file, capsys)
+    # The first capture of the process also creates the capture stream's cuBLAS workspace (32 MiB
+    # on Hopper), which outlives every graph: pay it with another bucket before measuring.
+    assert ctl("capture", "2")[0] == 0 and ctl("evict", "2")[0] == 0
     torch.cuda.empty_cache()
     reserved0 = torch.cuda.memory_reserved()
 
@@ -87,13 +90,16 @@ def test_capture_then_evict_gives_the_memory_back(gpu_server, capsys) -> None:
     _, finished = generate(server.stub(), **greedy("Once upon a time", 8))
     assert finished.usage.completion_tokens == 8
 
+    # That call may have captured bucket 1 lazily: measure again right before the eviction.
+    torch.cuda.empty_cache()
+    reserved_before_evict = torch.cuda.memory_reserved()
     response = ctl.json("evict", "8")
     assert [r["outcome"] for r in response["results"]] == ["evicted"]
     assert int(response["results"][0]["bytes"]) > 0
     assert ctl.bucket(8)["state"] == "BUCKET_STATE_EVICTED"
     torch.cuda.empty_cache()
-    dropped = reserved_captured - torch.cuda.memory_reserved()
-    assert dropped >= 0.9 * grown, (dropped, grown, nbytes)
+    dropped = reserved_before_evict - torch.cuda.memory_reserved()
+    assert dropped >= 0.9 * nbytes, (dropped, grown, nbytes)
 
 
 def test_budget_below_current_use_evicts_until_under_it(gpu_server, capsys) -> None:
