@@ -33,7 +33,7 @@ from service.model import KVCache, LlamaForCausalLM, ModelSpec, ensure_builtin
 from service.model.builtin import BUILTIN_PREFIX, BUILTIN_SHAPES, _hf_config
 from service.model.loader import default_cache_dir, load_model
 
-# DESIGN.md "Facts measured on an H200": gpt-fast, untied head, torch.compile; batch -> ms per step.
+# gpt-fast (untied head, torch.compile) measured earlier on an H200, not re-run: batch -> ms per step.
 GPT_FAST_MS = {1: 1.15, 8: 1.55, 64: 2.87}
 
 
@@ -313,7 +313,7 @@ def plot(rows: list[dict], anchors: dict | None, floor_ms: float | None, title: 
              marker="s", linestyle=":")
     if gpt_fast:  # measured for the Llama-3.2-1B shape only
         ax.scatter(list(GPT_FAST_MS), list(GPT_FAST_MS.values()), marker="*", s=120, color="black", zorder=5,
-                   label="gpt-fast (DESIGN.md, not re-run)")
+                   label="gpt-fast (earlier H200 measurement, not re-run)")
     if floor_ms:
         ax.axhline(floor_ms, color="gray", linestyle="-.", label=f"bandwidth floor {floor_ms:.3f} ms")
     ax.set_xscale("log", base=2)
