@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
-import signal
-import time
 
 import grpc
 import structlog
@@ -31,12 +31,12 @@ from service.engine.scheduler import Scheduler
 from service.model.loader import LoadedModel, load_model
 from service.model.spec import ModelLoadError
 from service.proto import inference_pb2, inference_pb2_grpc
-from service.telemetry.metrics import Metrics
 from service.server.admin_server import start_admin_server
 from service.server.faults import Faults, wrap_decode
 from service.server.inference_servicer import AdmissionLimits, InferenceServicer, LoopPublisher
 from service.server.transport import add_port
 from service.server.validation import Limits
+from service.telemetry.metrics import Metrics
 
 log = structlog.get_logger("graphserve.app")
 

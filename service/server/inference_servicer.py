@@ -16,6 +16,7 @@ import structlog
 
 from service.engine.engine import Engine, EngineStopped, Sink, deliver
 from service.engine.request import EngineError, Finish, FinishReason, RequestEvent, TokenDelta
+from service.proto import inference_pb2, inference_pb2_grpc
 from service.server.validation import (
     InvalidRequest,
     Limits,
@@ -24,7 +25,6 @@ from service.server.validation import (
     request_id_of,
     to_generation_request,
 )
-from service.proto import inference_pb2, inference_pb2_grpc
 
 log = structlog.get_logger("graphserve.server")
 

@@ -8,8 +8,6 @@ bytes after emptying its cache, relative to a baseline taken before any capture.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import structlog
 import torch
