@@ -159,7 +159,7 @@ def test_model_info(server) -> None:
 def test_resubmitting_a_cancelled_request_id_at_once_is_served(server) -> None:
     """The engine sees the abort of the first call after the second call's submit: both must be fine."""
     stub = server.stub()
-    for attempt in range(5):
+    for _ in range(5):
         call = stub.Generate(inference_pb2.GenerateRequest(request_id="retry-me", **greedy("Once upon a time", 200)),
                              timeout=60)
         next(call)
