@@ -86,13 +86,7 @@ def test_capture_then_evict_gives_the_memory_back(gpu_server, capsys) -> None:
     assert grown > 0
     assert nbytes >= 0.9 * grown  # bytes = max(pool growth, driver free-memory drop)
 
-    # Traffic still runs correctly with a captured bucket present.
-    _, finished = generate(server.stub(), **greedy("Once upon a time", 8))
-    assert finished.usage.completion_tokens == 8
-
-    # That call may have captured bucket 1 lazily: measure again right before the eviction.
-    torch.cuda.empty_cache()
-    reserved_before_evict = torch.cuda.memory_reserved()
+    reserved_before_evict = reserved_captured
     response = ctl.json("evict", "8")
     assert [r["outcome"] for r in response["results"]] == ["evicted"]
     assert int(response["results"][0]["bytes"]) > 0
@@ -100,6 +94,10 @@ def test_capture_then_evict_gives_the_memory_back(gpu_server, capsys) -> None:
     torch.cuda.empty_cache()
     dropped = reserved_before_evict - torch.cuda.memory_reserved()
     assert dropped >= 0.9 * nbytes, (dropped, grown, nbytes)
+
+    # Traffic still runs correctly after the operator's capture and eviction.
+    _, finished = generate(server.stub(), **greedy("Once upon a time", 8))
+    assert finished.usage.completion_tokens == 8
 
 
 def test_budget_below_current_use_evicts_until_under_it(gpu_server, capsys) -> None:
