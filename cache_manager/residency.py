@@ -87,6 +87,16 @@ class Residency:
         ]
         return choose_victims(cands, need, max_score)
 
+    def _victims_for(
+        self, b: Bucket, nbytes: int, need: int, protect: set[int], evict: str, now: float
+    ) -> list[int] | None:
+        """Graphs to evict so that `b` (of about `nbytes`) fits, or None when the mode allows none."""
+        if evict == "none":
+            return None
+        # Traffic may only displace graphs worth no more per byte than the newcomer; operators any.
+        max_score = math.inf if evict == "force" else b.heat_at(now, self.half_life_s) / max(nbytes, 1)
+        return self.victims(need, protect, max_score, now)
+
     def try_capture(self, size: int, protect: set[int], evict: str) -> tuple[OpOutcome, str]:
         """Capture `size` within the budget.
 
@@ -98,12 +108,7 @@ class Residency:
         estimate = estimate_bytes(size, self.stats.measured_bytes())
         need = self.used_bytes + estimate - self.budget_bytes
         if need > 0:
-            victims = None
-            if evict != "none":
-                max_score = (
-                    math.inf if evict == "force" else b.heat_at(now, self.half_life_s) / max(estimate, 1)
-                )
-                victims = self.victims(need, protect, max_score, now)
+            victims = self._victims_for(b, estimate, need, protect, evict, now)
             if victims is None:
                 return OpOutcome.OVER_BUDGET, (
                     f"needs about {estimate} bytes; {self.used_bytes} of "
@@ -121,12 +126,7 @@ class Residency:
         self.stats.capture(size, graph.nbytes, graph.capture_ms)
         over = self.used_bytes + graph.nbytes - self.budget_bytes
         if over > 0:
-            victims = None
-            if evict != "none":
-                max_score = (
-                    math.inf if evict == "force" else b.heat_at(now, self.half_life_s) / max(graph.nbytes, 1)
-                )
-                victims = self.victims(over, protect | {size}, max_score, now)
+            victims = self._victims_for(b, graph.nbytes, over, protect | {size}, evict, now)
             if victims is None:
                 freed = self._release(graph)
                 with self._lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -50,11 +51,11 @@ class LoopPublisher:
             self.loop.call_soon_threadsafe(deliver, pairs)
 
 
+@dataclass(frozen=True)
 class AdmissionLimits:
-    def __init__(self, max_waiting_requests: int, max_waiting_tokens: int, max_concurrent_streams: int) -> None:
-        self.max_waiting_requests = max_waiting_requests
-        self.max_waiting_tokens = max_waiting_tokens
-        self.max_concurrent_streams = max_concurrent_streams
+    max_waiting_requests: int
+    max_waiting_tokens: int
+    max_concurrent_streams: int
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
