@@ -48,7 +48,8 @@ class CtlError(Exception):
 
 
 def parse_bytes(text: str) -> int:
-    """"8GiB", "512MiB", "1.5G", "1e9", "1000000" -> bytes. Same units as --graph-memory-budget."""
+    """"8GiB", "512MiB", "1.5G", "1e9", "1000000" -> bytes. Unlike --graph-memory-budget, a plain
+    number is always bytes, never a fraction of device memory."""
     m = _BYTES_RE.match(text)
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _UNITS:
@@ -67,7 +68,7 @@ def _size(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a batch size") from None
     if not 1 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"batch size {value} must be >= 1")
+        raise argparse.ArgumentTypeError(f"batch size {value} must be in [1, 2**32)")
     return value
 
 
@@ -209,6 +210,8 @@ def open_channel(args: argparse.Namespace) -> grpc.Channel:
 
 def rpc_error(exc: grpc.RpcError, command: str, target: str) -> CtlError:
     code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE and "the engine is not running" in details:
+        return CtlError(EXIT_REFUSED, f"{command} refused: {details}; the server is shutting down or failed")
     if code == grpc.StatusCode.UNAVAILABLE:
         return CtlError(EXIT_UNREACHABLE, f"cannot reach the admin server at {target} ({details}); is graphserve "
                                           "running with an admin token, and are --target and the TLS flags right?")
