@@ -21,14 +21,7 @@ TEXT = "héllo wörld 日本語 🙂"
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # These tiny matmuls gain nothing from threads, and on a busy shared CPU spinning OpenMP
-    # threads made the file several times slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def files_of(path: pathlib.Path) -> dict[str, bytes]:

@@ -47,14 +47,7 @@ VARIANTS = {
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # These tiny matmuls gain nothing from threads, and on a busy shared CPU spinning OpenMP
-    # threads made the file several times slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
