@@ -28,7 +28,7 @@ class ModelRunner:
             dtype=str(loaded.dtype).removeprefix("torch."),
             device_name=device_name,
             torch_version=torch.__version__,
-            capture_sizes=tuple(graph_config.capture_sizes or ()),
+            capture_sizes=graph_config.sizes,
             max_batch=max_running,
         )
         self.graphs = GraphCache(self.decode_step, graph_config, self.device, fingerprint)
