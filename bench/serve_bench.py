@@ -4,8 +4,10 @@ Fixed prompt length (random token ids) and output length (ignore_eos, greedy). C
 --concurrency streams by default; --rate R gives Poisson arrivals at R requests/s (still at most
 --concurrency in flight). Reports TTFT and inter-token latency (p50/p99, client receive times),
 request and token throughput, and serving overhead = gRPC token throughput / engine-alone token
-throughput. By default it starts a server in-process (tests/support/server.py); --target uses a
-running one (and then skips nothing: the engine-alone run still loads the model here).
+throughput. By default it starts `graphserve serve` as a separate process, as a client would meet
+it (a load generator in the server's process would share its GIL); --target uses a running one.
+--client-procs spreads the streams over several client processes so that the load generator is
+not the bottleneck at high message rates. The engine-alone run loads the model in this process.
 
     python bench/serve_bench.py --device cpu --concurrency 8 --requests 32 --output-tokens 32
     python bench/serve_bench.py --model builtin:llama-1b --device cuda --dtype bfloat16 \
@@ -60,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-requests", type=int, default=None,
                    help="short untimed requests first, to capture graphs (default: --concurrency)")
     p.add_argument("--skip-engine", action="store_true", help="skip the engine-alone run")
+    p.add_argument("--client-procs", type=int, default=1, help="client processes sharing the streams")
+    p.add_argument("--server-log", type=pathlib.Path, default=None, help="where the started server logs")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -160,20 +164,55 @@ async def _drive_grpc(address: str, prompts: list[list[int]], offsets: list[floa
         return traces, time.perf_counter() - start
 
 
+def _grpc_worker(address: str, prompts: list[list[int]], offsets: list[float],
+                 args: argparse.Namespace) -> tuple[list[Trace], float, float]:
+    start = time.perf_counter()
+    traces, wall = asyncio.run(_drive_grpc(address, prompts, offsets, args))
+    return traces, start, start + wall
+
+
 def run_grpc(address: str, prompts: list[list[int]], offsets: list[float],
              args: argparse.Namespace) -> tuple[list[Trace], float]:
-    return asyncio.run(_drive_grpc(address, prompts, offsets, args))
+    """Requests i, i + n, i + 2n, ... go to client process i (n = --client-procs), each with its
+    share of the concurrency; perf_counter is CLOCK_MONOTONIC, shared by the processes."""
+    n = max(1, min(args.client_procs, args.concurrency, len(prompts)))
+    if n == 1:
+        return asyncio.run(_drive_grpc(address, prompts, offsets, args))
+    import concurrent.futures
+    import multiprocessing
+
+    shares = [argparse.Namespace(**{**vars(args), "concurrency": args.concurrency // n + (i < args.concurrency % n)})
+              for i in range(n)]
+    with concurrent.futures.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+        parts = list(pool.map(_grpc_worker, [address] * n, [prompts[i::n] for i in range(n)],
+                              [offsets[i::n] for i in range(n)], shares))
+    traces = [t for part, _, _ in parts for t in part]
+    return traces, max(end for _, _, end in parts) - min(start for _, start, _ in parts)
 
 
 def start_server(args: argparse.Namespace) -> Any:
-    from tests.support.server import ServerThread
+    from tests.support.process import ServerProcess
 
     argv = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
             "--max-running-seqs", str(args.max_running_seqs), "--max-seq-len", str(args.max_seq_len),
-            "--log-level", "warning"]
+            "--admin-port", "0", "--log-level", "warning"]
     if args.cache_dir is not None:
         argv += ["--model-cache-dir", str(args.cache_dir)]
-    return ServerThread(argv).start()
+    server = ServerProcess(argv, log_path=args.server_log)
+    try:
+        server.wait_for_health(1, timeout=600)  # SERVING
+    except BaseException:
+        server.close()
+        raise
+    return server
+
+
+def stop_server(server: Any) -> None:
+    server.terminate()
+    try:
+        server.wait(120)
+    finally:
+        server.close()
 
 
 # ---- engine-alone path -----------------------------------------------------------------------
@@ -272,7 +311,7 @@ def bench_grpc(args: argparse.Namespace) -> dict[str, Any]:
         traces, wall = run_grpc(address, *workload(args, args.requests, args.output_tokens, args.seed), args)
     finally:
         if server is not None:
-            server.stop()
+            stop_server(server)
     return summarize("grpc" if args.target is None else f"grpc {args.target}", traces, wall, args.output_tokens)
 
 
