@@ -68,13 +68,16 @@ class ModelRunner:
         return host.tolist()
 
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Run each prompt into its KV slot; returns the first completion token of each (on device)."""
-        logits = []
-        for seq in seqs:
-            assert seq.slot is not None
-            ids = torch.tensor(seq.request.prompt_token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-            logits.append(self.loaded.model.prefill(ids, seq.slot, self.kv))
-        return self._sample(torch.stack(logits), seqs)
+        """All admitted prompts in one packed forward pass (one host->device copy of their token ids);
+        returns the first completion token of each (on device). The scheduler caps the packed length."""
+        prompts = [seq.request.prompt_token_ids for seq in seqs]
+        slots = [seq.slot for seq in seqs]
+        assert all(slot is not None for slot in slots)
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, pin_memory=self.device.type == "cuda")
+        logits = self.loaded.model.prefill_packed(
+            ids.to(self.device, non_blocking=True), [len(p) for p in prompts], slots, self.kv
+        )
+        return self._sample(logits, seqs)
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One decode step for the running batch, through the graph cache; tokens on device."""

@@ -60,13 +60,57 @@ def rope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    # q: [L, H, D], k, v: [L, KVH, D] -> [L, H * D]
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    # q: [L, H, D], k, v: [L, KVH, D] -> [L, H * D]; mask: bool [L, L] (True = attend) replaces plain causal
     groups = q.shape[1] // k.shape[1]
     qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))
     kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)  # [1, H, L, D]
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None)  # [1, H, L, D]
     return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def _check_packed(num_tokens: int, seq_lens: list[int], slots: list[int], kv: KVCache) -> None:
+    """Raises ValueError unless seq_lens/slots describe num_tokens packed prompts that fit the cache."""
+    if not seq_lens:
+        raise ValueError("packed prefill needs at least one prompt")
+    if len(seq_lens) != len(slots):
+        raise ValueError(f"{len(seq_lens)} prompt lengths but {len(slots)} slots")
+    for j, n in enumerate(seq_lens):
+        if n < 1:
+            raise ValueError(f"prompt {j} is empty ({n} tokens); every prompt needs at least one token")
+        if n > kv.max_seq_len:
+            raise ValueError(f"prompt {j} of {n} tokens exceeds the KV cache length {kv.max_seq_len}")
+    if sum(seq_lens) != num_tokens:
+        raise ValueError(f"prompt lengths sum to {sum(seq_lens)} but input_ids holds {num_tokens} tokens")
+    for slot in slots:
+        if not 0 <= slot <= kv.scratch_slot:
+            raise ValueError(f"slot {slot} is outside the KV cache's slots [0, {kv.scratch_slot}]")
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"two prompts share a KV slot: {slots}")
+
+
+def _packed_index(
+    seq_lens: list[int], slots: list[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-token positions and slots [N], each prompt's last-token row [P] and the attention mask
+    (bool [N, N], block-diagonal causal; None for one prompt, which SDPA masks with is_causal).
+
+    Built on `device` from one small host copy (pinned, non-blocking on CUDA), so no host sync."""
+    n = sum(seq_lens)
+    if len(seq_lens) == 1:  # nothing to copy: positions 0..n-1 of one slot
+        positions = torch.arange(n, device=device)
+        return positions, torch.full((n,), slots[0], device=device), positions[-1:], None
+    on_cuda = device.type == "cuda"
+    meta = torch.tensor([seq_lens, slots], dtype=torch.long, pin_memory=on_cuda).to(device, non_blocking=True)
+    lens, prompt_slots = meta[0], meta[1]
+    ends = lens.cumsum(0)
+    prompt = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), lens, output_size=n)  # [N]
+    token = torch.arange(n, device=device)
+    positions = token - (ends - lens)[prompt]
+    mask = (prompt[:, None] == prompt[None, :]) & (token[:, None] >= token[None, :])
+    return positions, prompt_slots[prompt], ends - 1, mask
 
 
 def _empty(*shape: int, device: torch.device | str, dtype: torch.dtype) -> nn.Parameter:
@@ -274,18 +318,29 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, slot: int, kv: KVCache) -> torch.Tensor:
         """input_ids [L]: writes KV positions [0, L) of `slot`; returns float32 logits [V] of the last one."""
-        n = input_ids.shape[0]
-        if n > kv.max_seq_len:
-            raise ValueError(f"prompt of {n} tokens exceeds the KV cache length {kv.max_seq_len}")
+        return self.prefill_packed(input_ids, [input_ids.shape[0]], [slot], kv)[0]
+
+    @torch.inference_mode()
+    def prefill_packed(
+        self, input_ids: torch.Tensor, seq_lens: list[int], slots: list[int], kv: KVCache
+    ) -> torch.Tensor:
+        """input_ids [N]: P prompts back to back (seq_lens, slots: [P]) -> float32 logits [P, V] of
+        each prompt's last token. Writes KV positions [0, len) of each prompt's slot.
+
+        One forward pass over all N tokens: positions restart at 0 per prompt, attention is causal
+        within each prompt only, and the lm head runs on the P last rows only. No host syncs."""
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be 1-D [N], got shape {tuple(input_ids.shape)}")
+        _check_packed(input_ids.shape[0], seq_lens, slots, kv)
+        positions, slot_index, last, mask = _packed_index(seq_lens, slots, input_ids.device)
 
         def attend(i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             q, k, v = self._rope(qkv, cos, sin)
-            kv.k[i][slot, :, :n] = k.transpose(0, 1)
-            kv.v[i][slot, :, :n] = v.transpose(0, 1)
-            return causal_attention(q, k, v)
+            kv.k[i][slot_index, :, positions] = k  # [N, KVH, D] into (slot, :, position)
+            kv.v[i][slot_index, :, positions] = v
+            return causal_attention(q, k, v, mask)
 
-        positions = torch.arange(n, device=input_ids.device)
-        return self._logits(self._run(input_ids, positions, attend)[-1])
+        return self._logits(self._run(input_ids, positions, attend)[last])
 
     @torch.inference_mode()
     def decode(
