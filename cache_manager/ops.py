@@ -30,3 +30,6 @@ class GraphsUnavailableError(RuntimeError):
     def __init__(self, reason: str) -> None:
         super().__init__(f"CUDA graphs are unavailable: {reason}")
         self.reason = reason
+
+    def __reduce__(self) -> tuple:  # pickles with its reason (it crosses from the engine process)
+        return (type(self), (self.reason,))

@@ -104,6 +104,10 @@ class Engine:
         return self.scheduler.num_running
 
     @property
+    def num_free_slots(self) -> int:
+        return self.scheduler.num_free_slots
+
+    @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting + len(self._inbox)
 
@@ -114,13 +118,13 @@ class Engine:
     def has_pending_work(self) -> bool:
         return bool(self._inbox or self._calls or self.scheduler.has_work())
 
-    def submit(self, request: GenerationRequest, sink: Sink) -> str:
-        """Queue a request; returns the key that `abort` takes. Raises EngineStopped when the engine
-        no longer accepts work."""
+    def submit(self, request: GenerationRequest, sink: Sink, key: str | None = None) -> str:
+        """Queue a request; returns the key that `abort` takes (made here unless the caller, which
+        then keeps keys unique, gives one). Raises EngineStopped when the engine no longer accepts work."""
         with self._cond:
             if self.error is not None or self._stopping:
                 raise EngineStopped("the engine is not running")
-            key = f"{request.request_id}#{next(self._keys)}"
+            key = key if key is not None else f"{request.request_id}#{next(self._keys)}"
             self._inbox.append((key, request, sink))
             self._cond.notify()
         return key

@@ -99,7 +99,7 @@ def _read_spec(path: pathlib.Path) -> ModelSpec:
     return dataclasses.replace(spec, eos_token_ids=spec.eos_token_ids + tuple(extra)) if extra else spec
 
 
-def _read_tokenizer(path: pathlib.Path) -> transformers.PreTrainedTokenizerBase:
+def read_tokenizer(path: pathlib.Path) -> transformers.PreTrainedTokenizerBase:
     import transformers
 
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
@@ -126,7 +126,7 @@ def load_model(
             )
     spec = _read_spec(path)
     files = _weight_files(path)
-    tokenizer = _read_tokenizer(path)
+    tokenizer = read_tokenizer(path)
     net = LlamaForCausalLM(spec, device, dtype)
     net.load_weights(_read_weights(files, device))
     net.eval()

@@ -12,12 +12,11 @@ import grpc
 import structlog
 from grpc_reflection.v1alpha import reflection
 
-from cache_manager import GraphCache
 from service.config import ServeConfig
-from service.engine.engine import Engine
 from service.proto import admin_pb2, admin_pb2_grpc
 from service.server.admin_servicer import GraphCacheAdminServicer
 from service.server.auth import BearerTokenInterceptor
+from service.server.engine_process import EngineProcess, RemoteGraphs
 from service.server.transport import add_port
 
 log = structlog.get_logger("graphserve.admin")
@@ -35,7 +34,7 @@ def _is_loopback(host: str) -> bool:
 
 
 async def start_admin_server(
-    config: ServeConfig, engine: Engine, graphs: GraphCache
+    config: ServeConfig, engine: EngineProcess, graphs: RemoteGraphs
 ) -> tuple[grpc.aio.Server | None, int | None]:
     """Start the admin server; returns (server, bound port), or (None, None) when no token is configured.
 

@@ -1,8 +1,9 @@
 """GraphCacheAdmin: the operator's view and control of the graph cache, over gRPC.
 
-A thin edge: reads come from `GraphCache.snapshot()` (safe from any thread); operations run on the
-engine thread between steps through `engine.call`, and their per-size results and errors are turned
-into protobuf and status codes here. Sizes are checked against the allowed list before anything
+A thin edge over the engine process's graph cache (`RemoteGraphs`): reads are snapshots taken in
+the engine process, operations run on its engine thread between steps (through `engine.call`), and
+their per-size results and errors are turned into protobuf and status codes here. Every call into the
+engine process runs off the event loop. Sizes are checked against the allowed list before anything
 else, so a wrong size is INVALID_ARGUMENT whatever the device.
 """
 
@@ -21,11 +22,9 @@ from cache_manager import (
     BucketEntry,
     BucketState,
     CacheSnapshot,
-    GraphCache,
     GraphsUnavailableError,
     OpResult,
 )
-from service.engine.engine import Engine
 from service.proto import admin_pb2, admin_pb2_grpc
 
 log = structlog.get_logger("graphserve.admin")
@@ -43,7 +42,8 @@ _STATES = {
 
 
 class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
-    def __init__(self, engine: Engine, graphs: GraphCache) -> None:
+    def __init__(self, engine: Any, graphs: Any) -> None:
+        """engine: EngineProcess (or an in-process Engine); graphs: RemoteGraphs (or a GraphCache)."""
         self.engine = engine
         self.graphs = graphs
 
@@ -51,7 +51,7 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
 
     async def GetCacheState(self, request: admin_pb2.GetCacheStateRequest,
                             context: grpc.aio.ServicerContext) -> admin_pb2.CacheState:
-        snap = self.graphs.snapshot()
+        snap = await self._read(context, self.graphs.snapshot)
         return admin_pb2.CacheState(
             mode=snap.mode, device=snap.device, budget_bytes=snap.budget_bytes, used_bytes=snap.used_bytes,
             capture_sizes=list(snap.capture_sizes), max_batch=snap.max_batch,
@@ -60,8 +60,8 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
 
     async def GetCaptureStats(self, request: admin_pb2.GetCaptureStatsRequest,
                               context: grpc.aio.ServicerContext) -> admin_pb2.CaptureStats:
-        snap = self.graphs.snapshot()
-        persisted = self.graphs.persisted_stats()
+        snap = await self._read(context, self.graphs.snapshot)
+        persisted = await self._read(context, self.graphs.persisted_stats)
         return admin_pb2.CaptureStats(
             since_start=_stats_view(snap, snap.requested_since_start, "since_start",
                                     _sum_reasons(r.eager_fallbacks for r in snap.requested_detail)),
@@ -122,6 +122,12 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"sizes {bad} are not capture sizes; allowed: {list(allowed)}")
         return unique
+
+    async def _read(self, context: grpc.aio.ServicerContext, fn: Callable[[], Any]) -> Any:
+        try:
+            return await asyncio.to_thread(fn)
+        except Exception as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine did not answer ({exc}); retry shortly")
 
     async def _operate(self, context: grpc.aio.ServicerContext, op: str,
                        fn: Callable[[], dict[int, OpResult]], **fields: Any) -> admin_pb2.OperationResponse:

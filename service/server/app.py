@@ -19,20 +19,16 @@ from typing import Any
 
 import grpc
 import structlog
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cache_manager import CudaGraphMode, GraphCacheConfig, parse_capture_sizes
 from service.config import ServeConfig
-from service.engine.engine import Engine
-from service.engine.runner import ModelRunner
-from service.engine.scheduler import Scheduler
-from service.model.loader import LoadedModel, load_model
 from service.model.spec import ModelLoadError
 from service.proto import inference_pb2, inference_pb2_grpc
 from service.server.admin_server import start_admin_server
-from service.server.faults import Faults, wrap_decode
+from service.server.engine_process import EngineProcess, EngineStartError, RemoteGraphs, read_tokenizer
+from service.server.engine_worker import WorkerReady, WorkerSpec
+from service.server.faults import Faults
 from service.server.inference_servicer import AdmissionLimits, InferenceServicer, LoopPublisher
 from service.server.transport import add_port
 from service.server.validation import Limits
@@ -72,20 +68,6 @@ async def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
     return await future
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda was asked for but no CUDA device is visible; use --device cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
 class App:
     def __init__(self, config: ServeConfig, environ: dict[str, str] | None = None) -> None:
         self.config = config
@@ -100,11 +82,12 @@ class App:
             AdmissionLimits(config.max_waiting_requests, config.max_waiting_tokens, config.max_concurrent_streams),
             metrics=self.metrics,
         )
-        self.engine: Engine | None = None
+        self.engine: EngineProcess | None = None
+        self.graphs: RemoteGraphs | None = None
+        self.model: WorkerReady | None = None  # the loaded model's description, from the engine process
+        self.tokenizer: Any = None
         self.admin_server: grpc.aio.Server | None = None
         self.admin_port: int | None = None
-        self.runner: ModelRunner | None = None
-        self.loaded: LoadedModel | None = None
         self.port: int | None = None
         self.ready = asyncio.Event()
         self.stopping = asyncio.Event()
@@ -133,67 +116,30 @@ class App:
         log.info("grpc_listening", address=f"{c.host}:{self.port}", tls=c.tls_cert is not None)
 
     async def load(self) -> None:
-        """Load the model and start the engine (off the event loop), then one eager step, then SERVING."""
+        """Start the engine process (it loads the model and runs one eager step), then SERVING."""
         c = self.config
-        device = resolve_device(c.device)
-        dtype = resolve_dtype(c.dtype, device)
         t0 = time.monotonic()
-        self.loaded = await _in_daemon_thread(self._load_model, device, dtype)
-        spec = self.loaded.spec
-        log.info("model_loaded", model=c.model, architecture=spec.architecture, device=str(device),
-                 dtype=str(dtype).removeprefix("torch."), seconds=round(time.monotonic() - t0, 2))
-        max_seq_len = min(c.max_seq_len, spec.max_position_embeddings)
-        mode = CudaGraphMode.parse(c.cudagraph_mode) if device.type == "cuda" else CudaGraphMode.NONE
-        graph_config = GraphCacheConfig(
-            mode=mode,
-            capture_sizes=parse_capture_sizes(c.capture_sizes, c.max_running_seqs) if c.capture_sizes else None,
-            max_batch=c.max_running_seqs,
-            memory_budget=c.graph_memory_budget,
-            stats_file=c.stats_file,
-            warm_start=c.warm_start,
-        )
-        self.runner = await _in_daemon_thread(ModelRunner, self.loaded, c.max_running_seqs, max_seq_len, graph_config)
-        # One real prefill and eager decode before SERVING: a broken model fails here, not on a client.
-        await _in_daemon_thread(self.runner.warmup)
-        if self.faults.decode_raise_after is not None:
-            wrap_decode(self.runner, self.faults.decode_raise_after)
-        loop = asyncio.get_running_loop()
-        graphs = self.runner.graphs
-
-        def between_steps() -> None:
-            graphs.warm_step()
-            graphs.maybe_save()
-
-        self.engine = Engine(
-            self.runner,
-            Scheduler(c.max_running_seqs, c.max_prefill_tokens),
-            self.loaded.tokenizer,
-            frozenset(spec.eos_token_ids),
-            publish=LoopPublisher(loop),
-            between_steps=between_steps,
-            observer=self.metrics,
-        )
-        self.metrics.set_graph_source(graphs.snapshot)  # snapshot() is safe from any thread
-        self.engine.start()
-        self.admin_server, self.admin_port = await start_admin_server(c, self.engine, graphs)
-        limits = Limits.from_config(dataclasses.replace(c, max_seq_len=max_seq_len), vocab_size=spec.vocab_size)
-        self.servicer.attach(self.engine, self.loaded.tokenizer, limits, self._model_info(max_seq_len, device, dtype))
+        self.engine = EngineProcess(WorkerSpec(c, self.faults), self.metrics, LoopPublisher(asyncio.get_running_loop()))
+        self.model = ready = await _in_daemon_thread(self.engine.start)
+        self.tokenizer = await _in_daemon_thread(read_tokenizer, ready.model_path)
+        spec = ready.spec
+        log.info("model_loaded", model=c.model, architecture=spec.architecture, device=ready.device,
+                 dtype=ready.dtype, seconds=round(time.monotonic() - t0, 2), engine_pid=self.engine.process.pid)
+        self.graphs = RemoteGraphs(self.engine, ready)
+        self.metrics.set_graph_source(self.graphs.snapshot)
+        self.admin_server, self.admin_port = await start_admin_server(c, self.engine, self.graphs)
+        limits = Limits.from_config(dataclasses.replace(c, max_seq_len=ready.max_seq_len), vocab_size=spec.vocab_size)
+        self.servicer.attach(self.engine, self.tokenizer, limits, self._model_info(ready))
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.ready.set()
-        log.info("serving", model=c.model, port=self.port, graph_mode=mode.value)
+        log.info("serving", model=c.model, port=self.port, graph_mode=ready.graph_mode)
 
-    def _load_model(self, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-        if self.faults.load_delay_s:  # a slow load, as a big checkpoint would be (tests only)
-            time.sleep(self.faults.load_delay_s)
-        return load_model(self.config.model, device, dtype, self.config.model_cache_dir)
-
-    def _model_info(self, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> inference_pb2.ModelInfo:
-        assert self.loaded is not None
-        c, spec = self.config, self.loaded.spec
+    def _model_info(self, ready: WorkerReady) -> inference_pb2.ModelInfo:
+        c, spec = self.config, ready.spec
         return inference_pb2.ModelInfo(
             model=c.model, architecture=spec.architecture, vocab_size=spec.vocab_size,
-            max_sequence_length=max_seq_len, max_running_sequences=c.max_running_seqs, device=str(device),
-            dtype=str(dtype).removeprefix("torch."), eos_token_ids=list(spec.eos_token_ids),
+            max_sequence_length=ready.max_seq_len, max_running_sequences=c.max_running_seqs, device=ready.device,
+            dtype=ready.dtype, eos_token_ids=list(spec.eos_token_ids),
             max_tokens_limit=c.max_tokens_limit, default_max_tokens=c.default_max_tokens,
         )
 
@@ -220,6 +166,9 @@ class App:
         except ModelLoadError as exc:
             log.error("model_load_failed", model=self.config.model, error=str(exc))
             self.exit_code = 2
+        except EngineStartError as exc:
+            log.error("engine_start_failed", model=self.config.model, error=str(exc))
+            self.exit_code = 1
         finally:
             # A SIGTERM during loading must not wait for the load: the load runs in a daemon thread.
             for task in (loader, stop_wait, watchdog):
@@ -268,13 +217,8 @@ class App:
                     pass
         if self.admin_server is not None:
             await self.admin_server.stop(grace=1.0)
-        if self.engine is not None:
+        if self.engine is not None:  # the engine process saves the stats and frees the graphs
             await asyncio.to_thread(self.engine.stop)
-        if self.runner is not None:
-            if self.engine is not None and not self.engine.thread_alive:
-                await asyncio.to_thread(self.runner.graphs.close)
-            else:  # the device may still be in use (a step that would not stop, or loading): stats only
-                await asyncio.to_thread(self.runner.graphs.save)
         if self.server is not None:
             await self.server.stop(grace=1.0)
         self.metrics.close()

@@ -142,7 +142,7 @@ class Metrics:
                                   ["reason"], registry=r)
         self.graphs = GraphCacheCollector()
         r.register(self.graphs)
-        # request_id -> (time of its latest token, completion tokens seen); engine thread only.
+        # sequence key -> (time of its latest token, completion tokens seen); one thread only.
         self._last_token: dict[str, tuple[float, int]] = {}
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -155,29 +155,45 @@ class Metrics:
 
     def on_tokens(self, seq: Sequence, count: int, now: float) -> None:
         """`count` new completion tokens of `seq` (already appended), sampled at `now`."""
+        self._tokens(seq.key, count, now, seq.num_completion_tokens, seq.request.arrival_time, seq.num_prompt_tokens,
+                     seq.scheduled_at, seq.status is SequenceStatus.FINISHED)
+
+    def on_finish(self, seq: Sequence, finish: Finish) -> None:
+        self._finish(seq.key, finish.reason.value, finish.total_seconds, finish.completion_tokens)
+
+    def record(self, records: list[tuple]) -> None:
+        """The same observations made in the engine process, as its step messages carry them:
+        ("t", key, count, now, seen, arrival, prompt_tokens, scheduled_at, finished) per on_tokens,
+        ("f", key, reason, total_seconds, completion_tokens) per on_finish. One thread calls this."""
+        for r in records:
+            if r[0] == "t":
+                self._tokens(*r[1:])
+            else:
+                self._finish(*r[1:])
+
+    def _tokens(self, key: str, count: int, now: float, seen: int, arrival: float, prompt_tokens: int,
+                scheduled_at: float | None, finished: bool) -> None:
         self.generated_tokens.inc(count)
-        seen = seq.num_completion_tokens
-        previous = self._last_token.pop(seq.key, None)
+        previous = self._last_token.pop(key, None)
         if seen == count:  # the prefill's tokens: the request's first
-            arrival = seq.request.arrival_time
-            self.prompt_tokens.inc(seq.num_prompt_tokens)
+            self.prompt_tokens.inc(prompt_tokens)
             self.ttft.observe(max(0.0, now - arrival))
-            if seq.scheduled_at is not None:
-                self.queue_time.observe(max(0.0, seq.scheduled_at - arrival))
+            if scheduled_at is not None:
+                self.queue_time.observe(max(0.0, scheduled_at - arrival))
         elif previous is not None:
             gap = max(0.0, now - previous[0]) / count
             for _ in range(count):
                 self.itl.observe(gap)
-        if seq.status is not SequenceStatus.FINISHED:
-            self._last_token[seq.key] = (now, seen)
+        if not finished:
+            self._last_token[key] = (now, seen)
 
-    def on_finish(self, seq: Sequence, finish: Finish) -> None:
-        self.requests.labels(finish.reason.value).inc()
-        self.duration.observe(finish.total_seconds)
+    def _finish(self, key: str, reason: str, total_seconds: float, completion_tokens: int) -> None:
+        self.requests.labels(reason).inc()
+        self.duration.observe(total_seconds)
         # The engine may report the last token after the finish: keep its time until on_tokens uses it.
-        entry = self._last_token.get(seq.key)
-        if entry is None or entry[1] >= finish.completion_tokens:
-            self._last_token.pop(seq.key, None)
+        entry = self._last_token.get(key)
+        if entry is None or entry[1] >= completion_tokens:
+            self._last_token.pop(key, None)
 
     # ---- servicer (event loop) -----------------------------------------------------------------
 

@@ -79,7 +79,7 @@ def requested(stats: dict, view: str = "since_start") -> dict[int, int]:
 
 def device_of(admin: Admin) -> str:
     """cpu here; cuda when GRAPHSERVE_TEST_ARGS runs these tests eagerly on a GPU."""
-    return admin.server.app.runner.device.type
+    return admin.server.app.model.device
 
 
 def test_state_json_shows_mode_none_on_cpu(admin: Admin, capsys) -> None:
@@ -223,7 +223,7 @@ def test_no_token_configured_keeps_the_admin_port_closed(server: ServerThread) -
     assert server.config.admin_token is None
     assert getattr(server.app, "admin_port", None) is None
     started = asyncio.run_coroutine_threadsafe(
-        start_admin_server(server.config, server.app.engine, server.app.runner.graphs), server.loop
+        start_admin_server(server.config, server.app.engine, server.app.graphs), server.loop
     ).result(30)
     assert started == (None, None)
 

@@ -50,7 +50,7 @@ def test_full_queue_is_resource_exhausted_and_queued_work_completes(small_server
     queued.join(120)
     assert results["running"].usage.completion_tokens == 600
     assert results["waiting"].usage.completion_tokens == 5
-    _wait(lambda: engine.num_running == 0 and engine.scheduler.num_free_slots == 1)
+    _wait(lambda: engine.num_running == 0 and engine.num_free_slots == 1)
 
 
 def test_prompt_over_the_byte_limit_names_the_limit(small_server) -> None:

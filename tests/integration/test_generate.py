@@ -29,7 +29,7 @@ def test_text_deltas_concatenate_to_the_decoded_completion(server) -> None:
     chunks, _ = generate(server.stub(), **greedy("日本語のテキスト", 40))
     ids = [i for c in chunks for i in c.token_ids]
     text = "".join(c.text for c in chunks)
-    assert text == server.app.loaded.tokenizer.decode(ids, skip_special_tokens=True)
+    assert text == server.app.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_request_id_is_echoed_or_assigned(server) -> None:
@@ -104,7 +104,7 @@ def _wait_idle(server, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     engine = server.app.engine
     while time.monotonic() < deadline:
-        if engine.num_running == 0 and engine.num_waiting == 0 and engine.scheduler.num_free_slots == 16:
+        if engine.num_running == 0 and engine.num_waiting == 0 and engine.num_free_slots == 16:
             return
         time.sleep(0.05)
     raise AssertionError(f"engine not idle: running={engine.num_running} waiting={engine.num_waiting}")
@@ -152,7 +152,7 @@ def test_deadline_aborts_the_request_and_frees_its_slot(server) -> None:
 def test_model_info(server) -> None:
     info = server.stub().GetModelInfo(inference_pb2.GetModelInfoRequest())
     assert info.architecture == "LlamaForCausalLM"
-    assert info.vocab_size == server.app.loaded.spec.vocab_size
+    assert info.vocab_size == server.app.model.spec.vocab_size
     assert info.max_sequence_length == 512
 
 

@@ -1,0 +1,313 @@
+"""The gRPC process's handle on the engine process (see engine_worker.py).
+
+`EngineProcess` offers what the servicers use of an in-process `Engine` (submit, abort, call,
+stop, alive, error, the queue counters, last_progress), over a pipe. A reader thread turns each
+step's message into (sink, event) pairs and hands them to `publish` (the event loop) in one call,
+and feeds the step's token records to the metrics. `RemoteGraphs` is the graph cache as the admin
+servicer and the metrics see it: reads and operations are calls into the engine process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import multiprocessing
+import pathlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from service.engine.engine import EngineStopped, Publish, Sink, deliver
+from service.engine.request import EngineError, GenerationRequest, TokenDelta
+from service.model.spec import ModelLoadError
+from service.server.engine_worker import (
+    ABORT,
+    CALL,
+    DELTA,
+    EVENTS,
+    FINISH,
+    LOAD_FAILED,
+    READY,
+    RESULT,
+    STATUS,
+    STOP,
+    SUBMIT,
+    WorkerReady,
+    WorkerSpec,
+    WorkerStatus,
+    worker_main,
+)
+
+log = structlog.get_logger("graphserve.engine_process")
+
+_CALL_TIMEOUT_S = 60.0
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not start (no such device, a crash while loading, ...)."""
+
+
+class EngineProcess:
+    def __init__(self, spec: WorkerSpec, metrics: Any = None, publish: Publish = deliver) -> None:
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
+        self._conn, self._child_conn = ctx.Pipe()
+        self.process = ctx.Process(target=worker_main, args=(self._child_conn, spec), name="graphserve-engine",
+                                   daemon=True)
+        self.metrics = metrics
+        self.publish = publish
+        self._lock = threading.Lock()  # guards sends and the tables below
+        self._sinks: dict[str, Sink] = {}
+        self._keys = itertools.count()
+        self._submitted = 0
+        self._submitted_tokens = 0
+        self._status = WorkerStatus(0, 0, 0, 0, 0, 0, False, time.monotonic(), None)
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
+        self._ops = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphserve-engine-call")
+        self._reader: threading.Thread | None = None
+        self._ready = False
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.last_progress = time.monotonic()
+
+    # ---- start --------------------------------------------------------------------------------
+
+    def start(self) -> WorkerReady:
+        """Start the engine process and wait until its model is loaded (blocking: call it off the event
+        loop). Raises ModelLoadError when the model cannot be loaded, EngineStartError otherwise."""
+        self.process.start()
+        self._child_conn.close()
+        while True:
+            try:
+                if not self._conn.poll(0.5):
+                    if self.process.is_alive():
+                        continue
+                    raise EOFError
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                self.process.join(5)
+                raise EngineStartError(f"the engine process exited with code {self.process.exitcode} while "
+                                       "loading; see its log above") from None
+            if message[0] == READY:
+                break
+            if message[0] == LOAD_FAILED:
+                _, kind, text = message
+                self.process.join(10)
+                raise ModelLoadError(text) if kind == "model" else EngineStartError(text)
+        with self._lock:
+            self._ready = not self._stopping
+        self._reader = threading.Thread(target=self._read, name="graphserve-engine-reader", daemon=True)
+        self._reader.start()
+        return message[1]
+
+    # ---- what the servicers use ---------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self._ready and self.error is None and self.process.is_alive()
+
+    @property
+    def thread_alive(self) -> bool:
+        return self.process.is_alive()
+
+    @property
+    def num_running(self) -> int:
+        return self._status.num_running
+
+    @property
+    def num_free_slots(self) -> int:
+        return self._status.num_free_slots
+
+    @property
+    def num_waiting(self) -> int:
+        """The engine's queue plus the submits it has not received yet."""
+        s = self._status
+        return s.num_waiting + max(0, self._submitted - s.received)
+
+    @property
+    def waiting_prompt_tokens(self) -> int:
+        s = self._status
+        return s.waiting_prompt_tokens + max(0, self._submitted_tokens - s.received_tokens)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._sinks or self._calls or self._status.has_work)
+
+    def submit(self, request: GenerationRequest, sink: Sink) -> str:
+        with self._lock:
+            if not self._ready or self.error is not None or self._stopping:
+                raise EngineStopped("the engine is not running")
+            key = f"{request.request_id}#{next(self._keys)}"
+            self._sinks[key] = sink
+            self._submitted += 1
+            self._submitted_tokens += len(request.prompt_token_ids)
+            self._send((SUBMIT, key, request))
+        return key
+
+    def abort(self, key: str) -> None:
+        with self._lock:
+            if self._ready and self.error is None:
+                self._send((ABORT, key))
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run fn on a thread of this process, one call at a time; fn reaches the engine through
+        `remote` (e.g. RemoteGraphs), whose operations run between two engine steps."""
+        if not self.alive or self._stopping:
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.set_exception(RuntimeError("the engine is not running"))
+            return future
+        return self._ops.submit(fn)
+
+    def remote(self, name: str, *args: Any, timeout: float = _CALL_TIMEOUT_S) -> Any:
+        """Call `name` in the engine process (engine_worker.GRAPH_READS / GRAPH_OPS); blocking."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if not self._ready or self.error is not None or self._stopping:
+                raise RuntimeError("the engine is not running")
+            call_id = next(self._call_ids)
+            self._calls[call_id] = future
+            self._send((CALL, call_id, name, args))
+        try:
+            return future.result(timeout)
+        finally:
+            with self._lock:
+                self._calls.pop(call_id, None)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the engine process: running requests end with an EngineError, the graph cache saves
+        its stats and frees its graphs. Kills the process if it does not exit within `timeout`."""
+        with self._lock:
+            self._stopping = True
+            if self.process.is_alive() and self._ready:
+                try:
+                    self._send((STOP,))
+                except OSError:
+                    pass
+        if self.process.pid is not None:
+            if not self._ready:  # still loading: nothing to save, do not wait for the load
+                self.process.kill()
+            self.process.join(timeout)
+            if self.process.is_alive():
+                log.warning("engine_process_kill", reason=f"did not stop within {timeout} s")
+                self.process.kill()
+                self.process.join(5)
+        if self._reader is not None:
+            self._reader.join(5)
+        self._ops.shutdown(wait=False, cancel_futures=True)
+
+    # ---- reader thread ------------------------------------------------------------------------
+
+    def _send(self, message: tuple) -> None:
+        self._conn.send(message)  # the caller holds self._lock
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self._conn.recv()
+                tag = message[0]
+                if tag == EVENTS:
+                    self._on_events(message[1], message[2])
+                    self._on_status(message[3])
+                elif tag == STATUS:
+                    self._on_status(message[1])
+                elif tag == RESULT:
+                    _, call_id, ok, value = message
+                    with self._lock:
+                        future = self._calls.pop(call_id, None)
+                    if future is not None:
+                        future.set_result(value) if ok else future.set_exception(value)
+        except (EOFError, OSError):
+            pass
+        except BaseException:  # noqa: BLE001 - a broken message must not leave streams hanging
+            log.error("engine_reader_failed", exc_info=True)
+        finally:
+            self._on_exit()
+
+    def _on_events(self, events: list[tuple], records: list[tuple]) -> None:
+        pairs: list[tuple[Sink, Any]] = []
+        with self._lock:
+            for kind, key, payload in events:
+                sink = self._sinks.get(key) if kind == DELTA else self._sinks.pop(key, None)
+                if sink is None:
+                    continue
+                if kind == DELTA:
+                    pairs.append((sink, TokenDelta(payload[0], payload[1])))
+                elif kind == FINISH:
+                    pairs.append((sink, payload))
+                else:
+                    pairs.append((sink, EngineError(payload)))
+        if records and self.metrics is not None:
+            self.metrics.record(records)
+        if pairs:
+            self.publish(pairs)
+
+    def _on_status(self, status: WorkerStatus) -> None:
+        self._status = status
+        self.last_progress = status.last_progress
+        if status.error is not None and self.error is None:
+            self.error = RuntimeError(status.error)
+
+    def _on_exit(self) -> None:
+        """The pipe closed: the engine process exited. Every open stream and call ends now."""
+        self.process.join(5)
+        with self._lock:
+            if self.error is None and not self._stopping:
+                self.error = RuntimeError(f"the engine process exited with code {self.process.exitcode}")
+            sinks, self._sinks = self._sinks, {}
+            calls, self._calls = self._calls, {}
+        message = "the server is shutting down" if self.error is None else (
+            f"the engine failed: {self.error}; the server is shutting down")
+        for future in calls.values():
+            future.set_exception(RuntimeError(message))
+        if sinks:
+            try:
+                self.publish([(sink, EngineError(message)) for sink in sinks.values()])
+            except Exception:  # noqa: BLE001 - the event loop may already be gone at shutdown
+                log.warning("engine_publish_failed", exc_info=True)
+
+
+class RemoteGraphs:
+    """The engine process's graph cache, with the attributes and methods the admin servicer uses."""
+
+    def __init__(self, engine: EngineProcess, ready: WorkerReady) -> None:
+        self._engine = engine
+        self.config = ready.graph_config
+        self.device = ready.graphs_device
+        self.backend = self if ready.has_graph_backend else None  # backend.total_memory() is remote too
+
+    def snapshot(self) -> Any:
+        return self._engine.remote("snapshot", timeout=5.0)
+
+    def persisted_stats(self) -> Any:
+        return self._engine.remote("persisted_stats")
+
+    def capture(self, sizes: Any) -> Any:
+        return self._engine.remote("capture", list(sizes))
+
+    def evict(self, sizes: Any) -> Any:
+        return self._engine.remote("evict", list(sizes))
+
+    def set_budget(self, value: Any) -> Any:
+        return self._engine.remote("set_budget", value)
+
+    def reset_stats(self) -> None:
+        self._engine.remote("reset_stats")
+
+    def total_memory(self) -> int | None:
+        return self._engine.remote("total_memory")
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._engine.remote("budget_bytes")
+
+    @property
+    def used_bytes(self) -> int:
+        return self._engine.remote("used_bytes")
+
+
+def read_tokenizer(path: str) -> Any:
+    from service.model.loader import read_tokenizer as read
+
+    return read(pathlib.Path(path))

@@ -1,0 +1,316 @@
+"""The engine process: loads the model, runs the engine loop and the graph cache, talks over a pipe.
+
+The gRPC process does the network and the engine process does the device; each has its own GIL,
+so 64 streams of message writing no longer take turns with the engine's per-step Python. Messages
+are plain tuples whose first item is a tag (below). Per step the engine sends one "events"
+message with every token delta of that step and the metric records of its tokens, so the gRPC
+process wakes once per step, not once per token.
+
+The worker ignores SIGINT and SIGTERM: the gRPC process owns the shutdown (drain first) and sends
+"stop". When the pipe closes (the gRPC process died) the worker stops the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+# Parent -> worker
+SUBMIT, ABORT, CALL, STOP = "submit", "abort", "call", "stop"
+# Worker -> parent
+READY, LOAD_FAILED, EVENTS, STATUS, RESULT = "ready", "load_failed", "events", "status", "result"
+# Event kinds inside an EVENTS message: (kind, key, payload)
+DELTA, FINISH, ERROR = "d", "f", "e"
+
+# Graph-cache calls the gRPC process may make: reads run on the worker's pipe thread, operations
+# on the engine thread between two steps.
+GRAPH_READS = frozenset({"snapshot"})
+GRAPH_OPS = frozenset({"capture", "evict", "set_budget", "reset_stats", "persisted_stats", "budget_bytes",
+                       "used_bytes", "total_memory"})
+
+_STATUS_INTERVAL_S = 0.2
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    config: Any  # ServeConfig
+    faults: Any  # Faults
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """What the gRPC process needs to serve: the model's description and the graph cache's shape."""
+
+    model_path: str
+    spec: Any  # ModelSpec
+    max_seq_len: int
+    device: str
+    dtype: str
+    graph_config: Any  # GraphCacheConfig
+    graph_mode: str
+    graphs_device: str
+    has_graph_backend: bool
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """The engine's counters, sent with every step and every _STATUS_INTERVAL_S."""
+
+    received: int  # submits the worker has handed to the engine
+    received_tokens: int
+    num_running: int
+    num_free_slots: int
+    num_waiting: int
+    waiting_prompt_tokens: int
+    has_work: bool
+    last_progress: float  # time.monotonic(), the same clock in both processes
+    error: str | None
+
+
+class _KeySink:
+    """The engine's sink for one request: it only names the request; `_Publisher` ships the event."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __call__(self, event: Any) -> None:  # never called: the publisher reads .key instead
+        raise AssertionError("events leave through the publisher")
+
+
+class _TokenRecorder:
+    """The EngineObserver of the worker: keeps each token's metric record for the next step message."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple] = []
+
+    def on_step(self, num_running: int, num_waiting: int, num_decode: int, num_prefill: int) -> None:
+        pass  # the gauges come from WorkerStatus
+
+    def on_tokens(self, seq: Any, count: int, now: float) -> None:
+        from service.engine.sequence import SequenceStatus
+
+        self.records.append(("t", seq.key, count, now, seq.num_completion_tokens, seq.request.arrival_time,
+                             seq.num_prompt_tokens, seq.scheduled_at, seq.status is SequenceStatus.FINISHED))
+
+    def on_finish(self, seq: Any, finish: Any) -> None:
+        self.records.append(("f", seq.key, finish.reason.value, finish.total_seconds, finish.completion_tokens))
+
+    def take(self) -> list[tuple]:
+        records, self.records = self.records, []
+        return records
+
+
+class _Worker:
+    def __init__(self, conn: Any, spec: WorkerSpec) -> None:
+        self.conn = conn
+        self.spec = spec
+        self.send_lock = threading.Lock()
+        self.engine: Any = None
+        self.graphs: Any = None
+        self.recorder = _TokenRecorder()
+        self.received = 0
+        self.received_tokens = 0
+
+    def send(self, message: tuple) -> None:
+        with self.send_lock:
+            self.conn.send(message)
+
+    def status(self) -> WorkerStatus:
+        e = self.engine
+        error = None if e.error is None else repr(e.error)
+        if error is None and not e.thread_alive:
+            error = "the engine thread stopped"
+        return WorkerStatus(self.received, self.received_tokens, e.num_running, e.scheduler.num_free_slots, e.num_waiting,
+                            e.waiting_prompt_tokens, e.has_pending_work(), e.last_progress, error)
+
+    # ---- engine thread ------------------------------------------------------------------------
+
+    def publish(self, pairs: list[tuple[Any, Any]]) -> None:
+        from service.engine.request import Finish, TokenDelta
+
+        events = []
+        for sink, event in pairs:
+            if isinstance(event, TokenDelta):
+                events.append((DELTA, sink.key, (event.token_ids, event.text)))
+            elif isinstance(event, Finish):
+                events.append((FINISH, sink.key, event))
+            else:
+                events.append((ERROR, sink.key, event.message))
+        self.send((EVENTS, events, self.recorder.take(), self.status()))
+
+    # ---- start --------------------------------------------------------------------------------
+
+    def load(self) -> WorkerReady:
+
+        from cache_manager import CudaGraphMode, GraphCacheConfig, parse_capture_sizes
+        from service.engine.engine import Engine
+        from service.engine.runner import ModelRunner
+        from service.engine.scheduler import Scheduler
+        from service.model.loader import load_model
+        from service.server.faults import wrap_decode
+
+        c, faults = self.spec.config, self.spec.faults
+        device = resolve_device(c.device)
+        dtype = resolve_dtype(c.dtype, device)
+        if faults.load_delay_s:  # a slow load, as a big checkpoint would be (tests only)
+            time.sleep(faults.load_delay_s)
+        loaded = load_model(c.model, device, dtype, c.model_cache_dir)
+        max_seq_len = min(c.max_seq_len, loaded.spec.max_position_embeddings)
+        mode = CudaGraphMode.parse(c.cudagraph_mode) if device.type == "cuda" else CudaGraphMode.NONE
+        graph_config = GraphCacheConfig(
+            mode=mode,
+            capture_sizes=parse_capture_sizes(c.capture_sizes, c.max_running_seqs) if c.capture_sizes else None,
+            max_batch=c.max_running_seqs,
+            memory_budget=c.graph_memory_budget,
+            stats_file=c.stats_file,
+            warm_start=c.warm_start,
+        )
+        runner = ModelRunner(loaded, c.max_running_seqs, max_seq_len, graph_config)
+        # One real prefill and eager decode before SERVING: a broken model fails here, not on a client.
+        runner.warmup()
+        if faults.decode_raise_after is not None:
+            wrap_decode(runner, faults.decode_raise_after)
+        self.graphs = graphs = runner.graphs
+
+        def between_steps() -> None:
+            graphs.warm_step()
+            graphs.maybe_save()
+
+        self.engine = Engine(runner, Scheduler(c.max_running_seqs, c.max_prefill_tokens), loaded.tokenizer,
+                             frozenset(loaded.spec.eos_token_ids), publish=self.publish,
+                             observer=self.recorder, between_steps=between_steps)
+        return WorkerReady(
+            model_path=str(loaded.path), spec=loaded.spec, max_seq_len=max_seq_len, device=str(device),
+            dtype=str(dtype).removeprefix("torch."), graph_config=graphs.config, graph_mode=mode.value,
+            graphs_device=str(graphs.device), has_graph_backend=graphs.backend is not None,
+        )
+
+    # ---- pipe thread --------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                return  # the gRPC process is gone
+            tag = message[0]
+            if tag == SUBMIT:
+                _, key, request = message
+                self.received += 1
+                self.received_tokens += len(request.prompt_token_ids)
+                try:
+                    self.engine.submit(request, _KeySink(key), key=key)
+                except Exception as exc:  # noqa: BLE001 - EngineStopped: the stream must still end
+                    self.send((EVENTS, [(ERROR, key, f"the engine is not running ({exc})")], [], self.status()))
+            elif tag == ABORT:
+                self.engine.abort(message[1])
+            elif tag == CALL:
+                self.call(*message[1:])
+            elif tag == STOP:
+                return
+
+    def call(self, call_id: int, name: str, args: tuple) -> None:
+        if name in GRAPH_READS:
+            self._reply(call_id, lambda: getattr(self.graphs, name)(*args))
+        elif name in GRAPH_OPS:
+            future = self.engine.call(lambda: self._graph_op(name, args))
+            future.add_done_callback(lambda f: self._reply(call_id, f.result))
+        else:
+            self.send((RESULT, call_id, False, ValueError(f"unknown engine call {name!r}")))
+
+    def _graph_op(self, name: str, args: tuple) -> Any:
+        g = self.graphs
+        if name in ("budget_bytes", "used_bytes"):
+            return getattr(g, name)
+        if name == "total_memory":
+            return g.backend.total_memory() if g.backend is not None else None
+        return getattr(g, name)(*args)
+
+    def _reply(self, call_id: int, fn: Any) -> None:
+        try:
+            value, ok = fn(), True
+        except Exception as exc:  # noqa: BLE001 - the caller gets it as its call's exception
+            value, ok = exc, False
+        try:
+            self.send((RESULT, call_id, ok, value))
+        except Exception as exc:  # noqa: BLE001 - e.g. an exception that does not pickle
+            self.send((RESULT, call_id, False, RuntimeError(f"{type(value).__name__}: {value} ({exc})")))
+
+    def report_status(self, stop: threading.Event) -> None:
+        while not stop.wait(_STATUS_INTERVAL_S):
+            try:
+                self.send((STATUS, self.status()))
+            except (OSError, EOFError, ValueError):
+                return
+
+    def shutdown(self) -> None:
+        self.engine.stop()
+        if not self.engine.thread_alive:
+            self.graphs.close()
+        else:  # a step that would not stop still uses the device: save the stats only
+            self.graphs.save()
+
+
+def resolve_device(name: str) -> Any:
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: Any) -> Any:
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def worker_main(conn: Any, spec: WorkerSpec) -> None:
+    """The engine process's entry point (multiprocessing, spawn)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from service.telemetry.log import configure_logging
+
+    configure_logging(spec.config.log_format, spec.config.log_level)
+    import structlog
+
+    log = structlog.get_logger("graphserve.engine_worker")
+    worker = _Worker(conn, spec)
+    try:
+        ready = worker.load()
+    except BaseException as exc:  # noqa: BLE001 - reported to the gRPC process, which decides the exit code
+        from service.model.spec import ModelLoadError
+
+        kind = "model" if isinstance(exc, ModelLoadError) else "error"
+        message = str(exc) if kind == "model" else f"{type(exc).__name__}: {exc}"
+        if kind == "error":
+            log.error("engine_load_failed", error=message, exc_info=True)
+        try:
+            conn.send((LOAD_FAILED, kind, message))
+        finally:
+            os._exit(0)
+    worker.engine.start()
+    worker.send((READY, ready))
+    stop = threading.Event()
+    threading.Thread(target=worker.report_status, args=(stop,), name="graphserve-status", daemon=True).start()
+    try:
+        worker.serve()
+    finally:
+        stop.set()
+        worker.shutdown()
+        try:
+            worker.send((STATUS, worker.status()))
+        except (OSError, EOFError, ValueError):
+            pass
+        conn.close()
+
