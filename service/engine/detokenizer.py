@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 _REPLACEMENT = "\ufffd"
@@ -32,6 +33,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
         self._tokenizer = tokenizer
+        self._decode_ids = fast_decoder(tokenizer)
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         if self._decode(context).endswith(_REPLACEMENT):
             # The prompt ends inside a character: that character's bytes belong to the prompt, so
@@ -81,4 +83,38 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
-        return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self._decode_ids(ids)
+
+
+_PROBE_IDS = list(range(0, 64)) + list(range(256, 320))
+
+
+def fast_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False), through the
+    Rust tokenizer directly when it gives the same text: ~1.6 us a call instead of ~7 us, and the
+    engine decodes every token of every stream twice per step. Cached per tokenizer."""
+    cached = getattr(tokenizer, "_graphserve_fast_decode", None)
+    if cached is not None:
+        return cached
+
+    def wrapper(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    chosen = wrapper
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        def direct(ids: list[int]) -> str:
+            return backend.decode(ids, skip_special_tokens=True)
+
+        size = len(tokenizer)
+        probes = [[i % size] for i in _PROBE_IDS] + [[i % size for i in _PROBE_IDS]]
+        try:
+            if all(direct(ids) == wrapper(ids) for ids in probes):
+                chosen = direct
+        except Exception:  # noqa: BLE001 - any doubt: keep the wrapper
+            pass
+    try:
+        tokenizer._graphserve_fast_decode = chosen
+    except AttributeError:
+        pass
+    return chosen

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from service.engine.detokenizer import IncrementalDetokenizer
+from service.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from service.engine.stop import StopStringMatcher
 
 # ---- stop strings ---------------------------------------------------------------------------
@@ -236,3 +236,12 @@ def test_cost_per_token_does_not_grow_with_length(length: int) -> None:
     text = "".join(detok.add([i]) for i in ids) + detok.flush()
     assert text == tokenizer.decode(ids)
     assert recording.longest <= 8  # the last emitted chunk plus the tokens not yet emitted
+
+
+@settings(max_examples=100, deadline=None)
+@given(ids=st.lists(st.integers(0, 319), max_size=12))
+def test_fast_decoder_reads_the_rust_tokenizer_and_agrees_with_decode(ids: list[int]) -> None:
+    tokenizer = byte_level_tokenizer()
+    decode = fast_decoder(tokenizer)
+    assert decode.__name__ == "direct"  # the Rust tokenizer, not the Python wrapper
+    assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
