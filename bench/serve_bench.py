@@ -165,7 +165,8 @@ async def _drive_grpc(address: str, prompts: list[list[int]], offsets: list[floa
 
 
 def _grpc_worker(address: str, prompts: list[list[int]], offsets: list[float],
-                 args: argparse.Namespace) -> tuple[list[Trace], float, float]:
+                 args: argparse.Namespace, start_at: float) -> tuple[list[Trace], float, float]:
+    time.sleep(max(0.0, start_at - time.perf_counter()))  # every client process starts together
     start = time.perf_counter()
     traces, wall = asyncio.run(_drive_grpc(address, prompts, offsets, args))
     return traces, start, start + wall
@@ -184,8 +185,10 @@ def run_grpc(address: str, prompts: list[list[int]], offsets: list[float],
     shares = [argparse.Namespace(**{**vars(args), "concurrency": args.concurrency // n + (i < args.concurrency % n)})
               for i in range(n)]
     with concurrent.futures.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(time.sleep, [0.5] * n))  # spawned and imported before the clock starts
+        start_at = time.perf_counter() + 0.5
         parts = list(pool.map(_grpc_worker, [address] * n, [prompts[i::n] for i in range(n)],
-                              [offsets[i::n] for i in range(n)], shares))
+                              [offsets[i::n] for i in range(n)], shares, [start_at] * n))
     traces = [t for part, _, _ in parts for t in part]
     return traces, max(end for _, _, end in parts) - min(start for _, start, _ in parts)
 
