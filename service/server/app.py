@@ -29,7 +29,7 @@ from service.server.admin_server import start_admin_server
 from service.server.engine_process import EngineProcess, EngineStartError, RemoteGraphs, read_tokenizer
 from service.server.engine_worker import WorkerReady, WorkerSpec
 from service.server.faults import Faults
-from service.server.inference_servicer import AdmissionLimits, InferenceServicer, LoopPublisher
+from service.server.inference_servicer import AdmissionLimits, InferenceServicer
 from service.server.transport import add_port
 from service.server.validation import Limits
 from service.telemetry.metrics import Metrics
@@ -119,7 +119,7 @@ class App:
         """Start the engine process (it loads the model and runs one eager step), then SERVING."""
         c = self.config
         t0 = time.monotonic()
-        self.engine = EngineProcess(WorkerSpec(c, self.faults), self.metrics, LoopPublisher(asyncio.get_running_loop()))
+        self.engine = EngineProcess(WorkerSpec(c, self.faults), asyncio.get_running_loop(), self.metrics)
         self.model = ready = await _in_daemon_thread(self.engine.start)
         self.tokenizer = await _in_daemon_thread(read_tokenizer, ready.model_path)
         spec = ready.spec

@@ -1,14 +1,17 @@
 """The gRPC process's handle on the engine process (see engine_worker.py).
 
 `EngineProcess` offers what the servicers use of an in-process `Engine` (submit, abort, call,
-stop, alive, error, the queue counters, last_progress), over a pipe. A reader thread turns each
-step's message into (sink, event) pairs and hands them to `publish` (the event loop) in one call,
-and feeds the step's token records to the metrics. `RemoteGraphs` is the graph cache as the admin
-servicer and the metrics see it: reads and operations are calls into the engine process.
+stop, alive, error, the queue counters, last_progress), over a pipe. The event loop itself reads
+the pipe (`loop.add_reader`): each step's message becomes (sink, event) pairs delivered at once,
+and the step's token records go to the metrics. No reader thread: a second Python thread in this
+process would wait for the GIL behind the loop, the pipe would fill, and the engine would stall.
+`RemoteGraphs` is the graph cache as the admin servicer and the metrics see it: reads and
+operations are calls into the engine process.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import itertools
 import multiprocessing
@@ -20,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from service.engine.engine import EngineStopped, Publish, Sink, deliver
+from service.engine.engine import EngineStopped, Sink, deliver
 from service.engine.request import EngineError, GenerationRequest, TokenDelta
 from service.model.spec import ModelLoadError
 from service.server.engine_worker import (
@@ -51,13 +54,13 @@ class EngineStartError(RuntimeError):
 
 
 class EngineProcess:
-    def __init__(self, spec: WorkerSpec, metrics: Any = None, publish: Publish = deliver) -> None:
+    def __init__(self, spec: WorkerSpec, loop: asyncio.AbstractEventLoop, metrics: Any = None) -> None:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
         self._conn, self._child_conn = ctx.Pipe()
         self.process = ctx.Process(target=worker_main, args=(self._child_conn, spec), name="graphserve-engine",
                                    daemon=True)
+        self.loop = loop
         self.metrics = metrics
-        self.publish = publish
         self._lock = threading.Lock()  # guards sends and the tables below
         self._sinks: dict[str, Sink] = {}
         self._keys = itertools.count()
@@ -67,7 +70,8 @@ class EngineProcess:
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._ops = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphserve-engine-call")
-        self._reader: threading.Thread | None = None
+        self._reading = False
+        self._exited = threading.Event()
         self._ready = False
         self._stopping = False
         self.error: BaseException | None = None
@@ -99,8 +103,7 @@ class EngineProcess:
                 raise ModelLoadError(text) if kind == "model" else EngineStartError(text)
         with self._lock:
             self._ready = not self._stopping
-        self._reader = threading.Thread(target=self._read, name="graphserve-engine-reader", daemon=True)
-        self._reader.start()
+        self.loop.call_soon_threadsafe(self._start_reading)
         return message[1]
 
     # ---- what the servicers use ---------------------------------------------------------------
@@ -161,7 +164,10 @@ class EngineProcess:
         return self._ops.submit(fn)
 
     def remote(self, name: str, *args: Any, timeout: float = _CALL_TIMEOUT_S) -> Any:
-        """Call `name` in the engine process (engine_worker.GRAPH_READS / GRAPH_OPS); blocking."""
+        """Call `name` in the engine process (engine_worker.GRAPH_READS / GRAPH_OPS); blocking, so
+        never on the event loop, which is the thread that reads the answer."""
+        if self._on_loop():
+            raise RuntimeError("EngineProcess.remote blocks: call it off the event loop")
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if not self._ready or self.error is not None or self._stopping:
@@ -193,18 +199,29 @@ class EngineProcess:
                 log.warning("engine_process_kill", reason=f"did not stop within {timeout} s")
                 self.process.kill()
                 self.process.join(5)
-        if self._reader is not None:
-            self._reader.join(5)
+        if self._ready:
+            self._exited.wait(5)  # the loop has read the last events
         self._ops.shutdown(wait=False, cancel_futures=True)
 
-    # ---- reader thread ------------------------------------------------------------------------
+    def _on_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
+
+    # ---- pipe ------------------------------------------------------------------------
 
     def _send(self, message: tuple) -> None:
         self._conn.send(message)  # the caller holds self._lock
 
-    def _read(self) -> None:
+    def _start_reading(self) -> None:
+        self._reading = True
+        self.loop.add_reader(self._conn.fileno(), self._on_readable)
+
+    def _on_readable(self) -> None:
+        """On the event loop: every message that has arrived, in order."""
         try:
-            while True:
+            while self._conn.poll():
                 message = self._conn.recv()
                 tag = message[0]
                 if tag == EVENTS:
@@ -219,10 +236,15 @@ class EngineProcess:
                     if future is not None:
                         future.set_result(value) if ok else future.set_exception(value)
         except (EOFError, OSError):
-            pass
+            self._stop_reading()
         except BaseException:  # noqa: BLE001 - a broken message must not leave streams hanging
             log.error("engine_reader_failed", exc_info=True)
-        finally:
+            self._stop_reading()
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            self.loop.remove_reader(self._conn.fileno())
             self._on_exit()
 
     def _on_events(self, events: list[tuple], records: list[tuple]) -> None:
@@ -241,7 +263,7 @@ class EngineProcess:
         if records and self.metrics is not None:
             self.metrics.record(records)
         if pairs:
-            self.publish(pairs)
+            deliver(pairs)
 
     def _on_status(self, status: WorkerStatus) -> None:
         self._status = status
@@ -251,7 +273,7 @@ class EngineProcess:
 
     def _on_exit(self) -> None:
         """The pipe closed: the engine process exited. Every open stream and call ends now."""
-        self.process.join(5)
+        self.process.join(0.5)
         with self._lock:
             if self.error is None and not self._stopping:
                 self.error = RuntimeError(f"the engine process exited with code {self.process.exitcode}")
@@ -261,11 +283,8 @@ class EngineProcess:
             f"the engine failed: {self.error}; the server is shutting down")
         for future in calls.values():
             future.set_exception(RuntimeError(message))
-        if sinks:
-            try:
-                self.publish([(sink, EngineError(message)) for sink in sinks.values()])
-            except Exception:  # noqa: BLE001 - the event loop may already be gone at shutdown
-                log.warning("engine_publish_failed", exc_info=True)
+        deliver([(sink, EngineError(message)) for sink in sinks.values()])
+        self._exited.set()
 
 
 class RemoteGraphs:

@@ -1,7 +1,7 @@
 """The Inference servicer: protobuf in, validated domain request to the engine, protobuf out.
 
-The event loop never waits on the engine: the engine thread hands each step's events to the loop
-in one call (see `LoopPublisher`), and each stream drains its own queue. A client that falls
+The event loop never waits on the engine: each step's events arrive from the engine process in one
+message (see engine_process.py), and each stream drains its own queue. A client that falls
 behind gets the tokens that piled up merged into one message instead of one message per token.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import structlog
 
-from service.engine.engine import Engine, EngineStopped, Sink, deliver
+from service.engine.engine import Engine, EngineStopped
 from service.engine.request import EngineError, Finish, FinishReason, RequestEvent, TokenDelta
 from service.proto import inference_pb2, inference_pb2_grpc
 from service.server.validation import (
@@ -38,17 +38,6 @@ _FINISH_REASONS = {
     FinishReason.STOP: inference_pb2.FINISH_REASON_STOP,
     FinishReason.ABORT: inference_pb2.FINISH_REASON_ABORT,
 }
-
-
-class LoopPublisher:
-    """Delivers a step's events on the event loop with one thread-safe wake-up per step."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-
-    def __call__(self, pairs: list[tuple[Sink, RequestEvent]]) -> None:
-        if not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(deliver, pairs)
 
 
 @dataclass(frozen=True)

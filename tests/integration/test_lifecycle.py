@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 
@@ -114,3 +116,25 @@ def test_a_failing_decode_step_fails_streams_turns_unhealthy_and_exits_nonzero(p
     assert proc.wait(60) != 0
     assert stats.exists()
     assert "engine_failed" in proc.log_text()
+
+
+def test_a_killed_engine_process_fails_streams_and_the_server_exits_nonzero(process_factory) -> None:
+    """The engine runs in its own process; if that process dies (OOM killer, a crash in a kernel),
+    open streams end with UNAVAILABLE at once, health turns NOT_SERVING and the server exits 1."""
+    proc = process_factory()
+    proc.wait_for_health(SERVING)
+    loaded = next(json.loads(line) for line in proc.log_text().splitlines() if '"model_loaded"' in line)
+    engine_pid = loaded["engine_pid"]
+    stub = inference_pb2_grpc.InferenceStub(proc.channel)
+    call = stub.Generate(inference_pb2.GenerateRequest(**greedy("Once upon a time", 2000)), timeout=60)
+    next(iter(call))  # streaming
+    os.kill(engine_pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in call:
+            pass
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "engine process exited" in info.value.details()
+    assert time.monotonic() - started < 10
+    assert proc.wait(60) == 1
+    assert "engine_dead" in proc.log_text()
