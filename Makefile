@@ -39,7 +39,7 @@ test-gpu: setup
 bench: setup
 	$(PY) bench/decode_bench.py --model builtin:llama-1b --device cuda --random-init
 	$(PY) bench/decode_bench.py --model builtin:llama-1b --device cuda --random-init --buckets all
-	$(PY) bench/serve_bench.py --model builtin:llama-1b --device cuda --dtype bfloat16 --concurrency 64 --requests 256 --output-tokens 128
+	$(PY) bench/serve_bench.py --model builtin:llama-1b --device cuda --dtype bfloat16 --concurrency 64 --requests 256 --output-tokens 128 --client-procs 4
 
 bench-cpu: setup
 	$(PY) bench/decode_bench.py --model builtin:tiny --device cpu --batches 1,4,16 --context 64

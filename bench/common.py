@@ -36,7 +36,10 @@ def command_line() -> str:
 
 
 def git_commit() -> str:
-    """HEAD (+ "-dirty" if tracked files changed); without git, $GRAPHSERVE_COMMIT or "unknown"."""
+    """$GRAPHSERVE_COMMIT when set (a copied tree whose .git may be stale, e.g. on a lent GPU machine),
+    else HEAD (+ "-dirty" if tracked files changed), else "unknown"."""
+    if os.environ.get("GRAPHSERVE_COMMIT"):
+        return os.environ["GRAPHSERVE_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
@@ -44,7 +47,7 @@ def git_commit() -> str:
                                 capture_output=True, text=True, timeout=10, check=True).stdout
         return head + ("-dirty" if status.strip() else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("GRAPHSERVE_COMMIT") or "unknown"
+        return "unknown"
 
 
 def _version(module: str) -> str | None:

@@ -351,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     overhead = rows[0]["tok_per_s"] / rows[1]["tok_per_s"] if len(rows) == 2 and rows[1]["tok_per_s"] else None
     workload_info = {k: getattr(args, k) for k in ("model", "device", "dtype", "concurrency", "requests",
                                                    "prompt_tokens", "output_tokens", "rate", "stream_interval",
-                                                   "max_running_seqs", "max_seq_len", "warmup_requests", "target")}
+                                                   "max_running_seqs", "max_seq_len", "warmup_requests", "target",
+                                                   "client_procs")}
     path = write_result("serve", {
         "workload": workload_info,
         "results": rows,
