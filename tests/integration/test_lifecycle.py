@@ -138,3 +138,27 @@ def test_a_killed_engine_process_fails_streams_and_the_server_exits_nonzero(proc
     assert time.monotonic() - started < 10
     assert proc.wait(60) == 1
     assert "engine_dead" in proc.log_text()
+
+
+def test_the_engine_process_exits_when_the_server_is_killed(process_factory) -> None:
+    """SIGKILL leaves the server no time to stop its engine: the engine process sees its pipe close
+    and exits, instead of holding the device as an orphan."""
+    proc = process_factory()
+    proc.wait_for_health(SERVING)
+    engine_pid = next(json.loads(line) for line in proc.log_text().splitlines() if '"model_loaded"' in line)["engine_pid"]
+    generate(inference_pb2_grpc.InferenceStub(proc.channel), timeout=60, **greedy("Once upon a time", 4))
+    proc.proc.kill()
+    proc.wait(10)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _running(engine_pid):
+        time.sleep(0.1)
+    assert not _running(engine_pid)
+
+
+def _running(pid: int) -> bool:
+    """True while pid is a live process (a zombie, exited but not yet reaped by init, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
