@@ -84,6 +84,7 @@ class EngineProcess:
         loop). Raises ModelLoadError when the model cannot be loaded, EngineStartError otherwise."""
         self.process.start()
         self._child_conn.close()
+        log.info("engine_process_started", pid=self.process.pid)
         while True:
             try:
                 if not self._conn.poll(0.5):
@@ -268,8 +269,10 @@ class EngineProcess:
     def _on_status(self, status: WorkerStatus) -> None:
         self._status = status
         self.last_progress = status.last_progress
-        if status.error is not None and self.error is None:
+        if status.error is not None and self.error is None and not self._stopping:
             self.error = RuntimeError(status.error)
+        if self.metrics is not None:
+            self.metrics.on_step(status.num_running, self.num_waiting, 0, 0)
 
     def _on_exit(self) -> None:
         """The pipe closed: the engine process exited. Every open stream and call ends now."""

@@ -7,12 +7,19 @@ message with every token delta of that step and the metric records of its tokens
 process wakes once per step, not once per token.
 
 The worker ignores SIGINT and SIGTERM: the gRPC process owns the shutdown (drain first) and sends
-"stop". When the pipe closes (the gRPC process died) the worker stops the same way.
+"stop". When the pipe closes (the gRPC process died) the worker stops the same way; while it is
+still loading, a watcher notices the gRPC process is gone and exits at once.
+
+The pipe thread only reads: replies are sent from another thread. If it also sent, a full pipe
+towards the gRPC process (its loop busy) would stop it reading, the gRPC process would then block
+sending to it, and neither side would read again.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import pickle
 import signal
 import threading
 import time
@@ -116,10 +123,13 @@ class _Worker:
         self.recorder = _TokenRecorder()
         self.received = 0
         self.received_tokens = 0
+        self.replies = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphserve-reply")
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: tuple, with_status: bool = False) -> None:
+        """Send a message; with_status appends the engine's counters, taken under the send lock so
+        that statuses reach the gRPC process in the order they were taken."""
         with self.send_lock:
-            self.conn.send(message)
+            self.conn.send((*message, self.status()) if with_status else message)
 
     def status(self) -> WorkerStatus:
         e = self.engine
@@ -142,7 +152,7 @@ class _Worker:
                 events.append((FINISH, sink.key, event))
             else:
                 events.append((ERROR, sink.key, event.message))
-        self.send((EVENTS, events, self.recorder.take(), self.status()))
+        self.send((EVENTS, events, self.recorder.take()), with_status=True)
 
     # ---- start --------------------------------------------------------------------------------
 
@@ -207,7 +217,8 @@ class _Worker:
                 try:
                     self.engine.submit(request, _KeySink(key), key=key)
                 except Exception as exc:  # noqa: BLE001 - EngineStopped: the stream must still end
-                    self.send((EVENTS, [(ERROR, key, f"the engine is not running ({exc})")], [], self.status()))
+                    self.replies.submit(self.send, (EVENTS, [(ERROR, key, f"the engine is not running ({exc})")], []),
+                                        True)
             elif tag == ABORT:
                 self.engine.abort(message[1])
             elif tag == CALL:
@@ -216,13 +227,13 @@ class _Worker:
                 return
 
     def call(self, call_id: int, name: str, args: tuple) -> None:
-        if name in GRAPH_READS:
-            self._reply(call_id, lambda: getattr(self.graphs, name)(*args))
+        if name in GRAPH_READS:  # may wait for the graph cache's lock (a capture): not on this thread
+            self.replies.submit(self._reply, call_id, lambda: getattr(self.graphs, name)(*args))
         elif name in GRAPH_OPS:
             future = self.engine.call(lambda: self._graph_op(name, args))
             future.add_done_callback(lambda f: self._reply(call_id, f.result))
         else:
-            self.send((RESULT, call_id, False, ValueError(f"unknown engine call {name!r}")))
+            self.replies.submit(self.send, (RESULT, call_id, False, ValueError(f"unknown engine call {name!r}")))
 
     def _graph_op(self, name: str, args: tuple) -> Any:
         g = self.graphs
@@ -237,6 +248,10 @@ class _Worker:
             value, ok = fn(), True
         except Exception as exc:  # noqa: BLE001 - the caller gets it as its call's exception
             value, ok = exc, False
+            try:  # an exception that pickles but does not unpickle would break the gRPC process's reader
+                pickle.loads(pickle.dumps(value))
+            except Exception:  # noqa: BLE001
+                value = RuntimeError(f"{type(exc).__name__}: {exc}")
         try:
             self.send((RESULT, call_id, ok, value))
         except Exception as exc:  # noqa: BLE001 - e.g. an exception that does not pickle
@@ -245,7 +260,7 @@ class _Worker:
     def report_status(self, stop: threading.Event) -> None:
         while not stop.wait(_STATUS_INTERVAL_S):
             try:
-                self.send((STATUS, self.status()))
+                self.send((STATUS,), with_status=True)
             except (OSError, EOFError, ValueError):
                 return
 
@@ -275,10 +290,20 @@ def resolve_dtype(name: str, device: Any) -> Any:
     return getattr(torch, name)
 
 
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """The pipe tells a serving worker that the gRPC process died; a loading one is not reading it,
+    and would hold device memory until the load ends."""
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
 def worker_main(conn: Any, spec: WorkerSpec) -> None:
     """The engine process's entry point (multiprocessing, spawn)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), name="graphserve-orphan-watch",
+                     daemon=True).start()
     from service.telemetry.log import configure_logging
 
     configure_logging(spec.config.log_format, spec.config.log_level)
@@ -309,8 +334,9 @@ def worker_main(conn: Any, spec: WorkerSpec) -> None:
         stop.set()
         worker.shutdown()
         try:
-            worker.send((STATUS, worker.status()))
+            worker.send((STATUS,), with_status=True)
         except (OSError, EOFError, ValueError):
             pass
+        worker.replies.shutdown(wait=False)
         conn.close()
 

@@ -162,3 +162,21 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_loading_engine_process_exits_when_the_server_is_killed(process_factory) -> None:
+    """Killed during a long model load, the server leaves no engine process loading on its own."""
+    proc = process_factory(env={"GRAPHSERVE_TEST_FAULTS": "load_delay_s=60"})
+    deadline = time.monotonic() + 60
+    started = []
+    while time.monotonic() < deadline and not started:
+        started = [json.loads(line) for line in proc.log_text().splitlines() if '"engine_process_started"' in line]
+        time.sleep(0.1)
+    engine_pid = started[0]["pid"]
+    assert _running(engine_pid)
+    proc.proc.kill()
+    proc.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _running(engine_pid):
+        time.sleep(0.1)
+    assert not _running(engine_pid)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import grpc
@@ -55,3 +56,24 @@ def test_metrics_count_requests_tokens_latencies_and_rejections(model_cache_dir)
     assert delta(before, after, "graphserve_requests_rejected_total", reason="invalid_argument") == 1
     assert after[("graphserve_requests_running", ())] == 0
     assert after[("graphserve_requests_waiting", ())] == 0
+
+
+def test_running_and_waiting_gauges_follow_open_streams(model_cache_dir) -> None:
+    """Two KV slots and four long streams (whichever arrive first run): two run, two wait, as the
+    engine process reports it."""
+    argv = ["--model-cache-dir", str(model_cache_dir), "--max-running-seqs", "2", "--max-seq-len", "2048"]
+    with running_server(argv) as server:
+        stub = server.stub()
+        calls = [stub.Generate(pb.GenerateRequest(**greedy(f"stream {i}", 2000)), timeout=120) for i in range(4)]
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                now = scrape(server.app.metrics_port)
+                if now[("graphserve_requests_running", ())] == 2 and now[("graphserve_requests_waiting", ())] == 2:
+                    break
+                time.sleep(0.1)
+            assert now[("graphserve_requests_running", ())] == 2
+            assert now[("graphserve_requests_waiting", ())] == 2
+        finally:
+            for call in calls:
+                call.cancel()
