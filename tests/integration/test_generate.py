@@ -143,8 +143,13 @@ def test_cancelling_half_the_streams_leaves_the_others_correct(server) -> None:
 
 def test_deadline_aborts_the_request_and_frees_its_slot(server) -> None:
     stub = server.stub()
+    # A deadline at a third of what the whole generation takes on this machine (CPU or a GPU with
+    # graphs), so that it expires while the request is generating.
+    started = time.monotonic()
+    generate(stub, **greedy("Once upon a time", 480))
+    deadline = (time.monotonic() - started) / 3
     with pytest.raises(grpc.RpcError) as info:
-        generate(stub, timeout=0.3, **greedy("Once upon a time", 400))
+        generate(stub, timeout=deadline, **greedy("Once upon a time", 480))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     _wait_idle(server)
 
