@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from service.engine.sequence import SequenceStatus  # torch-free, like everything imported at the top here
+
 # Parent -> worker
 SUBMIT, ABORT, CALL, STOP = "submit", "abort", "call", "stop"
 # Worker -> parent
@@ -100,8 +102,6 @@ class _TokenRecorder:
         pass  # the gauges come from WorkerStatus
 
     def on_tokens(self, seq: Any, count: int, now: float) -> None:
-        from service.engine.sequence import SequenceStatus
-
         self.records.append(("t", seq.key, count, now, seq.num_completion_tokens, seq.request.arrival_time,
                              seq.num_prompt_tokens, seq.scheduled_at, seq.status is SequenceStatus.FINISHED))
 
