@@ -149,10 +149,14 @@ def test_the_engine_process_exits_when_the_server_is_killed(process_factory) -> 
     generate(inference_pb2_grpc.InferenceStub(proc.channel), timeout=60, **greedy("Once upon a time", 4))
     proc.proc.kill()
     proc.wait(10)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _running(engine_pid):
+    assert _gone_within(engine_pid, 30)
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and _running(pid):
         time.sleep(0.1)
-    assert not _running(engine_pid)
+    return not _running(pid)
 
 
 def _running(pid: int) -> bool:
@@ -176,7 +180,4 @@ def test_a_loading_engine_process_exits_when_the_server_is_killed(process_factor
     assert _running(engine_pid)
     proc.proc.kill()
     proc.wait(10)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _running(engine_pid):
-        time.sleep(0.1)
-    assert not _running(engine_pid)
+    assert _gone_within(engine_pid, 10)
