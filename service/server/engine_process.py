@@ -114,10 +114,6 @@ class EngineProcess:
         return self._ready and self.error is None and self.process.is_alive()
 
     @property
-    def thread_alive(self) -> bool:
-        return self.process.is_alive()
-
-    @property
     def num_running(self) -> int:
         return self._status.num_running
 
