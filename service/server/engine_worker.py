@@ -23,7 +23,7 @@ import pickle
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from service.engine.sequence import SequenceStatus  # torch-free, like everything imported at the top here
@@ -48,6 +48,9 @@ _STATUS_INTERVAL_S = 0.2
 class WorkerSpec:
     config: Any  # ServeConfig
     faults: Any  # Faults
+    # Taken in the gRPC process: the worker may start after that process already died (and it was
+    # re-parented), so its own os.getppid() at start would not tell.
+    parent_pid: int = field(default_factory=os.getpid)
 
 
 @dataclass(frozen=True)
@@ -302,7 +305,7 @@ def worker_main(conn: Any, spec: WorkerSpec) -> None:
     """The engine process's entry point (multiprocessing, spawn)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), name="graphserve-orphan-watch",
+    threading.Thread(target=_exit_when_orphaned, args=(spec.parent_pid,), name="graphserve-orphan-watch",
                      daemon=True).start()
     from service.telemetry.log import configure_logging
 
