@@ -234,7 +234,8 @@ class _Worker:
             self.replies.submit(self._reply, call_id, lambda: getattr(self.graphs, name)(*args))
         elif name in GRAPH_OPS:
             future = self.engine.call(lambda: self._graph_op(name, args))
-            future.add_done_callback(lambda f: self._reply(call_id, f.result))
+            # The callback runs where the future completes: here, if the engine has stopped.
+            future.add_done_callback(lambda f: self.replies.submit(self._reply, call_id, f.result))
         else:
             self.replies.submit(self.send, (RESULT, call_id, False, ValueError(f"unknown engine call {name!r}")))
 
