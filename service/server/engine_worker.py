@@ -139,7 +139,7 @@ class _Worker:
         error = None if e.error is None else repr(e.error)
         if error is None and not e.thread_alive:
             error = "the engine thread stopped"
-        return WorkerStatus(self.received, self.received_tokens, e.num_running, e.scheduler.num_free_slots, e.num_waiting,
+        return WorkerStatus(self.received, self.received_tokens, e.num_running, e.num_free_slots, e.num_waiting,
                             e.waiting_prompt_tokens, e.has_pending_work(), e.last_progress, error)
 
     # ---- engine thread ------------------------------------------------------------------------
