@@ -62,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-requests", type=int, default=None,
                    help="short untimed requests first, to capture graphs (default: --concurrency)")
     p.add_argument("--skip-engine", action="store_true", help="skip the engine-alone run")
+    p.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false",
+                   help="the server and the engine read each step's tokens before launching the next")
     p.add_argument("--client-procs", type=int, default=1, help="client processes sharing the streams")
     p.add_argument("--server-log", type=pathlib.Path, default=None, help="where the started server logs")
     p.add_argument("--seed", type=int, default=0)
@@ -199,6 +201,8 @@ def start_server(args: argparse.Namespace) -> Any:
     argv = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
             "--max-running-seqs", str(args.max_running_seqs), "--max-seq-len", str(args.max_seq_len),
             "--admin-port", "0", "--log-level", "warning"]
+    if not args.overlap_steps:
+        argv.append("--no-overlap-steps")
     if args.cache_dir is not None:
         argv += ["--model-cache-dir", str(args.cache_dir)]
     server = ServerProcess(argv, log_path=args.server_log)
@@ -234,7 +238,8 @@ def build_engine(args: argparse.Namespace) -> Any:
     graph_config = GraphCacheConfig(mode=mode, capture_sizes=None, max_batch=args.max_running_seqs)
     runner = ModelRunner(loaded, args.max_running_seqs, args.max_seq_len, graph_config)
     engine = Engine(runner, Scheduler(args.max_running_seqs, 4096), loaded.tokenizer,
-                    frozenset(loaded.spec.eos_token_ids))  # default publish: sinks run on the engine thread
+                    frozenset(loaded.spec.eos_token_ids),  # default publish: sinks run on the engine thread
+                    overlap=args.overlap_steps)
     engine.start()
     return engine
 
@@ -352,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     workload_info = {k: getattr(args, k) for k in ("model", "device", "dtype", "concurrency", "requests",
                                                    "prompt_tokens", "output_tokens", "rate", "stream_interval",
                                                    "max_running_seqs", "max_seq_len", "warmup_requests", "target",
-                                                   "client_procs")}
+                                                   "client_procs", "overlap_steps")}
     path = write_result("serve", {
         "workload": workload_info,
         "results": rows,

@@ -31,6 +31,7 @@ class ServeConfig:
     max_seq_len: int = 2048
     max_prefill_tokens: int = 4096
     default_max_tokens: int = 256
+    overlap_steps: bool = True  # launch step t+1 before reading step t's tokens
     # Graph cache
     cudagraph_mode: str = "full"  # none | full (CPU always runs none)
     capture_sizes: str | None = None
@@ -153,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="prompt + completion tokens")
     g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens, help="prompt tokens per step")
     g.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
+    g.add_argument("--overlap-steps", dest="overlap_steps", action="store_true", default=d.overlap_steps,
+                   help="launch step t+1 on the device before the host reads step t's tokens")
+    g.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false")
     g = p.add_argument_group("graph cache")
     g.add_argument("--cudagraph-mode", default=d.cudagraph_mode, choices=["none", "full"])
     g.add_argument("--capture-sizes", default=None, help="comma-separated batch sizes (default 1,2,4,8,16,...)")

@@ -23,19 +23,38 @@ class ModelDecodeStep:
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.slot_ids = torch.full((max_batch,), kv.scratch_slot, dtype=torch.long, device=device)
-        # One host buffer, one copy per step for all three inputs.
-        self._host = torch.zeros((3, max_batch), dtype=torch.long, pin_memory=device.type == "cuda")
+        # One copy per step for all inputs, from one of two pinned buffers in turn: the engine writes
+        # step t+1's rows while step t's copy may still be queued behind the device's work.
+        self._host = torch.zeros((2, 4 * max_batch), dtype=torch.long, pin_memory=device.type == "cuda")
+        self._turn = 0
 
-    def write_rows(self, token_ids: list[int], positions: list[int], slot_ids: list[int]) -> None:
-        """Copy the real rows [0, n) into the static inputs."""
+    def write_rows(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        slot_ids: list[int],
+        pending_rows: list[int] | None = None,
+        previous_tokens: torch.Tensor | None = None,
+    ) -> None:
+        """Copy the real rows [0, n) into the static inputs. A row whose `pending_rows` entry is >= 0
+        takes its token id from `previous_tokens` (on the device) at that index instead."""
         n = len(token_ids)
         assert n == len(positions) == len(slot_ids) <= self.max_batch
-        host = self._host[:, :n]
+        pending = pending_rows is not None and any(r >= 0 for r in pending_rows)
+        self._turn ^= 1
+        host = self._host[self._turn, : 4 * n].view(4, n)  # contiguous: one plain pinned copy
         host[0] = torch.tensor(token_ids, dtype=torch.long)
         host[1] = torch.tensor(positions, dtype=torch.long)
         host[2] = torch.tensor(slot_ids, dtype=torch.long)
-        device_rows = host.to(self.device, non_blocking=True)
-        self.input_ids[:n].copy_(device_rows[0])
+        if pending:
+            host[3] = torch.tensor(pending_rows, dtype=torch.long)
+        device_rows = host[: 4 if pending else 3].to(self.device, non_blocking=True)
+        if pending:
+            assert previous_tokens is not None
+            from_previous = previous_tokens[device_rows[3].clamp(min=0)]
+            self.input_ids[:n].copy_(torch.where(device_rows[3] >= 0, from_previous, device_rows[0]))
+        else:
+            self.input_ids[:n].copy_(device_rows[0])
         self.positions[:n].copy_(device_rows[1])
         self.slot_ids[:n].copy_(device_rows[2])
 

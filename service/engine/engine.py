@@ -13,6 +13,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import structlog
@@ -20,7 +21,7 @@ import structlog
 from service.engine.output import RequestOutput
 from service.engine.request import EngineError, Finish, GenerationRequest, RequestEvent
 from service.engine.scheduler import Scheduler
-from service.engine.sequence import Sequence
+from service.engine.sequence import Sequence, SequenceStatus
 
 log = structlog.get_logger("graphserve.engine")
 
@@ -34,9 +35,20 @@ Publish = Callable[[list[tuple[Sink, RequestEvent]]], None]
 
 
 class Runner(Protocol):
-    def step(self, decodes: list[Sequence], prefills: list[Sequence]) -> list[int]:
-        """One sampled token per sequence, decodes first."""
+    def launch(self, decodes: list[Sequence], prefills: list[Sequence]) -> Any:
+        """Queue a step (decodes first, then prefills); returns a handle for `collect`. A decode may
+        have a token pending from the previous launch: the runner feeds it on the device."""
         ...
+
+    def collect(self, launched: Any) -> list[int]:
+        """The launched step's sampled tokens, one per sequence, in launch order."""
+        ...
+
+
+@dataclass
+class _InFlight:
+    seqs: list[Sequence]  # decodes then prefills, as launched
+    launched: Any  # the runner's handle
 
 
 class EngineObserver(Protocol):
@@ -63,6 +75,7 @@ class Engine:
         publish: Publish = deliver,
         observer: EngineObserver | None = None,
         between_steps: Callable[[], None] | None = None,
+        overlap: bool = True,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -71,6 +84,10 @@ class Engine:
         self.publish = publish
         self.observer = observer
         self.between_steps = between_steps  # graph warm-start and stats saving, on the engine thread
+        # Overlap: launch step t+1 before reading step t's tokens, so that the host's work on step t
+        # (stop checks, detokenizing, publishing) runs while the device computes step t+1.
+        self.overlap = overlap
+        self._in_flight: _InFlight | None = None  # launched, not yet collected (overlap only)
         self._cond = threading.Condition()
         # Requests are known inside the engine by a key unique to this submit, not by the client's
         # request id: a client may cancel and resubmit the same id before the engine has seen the abort.
@@ -116,7 +133,7 @@ class Engine:
         return self.scheduler.waiting_prompt_tokens + sum(len(r.prompt_token_ids) for _, r, _ in list(self._inbox))
 
     def has_pending_work(self) -> bool:
-        return bool(self._inbox or self._calls or self.scheduler.has_work())
+        return bool(self._inbox or self._calls or self.scheduler.has_work() or self._in_flight)
 
     def submit(self, request: GenerationRequest, sink: Sink, key: str | None = None) -> str:
         """Queue a request; returns the key that `abort` takes (made here unless the caller, which
@@ -159,7 +176,7 @@ class Engine:
             while True:
                 with self._cond:
                     while not (self._stopping or self._inbox or self._aborts or self._calls
-                               or self.scheduler.has_work()):
+                               or self.scheduler.has_work() or self._in_flight):
                         self.last_progress = time.monotonic()  # idle is not stuck
                         self._cond.wait(timeout=0.5)
                         if self.between_steps is not None:
@@ -170,6 +187,8 @@ class Engine:
                     inbox, self._inbox = self._inbox, []
                     aborts, self._aborts = self._aborts, []
                     calls, self._calls = self._calls, []
+                if calls:
+                    self._drain()  # operator calls see a quiet device and every token read
                 for fn, future in calls:
                     self._run_call(fn, future)
                 for key, request, sink in inbox:
@@ -195,15 +214,49 @@ class Engine:
                 future.set_exception(RuntimeError("the engine stopped"))
 
     def step(self) -> None:
+        """Schedule and launch a step; then read and publish the tokens of the step launched before it
+        (with overlap) or of this one (without)."""
         batch = self.scheduler.schedule()
         now = time.monotonic()
         events = self._step_events = []
         for seq in self.scheduler.take_aborted():
             events.append(self._finish(seq, None, now))
         seqs = batch.decodes + batch.prefills
-        tokens = self.runner.step(batch.decodes, batch.prefills) if seqs else []
+        launched = None
+        if seqs:
+            launched = _InFlight(seqs, self.runner.launch(batch.decodes, batch.prefills))
+            for seq in seqs:
+                seq.num_pending += 1
+        if self.overlap:
+            launched, self._in_flight = self._in_flight, launched
+        if launched is not None:
+            self._read_tokens(launched, events)
+        self._step_events = []
+        if events:
+            self.publish(events)
+        if seqs or events:
+            self.last_progress = time.monotonic()
+        if self.observer is not None and (seqs or events):
+            self.observer.on_step(self.scheduler.num_running, self.num_waiting, len(batch.decodes), len(batch.prefills))
+
+    def _drain(self) -> None:
+        """Read and publish the step in flight, if any."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is None:
+            return
+        events = self._step_events = []
+        self._read_tokens(launched, events)
+        self._step_events = []
+        if events:
+            self.publish(events)
+
+    def _read_tokens(self, launched: _InFlight, events: list[tuple[Sink, RequestEvent]]) -> None:
+        tokens = self.runner.collect(launched.launched)
         now = time.monotonic()
-        for seq, token in zip(seqs, tokens, strict=True):
+        for seq, token in zip(launched.seqs, tokens, strict=True):
+            seq.num_pending -= 1
+            if seq.status is not SequenceStatus.RUNNING or seq.aborted:
+                continue  # finished or aborted after this step was launched: the token is surplus
             seq.completion_token_ids.append(token)
             output, sink = self._outputs[seq.key]
             for event in output.on_token(token, now):
@@ -214,13 +267,6 @@ class Engine:
                     events.append((sink, event))
             if self.observer is not None:
                 self.observer.on_tokens(seq, 1, now)
-        self._step_events = []
-        if events:
-            self.publish(events)
-        if seqs or events:
-            self.last_progress = now
-        if self.observer is not None and (seqs or events):
-            self.observer.on_step(self.scheduler.num_running, self.num_waiting, len(batch.decodes), len(batch.prefills))
 
     def _finish(self, seq: Sequence, finish: Finish | None, now: float) -> tuple[Sink, RequestEvent]:
         output, sink = self._outputs.pop(seq.key)

@@ -104,8 +104,9 @@ class Scheduler:
 
         batch = ScheduledBatch()
         # Slot order keeps rows stable between steps, which keeps copies into static buffers simple.
-        batch.decodes = [self._running[slot] for slot in sorted(self._running)
-                         if self._running[slot].completion_token_ids]
+        # A sequence decodes once its first token exists (seen or in flight) and until max_tokens
+        # are sampled; the engine finishes it when it reads the last one.
+        batch.decodes = [seq for slot in sorted(self._running) if _decodes(seq := self._running[slot])]
 
         budget_used = 0
         now = time.monotonic()
@@ -141,3 +142,7 @@ class Scheduler:
         assert not set(self._free_slots) & set(self._running), "a slot is both free and used"
         assert len(set(self._free_slots)) == len(self._free_slots), "a slot is free twice"
         assert all(seq.slot == slot for slot, seq in self._running.items())
+
+
+def _decodes(seq: Sequence) -> bool:
+    return bool(seq.completion_token_ids or seq.num_pending) and not seq.exhausted

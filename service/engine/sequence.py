@@ -25,6 +25,9 @@ class Sequence:
     first_token_at: float | None = None  # time.monotonic() when the first completion token was sampled
     # The engine's name for this sequence: unique per submit, unlike the client's request id.
     key: str = ""
+    # Tokens sampled on the device by a step still in flight (0 or 1): the engine launches step t+1
+    # before it reads step t's tokens, so positions and sampling counters count them already.
+    num_pending: int = 0
 
     def __post_init__(self) -> None:
         if not self.key:
@@ -46,12 +49,19 @@ class Sequence:
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + self.num_completion_tokens
 
+    @property
+    def exhausted(self) -> bool:
+        """Every token max_tokens allows is sampled (some may still be in flight): no more decodes."""
+        return self.num_completion_tokens + self.num_pending >= self.request.stopping.max_tokens
+
     def last_token_id(self) -> int:
-        """The input of the next decode step: the newest token, generated or (before any) prompt."""
+        """The input of the next decode step: the newest token, generated or (before any) prompt.
+        Only meaningful with no token pending (the runner takes a pending one from the device)."""
         if self.completion_token_ids:
             return self.completion_token_ids[-1]
         return self.request.prompt_token_ids[-1]
 
     def next_position(self) -> int:
-        """Position of last_token_id in the sequence (0-based), i.e. where its KV entry is written."""
-        return self.num_tokens - 1
+        """Position of the next decode step's input token (0-based), i.e. where its KV entry is
+        written; a pending token counts."""
+        return self.num_tokens + self.num_pending - 1

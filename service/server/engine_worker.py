@@ -197,7 +197,7 @@ class _Worker:
 
         self.engine = Engine(runner, Scheduler(c.max_running_seqs, c.max_prefill_tokens), loaded.tokenizer,
                              frozenset(loaded.spec.eos_token_ids), publish=self.publish,
-                             observer=self.recorder, between_steps=between_steps)
+                             observer=self.recorder, between_steps=between_steps, overlap=c.overlap_steps)
         return WorkerReady(
             model_path=str(loaded.path), spec=loaded.spec, max_seq_len=max_seq_len, device=str(device),
             dtype=str(dtype).removeprefix("torch."), graph_config=graphs.config, graph_mode=mode.value,

@@ -32,12 +32,15 @@ class ScriptedRunner:
         self.calls = 0
         self.fail_from_call: int | None = None
 
-    def step(self, decodes, prefills) -> list[int]:  # noqa: ANN001
+    def launch(self, decodes, prefills) -> list[int]:  # noqa: ANN001
         self.gate.wait(10)
         self.calls += 1
         if self.fail_from_call is not None and self.calls >= self.fail_from_call:
             raise RuntimeError("scripted failure")
         return [1] * (len(decodes) + len(prefills))
+
+    def collect(self, launched: list[int]) -> list[int]:
+        return launched
 
 
 class Collector:
