@@ -119,13 +119,14 @@ class App:
         """Start the engine process (it loads the model and runs one eager step), then SERVING."""
         c = self.config
         t0 = time.monotonic()
-        self.engine = EngineProcess(WorkerSpec(c, self.faults), asyncio.get_running_loop(), self.metrics)
+        self.engine = EngineProcess(WorkerSpec(c, self.faults), asyncio.get_running_loop())
         self.model = ready = await _in_daemon_thread(self.engine.start)
         self.tokenizer = await _in_daemon_thread(read_tokenizer, ready.model_path)
         spec = ready.spec
         log.info("model_loaded", model=c.model, architecture=spec.architecture, device=ready.device,
                  dtype=ready.dtype, seconds=round(time.monotonic() - t0, 2), engine_pid=self.engine.process.pid)
         self.graphs = RemoteGraphs(self.engine, ready)
+        self.metrics.set_engine_source(self.engine.metric_families)
         self.metrics.set_graph_source(self.graphs.snapshot)
         self.admin_server, self.admin_port = await start_admin_server(c, self.engine, self.graphs)
         limits = Limits.from_config(dataclasses.replace(c, max_seq_len=ready.max_seq_len), vocab_size=spec.vocab_size)

@@ -2,11 +2,11 @@
 
 `EngineProcess` offers what the servicers use of an in-process `Engine` (submit, abort, call,
 stop, alive, error, the queue counters, last_progress), over a pipe. The event loop itself reads
-the pipe (`loop.add_reader`): each step's message becomes (sink, event) pairs delivered at once,
-and the step's token records go to the metrics. No reader thread: a second Python thread in this
-process would wait for the GIL behind the loop, the pipe would fill, and the engine would stall.
-`RemoteGraphs` is the graph cache as the admin servicer and the metrics see it: reads and
-operations are calls into the engine process.
+the pipe (`loop.add_reader`): each step's message becomes (sink, event) pairs delivered at once.
+No reader thread: a second Python thread in this process would wait for the GIL behind the loop,
+the pipe would fill, and the engine would stall. The engine's metrics are not sent per step: a
+scrape reads them (`metric_families`). `RemoteGraphs` is the graph cache as the admin servicer
+and the metrics see it: reads and operations are calls into the engine process.
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ from service.server.engine_worker import (
 log = structlog.get_logger("graphserve.engine_process")
 
 _CALL_TIMEOUT_S = 60.0
+# A scrape reads the engine's metrics, then the graph snapshot (5 s): both within Prometheus's
+# default scrape timeout of 10 s.
+_METRICS_TIMEOUT_S = 2.0
 
 
 class EngineStartError(RuntimeError):
@@ -54,13 +57,12 @@ class EngineStartError(RuntimeError):
 
 
 class EngineProcess:
-    def __init__(self, spec: WorkerSpec, loop: asyncio.AbstractEventLoop, metrics: Any = None) -> None:
+    def __init__(self, spec: WorkerSpec, loop: asyncio.AbstractEventLoop) -> None:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
         self._conn, self._child_conn = ctx.Pipe()
         self.process = ctx.Process(target=worker_main, args=(self._child_conn, spec), name="graphserve-engine",
                                    daemon=True)
         self.loop = loop
-        self.metrics = metrics
         self._lock = threading.Lock()  # guards sends and the tables below
         self._sinks: dict[str, Sink] = {}
         self._keys = itertools.count()
@@ -161,7 +163,7 @@ class EngineProcess:
         return self._ops.submit(fn)
 
     def remote(self, name: str, *args: Any, timeout: float = _CALL_TIMEOUT_S) -> Any:
-        """Call `name` in the engine process (engine_worker.GRAPH_READS / GRAPH_OPS); blocking, so
+        """Call `name` in the engine process (engine_worker.READS / GRAPH_OPS); blocking, so
         never on the event loop, which is the thread that reads the answer."""
         if self._on_loop():
             raise RuntimeError("EngineProcess.remote blocks: call it off the event loop")
@@ -177,6 +179,10 @@ class EngineProcess:
         finally:
             with self._lock:
                 self._calls.pop(call_id, None)
+
+    def metric_families(self) -> list[Any]:
+        """The engine's metric families (engine_metrics.EngineMetrics), for a scrape (off the event loop)."""
+        return self.remote("metrics", timeout=_METRICS_TIMEOUT_S)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the engine process: running requests end with an EngineError, the graph cache saves
@@ -222,8 +228,8 @@ class EngineProcess:
                 message = self._conn.recv()
                 tag = message[0]
                 if tag == EVENTS:
-                    self._on_events(message[1], message[2])
-                    self._on_status(message[3])
+                    self._on_events(message[1])
+                    self._on_status(message[2])
                 elif tag == STATUS:
                     self._on_status(message[1])
                 elif tag == RESULT:
@@ -244,7 +250,7 @@ class EngineProcess:
             self.loop.remove_reader(self._conn.fileno())
             self._on_exit()
 
-    def _on_events(self, events: list[tuple], records: list[tuple]) -> None:
+    def _on_events(self, events: list[tuple]) -> None:
         pairs: list[tuple[Sink, Any]] = []
         with self._lock:
             for kind, key, payload in events:
@@ -257,8 +263,6 @@ class EngineProcess:
                     pairs.append((sink, payload))
                 else:
                     pairs.append((sink, EngineError(payload)))
-        if records and self.metrics is not None:
-            self.metrics.record(records)
         if pairs:
             deliver(pairs)
 
@@ -267,8 +271,6 @@ class EngineProcess:
         self.last_progress = status.last_progress
         if status.error is not None and self.error is None and not self._stopping:
             self.error = RuntimeError(status.error)
-        if self.metrics is not None:
-            self.metrics.on_step(status.num_running, self.num_waiting, 0, 0)
 
     def _on_exit(self) -> None:
         """The pipe closed: the engine process exited. Every open stream and call ends now."""

@@ -3,8 +3,9 @@
 The gRPC process does the network and the engine process does the device; each has its own GIL,
 so 64 streams of message writing no longer take turns with the engine's per-step Python. Messages
 are plain tuples whose first item is a tag (below). Per step the engine sends one "events"
-message with every token delta of that step and the metric records of its tokens, so the gRPC
-process wakes once per step, not once per token.
+message with every token delta of that step, so the gRPC process wakes once per step, not once
+per token. The engine's metrics stay here (EngineMetrics observes the engine on its thread); the
+gRPC process reads their families when Prometheus scrapes it.
 
 The worker ignores SIGINT and SIGTERM: the gRPC process owns the shutdown (drain first) and sends
 "stop". When the pipe closes (the gRPC process died) the worker stops the same way; while it is
@@ -26,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.engine.sequence import SequenceStatus  # torch-free, like everything imported at the top here
+from service.telemetry.engine_metrics import EngineMetrics  # torch-free, like everything imported at the top here
 
 # Parent -> worker
 SUBMIT, ABORT, CALL, STOP = "submit", "abort", "call", "stop"
@@ -35,9 +36,9 @@ READY, LOAD_FAILED, EVENTS, STATUS, RESULT = "ready", "load_failed", "events", "
 # Event kinds inside an EVENTS message: (kind, key, payload)
 DELTA, FINISH, ERROR = "d", "f", "e"
 
-# Graph-cache calls the gRPC process may make: reads run on the worker's pipe thread, operations
-# on the engine thread between two steps.
-GRAPH_READS = frozenset({"snapshot"})
+# Calls the gRPC process may make: reads (the engine's metric families, the graph cache's snapshot)
+# run on the worker's reply thread, graph-cache operations on the engine thread between two steps.
+READS = frozenset({"metrics", "snapshot"})
 GRAPH_OPS = frozenset({"capture", "evict", "set_budget", "reset_stats", "persisted_stats", "budget_bytes",
                        "used_bytes", "total_memory"})
 
@@ -95,27 +96,6 @@ class _KeySink:
         raise AssertionError("events leave through the publisher")
 
 
-class _TokenRecorder:
-    """The EngineObserver of the worker: keeps each token's metric record for the next step message."""
-
-    def __init__(self) -> None:
-        self.records: list[tuple] = []
-
-    def on_step(self, num_running: int, num_waiting: int, num_decode: int, num_prefill: int) -> None:
-        pass  # the gauges come from WorkerStatus
-
-    def on_tokens(self, seq: Any, count: int, now: float) -> None:
-        self.records.append(("t", seq.key, count, now, seq.num_completion_tokens, seq.request.arrival_time,
-                             seq.num_prompt_tokens, seq.scheduled_at, seq.status is SequenceStatus.FINISHED))
-
-    def on_finish(self, seq: Any, finish: Any) -> None:
-        self.records.append(("f", seq.key, finish.reason.value, finish.total_seconds, finish.completion_tokens))
-
-    def take(self) -> list[tuple]:
-        records, self.records = self.records, []
-        return records
-
-
 class _Worker:
     def __init__(self, conn: Any, spec: WorkerSpec) -> None:
         self.conn = conn
@@ -123,7 +103,7 @@ class _Worker:
         self.send_lock = threading.Lock()
         self.engine: Any = None
         self.graphs: Any = None
-        self.recorder = _TokenRecorder()
+        self.metrics = EngineMetrics()
         self.received = 0
         self.received_tokens = 0
         self.replies = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphserve-reply")
@@ -155,7 +135,7 @@ class _Worker:
                 events.append((FINISH, sink.key, event))
             else:
                 events.append((ERROR, sink.key, event.message))
-        self.send((EVENTS, events, self.recorder.take()), with_status=True)
+        self.send((EVENTS, events), with_status=True)
 
     # ---- start --------------------------------------------------------------------------------
 
@@ -197,7 +177,7 @@ class _Worker:
 
         self.engine = Engine(runner, Scheduler(c.max_running_seqs, c.max_prefill_tokens), loaded.tokenizer,
                              frozenset(loaded.spec.eos_token_ids), publish=self.publish,
-                             observer=self.recorder, between_steps=between_steps, overlap=c.overlap_steps)
+                             observer=self.metrics, between_steps=between_steps, overlap=c.overlap_steps)
         return WorkerReady(
             model_path=str(loaded.path), spec=loaded.spec, max_seq_len=max_seq_len, device=str(device),
             dtype=str(dtype).removeprefix("torch."), graph_config=graphs.config, graph_mode=mode.value,
@@ -220,7 +200,7 @@ class _Worker:
                 try:
                     self.engine.submit(request, _KeySink(key), key=key)
                 except Exception as exc:  # noqa: BLE001 - EngineStopped: the stream must still end
-                    self.replies.submit(self.send, (EVENTS, [(ERROR, key, f"the engine is not running ({exc})")], []),
+                    self.replies.submit(self.send, (EVENTS, [(ERROR, key, f"the engine is not running ({exc})")]),
                                         True)
             elif tag == ABORT:
                 self.engine.abort(message[1])
@@ -230,14 +210,27 @@ class _Worker:
                 return
 
     def call(self, call_id: int, name: str, args: tuple) -> None:
-        if name in GRAPH_READS:  # may wait for the graph cache's lock (a capture): not on this thread
-            self.replies.submit(self._reply, call_id, lambda: getattr(self.graphs, name)(*args))
+        if name in READS:  # the snapshot may wait for the graph cache's lock (a capture): not on this thread
+            self.replies.submit(self._reply, call_id, lambda: self._read(name, args))
         elif name in GRAPH_OPS:
             future = self.engine.call(lambda: self._graph_op(name, args))
             # The callback runs where the future completes: here, if the engine has stopped.
             future.add_done_callback(lambda f: self.replies.submit(self._reply, call_id, f.result))
         else:
             self.replies.submit(self.send, (RESULT, call_id, False, ValueError(f"unknown engine call {name!r}")))
+
+    def _read(self, name: str, args: tuple) -> Any:
+        if name == "metrics":
+            return self.metric_families()
+        return getattr(self.graphs, name)(*args)
+
+    def metric_families(self) -> list[Any]:
+        """The engine's metrics for a scrape of the gRPC process. The gauges are set from the engine's
+        counters first: on_step comes after a step's events went out, so a client that saw its
+        stream end could otherwise scrape the counts of the step before."""
+        e = self.engine
+        self.metrics.set_queue(e.num_running, e.num_waiting)
+        return self.metrics.families()
 
     def _graph_op(self, name: str, args: tuple) -> Any:
         g = self.graphs

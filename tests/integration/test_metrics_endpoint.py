@@ -1,14 +1,19 @@
-"""/metrics of a real server counts what its clients saw."""
+"""/metrics of a real server counts what its clients saw. The engine's metrics are observed in
+the engine process and read from it on each scrape."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import urllib.request
 
 import grpc
 import pytest
+import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.engine.request import FinishReason
 from service.proto import inference_pb2 as pb
 from tests.support.server import generate, greedy, running_server
 
@@ -33,6 +38,8 @@ def test_metrics_count_requests_tokens_latencies_and_rejections(model_cache_dir)
         if port is None:
             pytest.skip("metrics not wired")
         before = scrape(port)  # the start-up warm-up request already went through the engine
+        for reason in FinishReason:  # every reason is exported from the start, at zero if unseen
+            assert ("graphserve_requests_total", (("finish_reason", reason.value),)) in before
         stub = server.stub()
         prompts = {"Once upon a time": 5, "hello": 3, "graphs and caches": 8}
         prompt_tokens = 0
@@ -77,3 +84,30 @@ def test_running_and_waiting_gauges_follow_open_streams(model_cache_dir) -> None
         finally:
             for call in calls:
                 call.cancel()
+
+
+def test_a_scrape_answers_without_the_engine_families_while_the_engine_process_does_not(server) -> None:
+    """A frozen engine process costs the scrape the engine's families, within Prometheus's default
+    scrape timeout (10 s); the gRPC process's own families still come, and the engine's come back."""
+    port = server.app.metrics_port
+    with pytest.raises(grpc.RpcError):  # a rejection: counted in the gRPC process
+        list(server.stub().Generate(pb.GenerateRequest(text="hi", stopping=pb.StoppingCriteria(max_tokens=0)),
+                                    timeout=30))
+    pid = server.app.engine.process.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            t0 = time.monotonic()
+            frozen = scrape(port)
+            seconds = time.monotonic() - t0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert seconds < 10
+    assert frozen[("graphserve_requests_rejected_total", (("reason", "invalid_argument"),))] >= 1
+    assert not any(name.startswith(("graphserve_requests_running", "graphserve_generated_tokens")) for name, _ in frozen)
+    assert "engine_metrics_failed" in [e["event"] for e in logs]
+    _, finished = generate(server.stub(), **greedy("thawed", 4))
+    assert finished.usage.completion_tokens == 4
+    thawed = scrape(port)
+    assert thawed[("graphserve_requests_running", ())] == 0
+    assert thawed[("graphserve_generated_tokens_total", ())] >= 4

@@ -1,7 +1,9 @@
-"""Metrics as Prometheus scrapes them: counts and labels in the exposition text."""
+"""Metrics as Prometheus scrapes them: counts and labels in the exposition text. The engine's
+metrics (EngineMetrics) are observed where the engine runs; the server's Metrics exports them."""
 
 from __future__ import annotations
 
+import pickle
 import urllib.request
 
 import pytest
@@ -11,10 +13,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from cache_manager import BucketCounters, BucketEntry, BucketState, CacheSnapshot, RequestedSize
 from service.engine.request import Finish, FinishReason, GenerationRequest, SamplingParams, StoppingParams
 from service.engine.sequence import Sequence, SequenceStatus
+from service.telemetry.engine_metrics import EngineMetrics
 from service.telemetry.metrics import Metrics
 
 
-def scrape(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape(metrics: Metrics | EngineMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of the exposition text, keyed by (sample name, sorted labels)."""
     text = generate_latest(metrics.registry).decode()
     return {
@@ -42,7 +45,15 @@ def finish_of(seq: Sequence, reason: FinishReason, now: float) -> Finish:
                   total_seconds=now - arrival)
 
 
-def run_to_length(m: Metrics, seq: Sequence, token_times: list[float], scheduled: float) -> None:
+def server_metrics(engine: EngineMetrics | None = None) -> Metrics:
+    """The server's metrics exporting an in-process engine's, as pickled across the pipe."""
+    m = Metrics()
+    engine = engine if engine is not None else EngineMetrics()
+    m.set_engine_source(lambda: pickle.loads(pickle.dumps(engine.families())))
+    return m
+
+
+def run_to_length(m: EngineMetrics, seq: Sequence, token_times: list[float], scheduled: float) -> None:
     """Feed the hooks in the engine's order: the last token's on_tokens comes after on_finish."""
     seq.status, seq.scheduled_at = SequenceStatus.RUNNING, scheduled
     for i, now in enumerate(token_times):
@@ -55,7 +66,7 @@ def run_to_length(m: Metrics, seq: Sequence, token_times: list[float], scheduled
 
 
 def test_a_finished_request_counts_tokens_and_latencies() -> None:
-    m = Metrics()
+    m = EngineMetrics()
     seq = make_seq("r1", prompt_len=5, max_tokens=4, arrival=10.0)
     run_to_length(m, seq, [10.5, 10.51, 10.53, 10.56], scheduled=10.2)
     s = scrape(m)
@@ -76,7 +87,7 @@ def test_a_finished_request_counts_tokens_and_latencies() -> None:
 
 
 def test_a_one_token_request_has_a_ttft_and_no_inter_token_latency() -> None:
-    m = Metrics()
+    m = EngineMetrics()
     run_to_length(m, make_seq("r1", 2, 1), [10.1], scheduled=10.0)
     s = scrape(m)
     assert value(s, "graphserve_time_to_first_token_seconds_count") == 1
@@ -85,7 +96,7 @@ def test_a_one_token_request_has_a_ttft_and_no_inter_token_latency() -> None:
 
 
 def test_aborts_in_the_queue_and_mid_stream_count_as_abort_and_leave_nothing_tracked() -> None:
-    m = Metrics()
+    m = EngineMetrics()
     queued = make_seq("queued", 3, 8)
     queued.status = SequenceStatus.FINISHED
     m.on_finish(queued, finish_of(queued, FinishReason.ABORT, 11.0))
@@ -107,7 +118,7 @@ def test_aborts_in_the_queue_and_mid_stream_count_as_abort_and_leave_nothing_tra
 
 
 def test_several_tokens_at_once_split_the_gap() -> None:
-    m = Metrics()
+    m = EngineMetrics()
     seq = make_seq("r1", 2, 10)
     seq.status, seq.scheduled_at = SequenceStatus.RUNNING, 10.0
     seq.completion_token_ids.append(1)
@@ -121,8 +132,9 @@ def test_several_tokens_at_once_split_the_gap() -> None:
 
 
 def test_step_sets_running_and_waiting_and_rejections_count_by_reason() -> None:
-    m = Metrics()
-    m.on_step(num_running=3, num_waiting=7, num_decode=2, num_prefill=1)
+    engine = EngineMetrics()
+    m = server_metrics(engine)
+    engine.on_step(num_running=3, num_waiting=7, num_decode=2, num_prefill=1)
     m.rejected("invalid_argument")
     m.rejected("invalid_argument")
     m.rejected("queue_full")
@@ -131,6 +143,35 @@ def test_step_sets_running_and_waiting_and_rejections_count_by_reason() -> None:
     assert value(s, "graphserve_requests_waiting") == 7
     assert value(s, "graphserve_requests_rejected_total", reason="invalid_argument") == 2
     assert value(s, "graphserve_requests_rejected_total", reason="queue_full") == 1
+
+
+def test_the_server_exports_the_engine_families_as_the_engine_scrapes_them() -> None:
+    engine = EngineMetrics()
+    m = server_metrics(engine)
+    m.set_graph_source(snapshot)
+    run_to_length(engine, make_seq("r1", prompt_len=5, max_tokens=4), [10.5, 10.51, 10.53, 10.56], scheduled=10.2)
+    m.rejected("queue_full")
+    exported = generate_latest(m.registry).decode()
+    assert generate_latest(engine.registry).decode() in exported  # names, types, help, labels, values
+    s = scrape(m)
+    assert value(s, "graphserve_requests_total", finish_reason="stop") == 0
+    assert value(s, "graphserve_requests_rejected_total", reason="queue_full") == 1
+    assert value(s, "graphserve_graph_replays_total", bucket="1") == 40
+
+
+def test_an_engine_that_does_not_answer_costs_the_scrape_its_families_only() -> None:
+    m = Metrics()
+
+    def timed_out() -> list:
+        raise TimeoutError
+
+    m.set_engine_source(timed_out)
+    m.set_graph_source(snapshot)
+    m.rejected("queue_full")
+    s = scrape(m)
+    assert value(s, "graphserve_requests_running") is None
+    assert value(s, "graphserve_requests_rejected_total", reason="queue_full") == 1
+    assert value(s, "graphserve_graph_replays_total", bucket="1") == 40
 
 
 def bucket(size: int, state: BucketState, nbytes: int, capture_ms: float, counters: BucketCounters) -> BucketEntry:
@@ -163,7 +204,7 @@ def snapshot() -> CacheSnapshot:
 
 
 def test_graph_metrics_come_from_the_snapshot_on_each_scrape() -> None:
-    m = Metrics()
+    m = server_metrics()
     current = {"snap": snapshot()}
     m.set_graph_source(lambda: current["snap"])
     s = scrape(m)
@@ -189,7 +230,7 @@ def test_graph_metrics_come_from_the_snapshot_on_each_scrape() -> None:
 
 
 def test_a_failing_source_does_not_break_the_scrape() -> None:
-    m = Metrics()
+    m = server_metrics()
 
     def broken() -> CacheSnapshot:
         raise RuntimeError("boom")
@@ -208,7 +249,7 @@ def test_instances_have_their_own_registries() -> None:
 
 
 def test_serve_on_a_free_port_exposes_metrics_and_close_stops_it() -> None:
-    m = Metrics()
+    m = server_metrics()
     m.set_graph_source(snapshot)
     port = m.serve("127.0.0.1", 0)
     try:

@@ -1,0 +1,100 @@
+"""The engine's metrics: requests by finish reason, running and waiting gauges, latencies, tokens.
+
+`EngineMetrics` is the engine's EngineObserver, so it lives where the engine runs: in the engine
+process (engine_worker.py), or in the test's process for an in-process engine. The gRPC process
+exports its families on each scrape (metrics.EngineMetricsCollector): nothing per token crosses
+the pipe or runs on the gRPC process's event loop.
+
+The hooks run on the engine thread; they only touch prometheus-client objects (thread-safe) and a
+dict that only the engine thread uses, so `families` may be called from any thread.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import Metric
+
+from service.engine.request import Finish, FinishReason
+from service.engine.sequence import Sequence, SequenceStatus
+
+# Seconds. TTFT spans a warm batch-1 prefill (ms) to a long prompt behind a full queue (tens of s).
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75,
+                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# A replayed graph step is ~1-10 ms on a GPU; eager CPU steps and stalls reach seconds.
+ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04,
+               0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0)
+DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0,
+                    60.0, 120.0, 300.0, 600.0)
+QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class EngineMetrics:
+    """The engine's metrics in a registry of their own; implements the EngineObserver protocol."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("graphserve_requests", "Finished requests by finish reason.",
+                                ["finish_reason"], registry=r)
+        for reason in FinishReason:
+            self.requests.labels(reason.value)
+        self.running = Gauge("graphserve_requests_running", "Requests holding a KV slot.", registry=r)
+        self.waiting = Gauge("graphserve_requests_waiting", "Requests queued for admission.", registry=r)
+        self.ttft = Histogram("graphserve_time_to_first_token_seconds", "Arrival to first completion token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("graphserve_inter_token_latency_seconds", "Time between a request's completion tokens.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.duration = Histogram("graphserve_request_duration_seconds", "Arrival to finish (end-to-end).",
+                                  buckets=DURATION_BUCKETS, registry=r)
+        self.queue_time = Histogram("graphserve_queue_time_seconds", "Arrival to admission into a KV slot.",
+                                    buckets=QUEUE_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("graphserve_prompt_tokens", "Prompt tokens prefilled.", registry=r)
+        self.generated_tokens = Counter("graphserve_generated_tokens", "Completion tokens sampled.", registry=r)
+        # sequence key -> (time of its latest token, completion tokens seen); engine thread only.
+        self._last_token: dict[str, tuple[float, int]] = {}
+
+    def families(self) -> list[Metric]:
+        """Every metric family with its current samples (they pickle: the gRPC process exports them)."""
+        return list(self.registry.collect())
+
+    # ---- EngineObserver (engine thread) --------------------------------------------------------
+
+    def on_step(self, num_running: int, num_waiting: int, num_decode: int, num_prefill: int) -> None:
+        self.set_queue(num_running, num_waiting)
+
+    def on_tokens(self, seq: Sequence, count: int, now: float) -> None:
+        """`count` new completion tokens of `seq` (already appended), sampled at `now`."""
+        self.generated_tokens.inc(count)
+        seen = seq.num_completion_tokens
+        previous = self._last_token.pop(seq.key, None)
+        if seen == count:  # the prefill's tokens: the request's first
+            arrival = seq.request.arrival_time
+            self.prompt_tokens.inc(seq.num_prompt_tokens)
+            self.ttft.observe(max(0.0, now - arrival))
+            if seq.scheduled_at is not None:
+                self.queue_time.observe(max(0.0, seq.scheduled_at - arrival))
+        elif previous is not None:
+            gap = max(0.0, now - previous[0]) / count
+            for _ in range(count):
+                self.itl.observe(gap)
+        if seq.status is not SequenceStatus.FINISHED:
+            self._last_token[seq.key] = (now, seen)
+
+    def on_finish(self, seq: Sequence, finish: Finish) -> None:
+        self.requests.labels(finish.reason.value).inc()
+        self.duration.observe(finish.total_seconds)
+        # The engine may report the last token after the finish: keep its time until on_tokens uses it.
+        entry = self._last_token.get(seq.key)
+        if entry is None or entry[1] >= finish.completion_tokens:
+            self._last_token.pop(seq.key, None)
+
+    # ---- any thread ----------------------------------------------------------------------------
+
+    def set_queue(self, num_running: int, num_waiting: int) -> None:
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+
+    @property
+    def tracked_requests(self) -> int:
+        """Requests whose latest token time is kept for inter-token latency (bounded by running)."""
+        return len(self._last_token)
