@@ -231,6 +231,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     from service.engine.runner import ModelRunner
     from service.engine.scheduler import Scheduler
     from service.model.loader import load_model
+    from service.server.gil import shorten_switch_interval
 
     device = torch.device(args.device)
     loaded = load_model(args.model, device, getattr(torch, args.dtype), args.cache_dir)
@@ -240,6 +241,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     engine = Engine(runner, Scheduler(args.max_running_seqs, 4096), loaded.tokenizer,
                     frozenset(loaded.spec.eos_token_ids),  # default publish: sinks run on the engine thread
                     overlap=args.overlap_steps)
+    shorten_switch_interval()  # as in the engine process: submits must not wait 5 ms behind the engine thread
     engine.start()
     return engine
 

@@ -36,5 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(config.log_format, config.log_level)
     structlog.get_logger("graphserve").info("config", **config.redacted())
     from service.server.app import App  # heavy imports (torch) after the flags are known good
+    from service.server.gil import shorten_switch_interval
 
+    shorten_switch_interval()
     return asyncio.run(App(config).run())

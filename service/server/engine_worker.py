@@ -27,7 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.telemetry.engine_metrics import EngineMetrics  # torch-free, like everything imported at the top here
+from service.server.gil import shorten_switch_interval  # torch-free, like everything imported at the top here
+from service.telemetry.engine_metrics import EngineMetrics
 
 # Parent -> worker
 SUBMIT, ABORT, CALL, STOP = "submit", "abort", "call", "stop"
@@ -299,6 +300,7 @@ def worker_main(conn: Any, spec: WorkerSpec) -> None:
     """The engine process's entry point (multiprocessing, spawn)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    shorten_switch_interval()  # the pipe reader must not wait 5 ms behind the engine thread per request
     threading.Thread(target=_exit_when_orphaned, args=(spec.parent_pid,), name="graphserve-orphan-watch",
                      daemon=True).start()
     from service.telemetry.log import configure_logging
