@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-requests", type=int, default=None,
                    help="short untimed requests first, to capture graphs (default: --concurrency)")
     p.add_argument("--skip-engine", action="store_true", help="skip the engine-alone run")
+    p.add_argument("--skip-grpc", action="store_true", help="skip the gRPC run")
     p.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false",
                    help="the server and the engine read each step's tokens before launching the next")
     p.add_argument("--client-procs", type=int, default=1, help="client processes sharing the streams")
@@ -350,8 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    rows = [bench_grpc(args)]
-    free_device(args)
+    rows = []
+    if not args.skip_grpc:
+        rows.append(bench_grpc(args))
+        free_device(args)
     if not args.skip_engine:
         rows.append(bench_engine(args))
         free_device(args)
