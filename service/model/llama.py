@@ -11,8 +11,10 @@ ModelSpec.sliding_window tells the engine where to cap max_seq_len.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -60,15 +62,50 @@ def rope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    # q: [L, H, D], k, v: [L, KVH, D] -> [L, H * D]; mask: bool [L, L] (True = attend) replaces plain causal
-    groups = q.shape[1] // k.shape[1]
-    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    # q: [L, H, D], k, v: [L, KVH, D] -> [L, H * D]
+    return _batched_causal_attention(q[None], k[None], v[None])[0]
+
+
+def _batched_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    # q: [B, L, H, D], k, v: [B, L, KVH, D] -> [B, L, H * D]; each of the B sequences on its own
+    batch, length, heads, _ = q.shape
+    groups = heads // k.shape[2]
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
     kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None)  # [1, H, L, D]
-    return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)  # [B, H, L, D]
+    return out.transpose(1, 2).reshape(batch, length, -1)
+
+
+@dataclass(frozen=True)
+class _AttentionGroup:
+    """Packed prompts of similar length, right-padded to the longest: one causal attention call.
+    Causal masking keeps every real query away from the padding keys after it, so padding changes
+    no real row. Without `rows` the group is the whole packed batch in order, with no padding."""
+
+    batch: int
+    length: int
+    rows: torch.Tensor | None = None  # [batch * length] the packed row read into each padded position
+    real: torch.Tensor | None = None  # [n] padded positions that hold real tokens
+    dest: torch.Tensor | None = None  # [n] their packed rows
+
+
+def packed_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[_AttentionGroup]
+) -> torch.Tensor:
+    """q: [N, H, D], k, v: [N, KVH, D] of packed prompts -> [N, H * D], each prompt attending causally
+    to itself only. Work grows with the prompts' own lengths squared, not with N squared."""
+    if len(groups) == 1 and groups[0].rows is None:
+        g = groups[0]
+        out = _batched_causal_attention(*(x.view(g.batch, g.length, *x.shape[1:]) for x in (q, k, v)))
+        return out.view(q.shape[0], -1)
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    for g in groups:
+        assert g.rows is not None and g.real is not None and g.dest is not None
+        padded = (x.index_select(0, g.rows).view(g.batch, g.length, *x.shape[1:]) for x in (q, k, v))
+        out_g = _batched_causal_attention(*padded).view(g.batch * g.length, -1)
+        out.index_copy_(0, g.dest, out_g.index_select(0, g.real))
+    return out
 
 
 def _check_packed(num_tokens: int, seq_lens: list[int], slots: list[int], kv: KVCache) -> None:
@@ -93,24 +130,46 @@ def _check_packed(num_tokens: int, seq_lens: list[int], slots: list[int], kv: KV
 
 def _packed_index(
     seq_lens: list[int], slots: list[int], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Per-token positions and slots [N], each prompt's last-token row [P] and the attention mask
-    (bool [N, N], block-diagonal causal; None for one prompt, which SDPA masks with is_causal).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[_AttentionGroup]]:
+    """Per-token positions and slots [N], each prompt's last-token row [P] and the attention groups:
+    prompts whose lengths share a power-of-two bucket, so padding at most doubles a prompt.
 
-    Built on `device` from one small host copy (pinned, non-blocking on CUDA), so no host sync."""
+    Built on the host and copied to `device` at once (pinned, non-blocking on CUDA): no host sync."""
     n = sum(seq_lens)
-    if len(seq_lens) == 1:  # nothing to copy: positions 0..n-1 of one slot
-        positions = torch.arange(n, device=device)
-        return positions, torch.full((n,), slots[0], device=device), positions[-1:], None
-    on_cuda = device.type == "cuda"
-    meta = torch.tensor([seq_lens, slots], dtype=torch.long, pin_memory=on_cuda).to(device, non_blocking=True)
-    lens, prompt_slots = meta[0], meta[1]
-    ends = lens.cumsum(0)
-    prompt = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), lens, output_size=n)  # [N]
-    token = torch.arange(n, device=device)
-    positions = token - (ends - lens)[prompt]
-    mask = (prompt[:, None] == prompt[None, :]) & (token[:, None] >= token[None, :])
-    return positions, prompt_slots[prompt], ends - 1, mask
+    if len(set(seq_lens)) == 1:  # the common case: one group, in order, nothing padded
+        whole = [_AttentionGroup(len(seq_lens), seq_lens[0])]
+        if len(seq_lens) == 1:  # nothing to copy: positions 0..n-1 of one slot
+            positions = torch.arange(n, device=device)
+            return positions, torch.full((n,), slots[0], device=device), positions[-1:], whole
+    starts = list(itertools.accumulate(seq_lens, initial=0))[:-1]
+    parts: list[list[int]] = [
+        [t for length in seq_lens for t in range(length)],  # positions
+        [slot for slot, length in zip(slots, seq_lens) for _ in range(length)],  # slots
+        [start + length - 1 for start, length in zip(starts, seq_lens)],  # last rows
+    ]
+    shapes: list[tuple[int, int]] = []
+    if len(set(seq_lens)) > 1:
+        buckets: dict[int, list[int]] = {}
+        for j, length in enumerate(seq_lens):
+            buckets.setdefault((length - 1).bit_length(), []).append(j)
+        for members in buckets.values():
+            longest = max(seq_lens[j] for j in members)
+            rows, real, dest = [], [], []
+            for b, j in enumerate(members):
+                start, length = starts[j], seq_lens[j]
+                rows += [*range(start, start + length), *[start] * (longest - length)]
+                real += range(b * longest, b * longest + length)
+                dest += range(start, start + length)
+            parts += [rows, real, dest]
+            shapes.append((len(members), longest))
+    host = torch.tensor([x for part in parts for x in part], dtype=torch.long, pin_memory=device.type == "cuda")
+    flat = host.to(device, non_blocking=True)
+    views = list(flat.split([len(part) for part in parts]))
+    positions, token_slots, last = views[:3]
+    if not shapes:
+        return positions, token_slots, last, whole
+    groups = [_AttentionGroup(b, length, *views[3 + 3 * i: 6 + 3 * i]) for i, (b, length) in enumerate(shapes)]
+    return positions, token_slots, last, groups
 
 
 def _empty(*shape: int, device: torch.device | str, dtype: torch.dtype) -> nn.Parameter:
@@ -328,17 +387,18 @@ class LlamaForCausalLM(nn.Module):
         each prompt's last token. Writes KV positions [0, len) of each prompt's slot.
 
         One forward pass over all N tokens: positions restart at 0 per prompt, attention is causal
-        within each prompt only, and the lm head runs on the P last rows only. No host syncs."""
+        within each prompt only (prompts of similar length batched, padded), and the lm head runs on
+        the P last rows only. No host syncs."""
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids must be 1-D [N], got shape {tuple(input_ids.shape)}")
         _check_packed(input_ids.shape[0], seq_lens, slots, kv)
-        positions, slot_index, last, mask = _packed_index(seq_lens, slots, input_ids.device)
+        positions, slot_index, last, groups = _packed_index(seq_lens, slots, input_ids.device)
 
         def attend(i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             q, k, v = self._rope(qkv, cos, sin)
             kv.k[i][slot_index, :, positions] = k  # [N, KVH, D] into (slot, :, position)
             kv.v[i][slot_index, :, positions] = v
-            return causal_attention(q, k, v, mask)
+            return packed_causal_attention(q, k, v, groups)
 
         return self._logits(self._run(input_ids, positions, attend)[last])
 

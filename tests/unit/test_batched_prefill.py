@@ -64,10 +64,16 @@ def greedy(model: LlamaForCausalLM, first: torch.Tensor, lens: list[int], slots:
     return tokens
 
 
-def test_packed_matches_per_prompt_logits_and_cache(model):
-    ps = prompts()
-    expected, kv_ref = one_by_one(model, ps, SLOTS)
-    logits, kv = packed(model, ps, SLOTS)
+@pytest.mark.parametrize(("lens", "slots"), [
+    (LENS, SLOTS),  # three length buckets, one prompt each
+    ((5, 7, 8), SLOTS),  # one bucket, padded to 8
+    ((6, 6, 6), SLOTS),  # equal lengths: one batched call, no copies
+    ((9, 16, 3, 12), [3, 0, 2, 4]),  # a bucket of three out of order beside a lone short prompt
+], ids=["buckets", "padded", "equal", "mixed"])
+def test_packed_matches_per_prompt_logits_and_cache(model, lens, slots):
+    ps = prompts(lens)
+    expected, kv_ref = one_by_one(model, ps, slots)
+    logits, kv = packed(model, ps, slots)
     assert logits.shape == (len(ps), model.spec.vocab_size) and logits.dtype == torch.float32
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
     # The cache-free reference agrees too (each prompt's last position).
@@ -76,11 +82,11 @@ def test_packed_matches_per_prompt_logits_and_cache(model):
 
     for layer in range(model.spec.num_layers):
         for cache, ref in ((kv.k[layer], kv_ref.k[layer]), (kv.v[layer], kv_ref.v[layer])):
-            for p, slot in zip(ps, SLOTS):
+            for p, slot in zip(ps, slots):
                 n = len(p)
                 torch.testing.assert_close(cache[slot, :, :n], ref[slot, :, :n], atol=ATOL, rtol=0)
                 assert not cache[slot, :, n:].any(), "wrote past the prompt"
-            for unused in sorted({*range(NUM_SLOTS + 1)} - set(SLOTS)):
+            for unused in sorted({*range(NUM_SLOTS + 1)} - set(slots)):
                 assert not cache[unused].any(), f"unused slot {unused} was written"
 
 
