@@ -1,4 +1,6 @@
-"""The engine thread: schedule, run, postprocess, publish — one step at a time.
+"""The engine thread: schedule, launch, postprocess, publish. With overlap (the default) it launches
+step t+1 on the device before it reads step t's tokens, so the host's postprocessing of step t
+runs while the device computes step t+1; without it each step is read right after its launch.
 
 Other threads talk to it only through `submit`, `abort` and `call`, which queue work that the
 engine thread applies between steps. Events reach clients through `publish`, called once per step
