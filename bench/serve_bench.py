@@ -7,7 +7,8 @@ request and token throughput, and serving overhead = gRPC token throughput / eng
 throughput. By default it starts `graphserve serve` as a separate process, as a client would meet
 it (a load generator in the server's process would share its GIL); --target uses a running one.
 --client-procs spreads the streams over several client processes so that the load generator is
-not the bottleneck at high message rates. The engine-alone run loads the model in this process.
+not the bottleneck at high message rates. The engine-alone run starts the server's engine process
+and drives it over its pipe from this process, without gRPC.
 
     python bench/serve_bench.py --device cpu --concurrency 8 --requests 32 --output-tokens 32
     python bench/serve_bench.py --model builtin:llama-1b --device cuda --dtype bfloat16 \
@@ -226,30 +227,44 @@ def stop_server(server: Any) -> None:
 # ---- engine-alone path -----------------------------------------------------------------------
 
 
-def build_engine(args: argparse.Namespace) -> Any:
-    from cache_manager import CudaGraphMode, GraphCacheConfig
-    from service.engine.engine import Engine
-    from service.engine.runner import ModelRunner
-    from service.engine.scheduler import Scheduler
-    from service.model.loader import load_model
-    from service.server.gil import shorten_switch_interval
+class EngineAlone:
+    """The engine process the server runs, driven without gRPC: its pipe is read by an event loop on a
+    thread of this process, as in the gRPC process, so sinks run there and submits come from the
+    caller's thread. The engine keeps its own process and GIL, as when serving."""
 
-    device = torch.device(args.device)
-    loaded = load_model(args.model, device, getattr(torch, args.dtype), args.cache_dir)
-    mode = CudaGraphMode.FULL if device.type == "cuda" else CudaGraphMode.NONE
-    graph_config = GraphCacheConfig(mode=mode, capture_sizes=None, max_batch=args.max_running_seqs)
-    runner = ModelRunner(loaded, args.max_running_seqs, args.max_seq_len, graph_config)
-    engine = Engine(runner, Scheduler(args.max_running_seqs, 4096), loaded.tokenizer,
-                    frozenset(loaded.spec.eos_token_ids),  # default publish: sinks run on the engine thread
-                    overlap=args.overlap_steps)
-    shorten_switch_interval()  # as in the engine process: submits must not wait 5 ms behind the engine thread
-    engine.start()
-    return engine
+    def __init__(self, args: argparse.Namespace) -> None:
+        from service.config import ServeConfig
+        from service.server.engine_process import EngineProcess
+        from service.server.engine_worker import WorkerSpec
+        from service.server.faults import Faults
+        from service.server.gil import shorten_switch_interval
+
+        shorten_switch_interval()  # as in the gRPC process
+        config = ServeConfig(model=args.model, model_cache_dir=args.cache_dir, device=args.device, dtype=args.dtype,
+                             max_running_seqs=args.max_running_seqs, max_seq_len=args.max_seq_len,
+                             overlap_steps=args.overlap_steps, log_level="warning")
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="engine-pipe", daemon=True)
+        self.thread.start()
+        self.process = EngineProcess(WorkerSpec(config, Faults()), self.loop)
+        try:
+            self.process.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def submit(self, request: Any, sink: Any) -> str:
+        return self.process.submit(request, sink)
+
+    def close(self) -> None:
+        self.process.stop()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
 
 
 def run_engine(engine: Any, prompts: list[list[int]], offsets: list[float],
                args: argparse.Namespace, tag: str) -> tuple[list[Trace], float]:
-    """Submits from this thread; sinks record perf_counter times on the engine thread."""
+    """Submits from this thread; sinks record perf_counter times on the engine's pipe reader."""
     from service.engine.request import (
         EngineError,
         Finish,
@@ -327,14 +342,14 @@ def bench_grpc(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
-    engine = build_engine(args)
+    engine = EngineAlone(args)
     try:
         if args.warmup_requests:
             warm = argparse.Namespace(**{**vars(args), "output_tokens": 8, "rate": None})
             run_engine(engine, *workload(warm, args.warmup_requests, 8, args.seed + 100), warm, "warm")
         traces, wall = run_engine(engine, *workload(args, args.requests, args.output_tokens, args.seed), args, "run")
     finally:
-        engine.stop()
+        engine.close()
     return summarize("engine", traces, wall, args.output_tokens)
 
 
@@ -367,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         "workload": workload_info,
         "results": rows,
         "grpc_over_engine_token_throughput": overhead,
-        "notes": "client-side receive times (engine path: sink times on the engine thread); ITL is one "
+        "notes": "client-side receive times (engine path: the engine process without gRPC, sink times where "
+                 "its pipe is read); ITL is one "
                  "sample per chunk, coalesced_chunks counts chunks carrying more than one token",
     }, device=args.device)
     print_table(rows, ["path", "ok", "errors", "wall_s", "req_per_s", "tok_per_s", "ttft_p50_ms", "ttft_p99_ms",
