@@ -1,3 +1,5 @@
+import time
+
 import pytest
 import structlog
 import torch
@@ -286,3 +288,22 @@ def test_a_bigger_graph_needs_proportionally_more_traffic_to_displace_a_small_on
         for n in (1, 2, 3):
             cache.run(n)
             assert fake.live_bytes <= cache.budget_bytes
+
+
+def test_capture_log_reports_the_stall_beside_the_capture_time():
+    """A capture's own time leaves out its warm-up, collection and measurement; the log also says how
+    long the step that asked for it waited."""
+
+    class SlowAroundCapture(FakeGraphBackend):
+        def capture(self, step, size):  # noqa: ANN001, ANN201
+            time.sleep(0.05)  # warm-up and gc before the timed capture, as the CUDA backend does
+            return super().capture(step, size)
+
+    cache, step, _, _ = make()
+    cache.residency.backend = cache.backend = SlowAroundCapture()
+    with structlog.testing.capture_logs() as logs:
+        write(step, 3)
+        cache.run(3)
+    (event,) = [e for e in logs if e["event"] == "graph_captured"]
+    assert event["bucket"] == 4 and event["ms"] == 1.0
+    assert event["stall_ms"] >= 50
