@@ -42,13 +42,10 @@ class ModelDecodeStep:
         assert n == len(positions) == len(slot_ids) <= self.max_batch
         pending = pending_rows is not None and any(r >= 0 for r in pending_rows)
         self._turn ^= 1
-        host = self._host[self._turn, : 4 * n].view(4, n)  # contiguous: one plain pinned copy
-        host[0] = torch.tensor(token_ids, dtype=torch.long)
-        host[1] = torch.tensor(positions, dtype=torch.long)
-        host[2] = torch.tensor(slot_ids, dtype=torch.long)
-        if pending:
-            host[3] = torch.tensor(pending_rows, dtype=torch.long)
-        device_rows = host[: 4 if pending else 3].to(self.device, non_blocking=True)
+        rows = [token_ids, positions, slot_ids, pending_rows] if pending else [token_ids, positions, slot_ids]
+        host = self._host[self._turn, : len(rows) * n].view(len(rows), n)  # contiguous: one plain pinned copy
+        host.copy_(torch.tensor(rows, dtype=torch.long))
+        device_rows = host.to(self.device, non_blocking=True)
         if pending:
             assert previous_tokens is not None
             from_previous = previous_tokens[device_rows[3].clamp(min=0)]

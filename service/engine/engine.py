@@ -233,9 +233,7 @@ class Engine:
             launched, self._in_flight = self._in_flight, launched
         if launched is not None:
             self._read_tokens(launched, events)
-        self._step_events = []
-        if events:
-            self.publish(events)
+        self._publish_step(events)
         if seqs or events:
             self.last_progress = time.monotonic()
         if self.observer is not None and (seqs or events):
@@ -248,7 +246,10 @@ class Engine:
             return
         events = self._step_events = []
         self._read_tokens(launched, events)
-        self._step_events = []
+        self._publish_step(events)
+
+    def _publish_step(self, events: list[tuple[Sink, RequestEvent]]) -> None:
+        self._step_events = []  # built and about to leave: the failure path must not send them again
         if events:
             self.publish(events)
 
