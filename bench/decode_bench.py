@@ -167,7 +167,7 @@ def bench_ours(s: Setup, step: ModelDecodeStep, batch: int, args: argparse.Names
         graph = backend.capture(step, batch)
     except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
         row["graph_error"] = f"{type(exc).__name__}: {exc}"
-        CudaGraphBackend.cleanup_after_failure()
+        backend.cleanup_after_failure()
         return row
     row["graph_ms"] = time_ms(graph.replay, s.device, args.iters, args.warmup)
     row["capture_ms"] = graph.capture_ms

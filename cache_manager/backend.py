@@ -26,14 +26,29 @@ class CapturedGraph(Protocol):
 
 
 class GraphBackend(Protocol):
-    """Captures and releases graphs. `capture` raises on failure (the cache turns that into back-off)."""
+    """Captures and releases graphs on the capture thread (capturer.py); `fence` runs on the engine thread.
+
+    `capture` raises on failure (the cache turns that into back-off)."""
 
     def total_memory(self) -> int: ...
 
+    def bind_thread(self) -> None:
+        """Called once on the capture thread before its first job (device and mode are per thread)."""
+        ...
+
     def capture(self, step: DecodeStep, size: int) -> CapturedGraph: ...
 
-    def release(self, graph: CapturedGraph) -> int:
+    def fence(self) -> object:
+        """On the engine thread, when a graph is taken out of service: a marker that follows its last
+        replay on the device. `release` waits for it before freeing the graph's memory."""
+        ...
+
+    def release(self, graph: CapturedGraph, after: object = None) -> int:
         """Drop the graph and give its memory back to the device; returns bytes freed (measured)."""
+        ...
+
+    def cleanup_after_failure(self) -> None:
+        """Give back whatever a failed capture left behind."""
         ...
 
 
@@ -76,27 +91,52 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """One capture stream per device for the whole process: cuBLAS keeps a workspace per stream, so a
-    fresh stream per capture would leave a new workspace behind each time (memory no graph owns)."""
+    fresh stream per capture would leave a new workspace behind each time (memory no graph owns).
+    PyTorch makes it non-blocking, so the engine's work on the default stream never joins a capture."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(torch.device("cuda", index))
     return _SIDE_STREAMS[index]
 
 
-def _measure(device: torch.device) -> tuple[int, int]:
-    """(allocator reserved bytes, driver free bytes) after the device went idle."""
-    torch.cuda.synchronize(device)
-    free, _ = torch.cuda.mem_get_info(device)
-    return torch.cuda.memory_reserved(device), free
+def pool_bytes(device: torch.device, pool: tuple) -> int:
+    """Bytes the caching allocator holds in segments of one private pool.
+
+    Exact while the engine keeps allocating on other streams, unlike a reserved-memory delta."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return sum(
+        seg["total_size"]
+        for seg in torch.cuda.memory_snapshot()
+        if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) == tuple(pool)
+    )
+
+
+class _NoAutomaticGc:
+    """Automatic collection off while recording: a collection walks every object and could free a
+    tensor the capture is about to record. Nothing is collected on entry (gc.freeze() after load
+    keeps the long-lived objects out of every generation anyway)."""
+
+    def __enter__(self) -> None:
+        self.was_enabled = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.was_enabled:
+            gc.enable()
 
 
 class CudaGraphBackend:
-    """Captures `step.run(size)` into a CUDA graph with a private memory pool per graph.
+    """Captures `step.run(size)` into a CUDA graph with a private memory pool per graph, on the
+    capture thread, while the engine thread keeps serving on the default stream.
 
-    A private pool is what makes eviction real: deleting one graph of a shared pool frees nothing
-    until every graph of that pool is gone. Bytes are the larger of the allocator's reserved delta
-    (the pool) and the driver's free-memory delta (which also sees the instantiated graph itself).
-    The caller pads the rows [n, size) before capture: warm-up executes the step for real.
+    - Warm-up (lazy cuBLAS handles, Triton compiles) runs `step.run_scratch(size)`: private inputs
+      that only touch the scratch KV slot, so it never reads or writes what a serving step uses.
+    - Recording uses `capture_error_mode="thread_local"` on the side stream: the engine thread's
+      syncs and allocations stay legal; recording executes nothing, so the static inputs it reads
+      may change under it. `torch.cuda.graph` is not used: on entry it synchronizes the device and
+      empties the allocator's cache, which is what used to stall every stream.
+    - Bytes are the private pool's segments (`pool_bytes`); a private pool is what makes eviction
+      real: deleting one graph of a shared pool frees nothing until every graph of it is gone.
     """
 
     def __init__(self, device: torch.device, warmup_iters: int = 2) -> None:
@@ -107,52 +147,50 @@ class CudaGraphBackend:
     def total_memory(self) -> int:
         return torch.cuda.get_device_properties(self.device).total_memory
 
+    def bind_thread(self) -> None:
+        torch.cuda.set_device(self.device)
+
     def capture(self, step: DecodeStep, size: int) -> CudaGraph:
         device = self.device
         stream = _side_stream(device)
-        # Warm-up on a side stream: lazy inits (cuBLAS handles, autotuning) must not be captured.
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
+        with torch.inference_mode(), torch.cuda.stream(stream):
             for _ in range(self.warmup_iters):
-                step.run(size)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        # torch.cuda.graph empties the cache on enter; do it first so the baseline is stable.
-        gc.collect()
-        torch.cuda.empty_cache()
-        reserved0, free0 = _measure(device)
-        graph = torch.cuda.CUDAGraph()
-        pool = torch.cuda.graph_pool_handle()
-        start = time.perf_counter()
-        # Frozen gc: a collection during capture would walk every tensor and can free memory the
-        # capture is about to record; the objects alive now are not garbage anyway.
-        gc.freeze()
-        try:
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                output = step.run(size)
-        except BaseException:
-            # The traceback keeps this frame alive: drop the half-captured graph and its pool now so
-            # the failure cleanup can return their memory.
-            graph = pool = None
-            raise
-        finally:
-            gc.unfreeze()
-        reserved1, free1 = _measure(device)
-        capture_ms = (time.perf_counter() - start) * 1000.0
-        nbytes = max(reserved1 - reserved0, free0 - free1, 0)
-        return CudaGraph(graph, pool, output, size, nbytes, capture_ms)
+                step.run_scratch(size)
+            stream.synchronize()  # waits for this stream only; the engine's stream runs on
+            graph = torch.cuda.CUDAGraph()
+            pool = torch.cuda.graph_pool_handle()
+            start = time.perf_counter()
+            try:
+                with _NoAutomaticGc():
+                    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                    try:
+                        output = step.run(size)
+                    finally:
+                        graph.capture_end()
+            except BaseException:
+                # The traceback keeps this frame alive: drop the half-captured graph and its pool now so
+                # the failure cleanup can return their memory.
+                graph = pool = None
+                raise
+            capture_ms = (time.perf_counter() - start) * 1000.0
+        return CudaGraph(graph, pool, output, size, pool_bytes(device, pool), capture_ms)
 
-    def release(self, graph: CapturedGraph) -> int:
+    def fence(self) -> object:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def release(self, graph: CapturedGraph, after: object = None) -> int:
         assert isinstance(graph, CudaGraph)
-        reserved0, free0 = _measure(self.device)
+        if after is not None:
+            after.synchronize()  # the last replay (and the reads of its output) finished
+        pool = graph.pool
+        before = pool_bytes(self.device, pool)
         graph.drop()
-        gc.collect()
+        # Gives the pool back to the driver (and any other unused cached block: measured per pool).
         torch.cuda.empty_cache()
-        reserved1, free1 = _measure(self.device)
-        return max(reserved0 - reserved1, free1 - free0, 0)
+        return max(before - pool_bytes(self.device, pool), 0)
 
-    @staticmethod
-    def cleanup_after_failure() -> None:
-        """Give back whatever a failed capture left in the allocator."""
-        gc.collect()
-        torch.cuda.synchronize()
+    def cleanup_after_failure(self) -> None:
+        _side_stream(self.device).synchronize()
         torch.cuda.empty_cache()

@@ -7,12 +7,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 
 import structlog
 import torch
 
 from cache_manager.backend import CudaGraphBackend, GraphBackend
 from cache_manager.budget import resolve_budget
+from cache_manager.capturer import CaptureJob
 from cache_manager.config import DEFAULT_BUDGET_FRACTION, GraphCacheConfig
 from cache_manager.ops import GraphsUnavailableError, OpOutcome, OpResult
 from cache_manager.recorder import StatsRecorder
@@ -27,17 +29,23 @@ log = structlog.get_logger("cache_manager")
 
 
 class GraphCache:
-    """Serves `run(n)` by replaying the graph of the smallest allowed size >= n, capturing it lazily.
+    """Serves `run(n)` by replaying the graph of the smallest allowed size >= n, capturing it lazily
+    beside serving.
 
-    Contract: only the engine thread calls `run`, `warm_step`, `maybe_save`, `save`, `close` and the
-    operator operations (`capture`, `evict`, `set_budget`, `reset_stats`), between steps;
-    `snapshot()` may be called from any thread. Before `run(n)` the caller has written rows [0, n) of
-    the step's static inputs; the cache pads rows [n, S). The returned tensor may be a view of a
-    graph's static output: it is valid until the next call into the cache (clone to keep it).
-    Graphs of the last replayed bucket and of the bucket being served are "in use" and never evicted
-    by traffic. Graphs run only in mode FULL on a CUDA device (or with an explicit backend, as tests
-    do); otherwise every step is eager and only requested sizes are counted. Captures outside
-    `run` (operator, warm start) pad all rows [0, S) first, since warm-up executes the step for real.
+    Contract: only the engine thread calls `run`, `poll`, `warm_step`, `maybe_save`, `save`, `close`
+    and the operator operations (`capture_async`, `evict_async`, `set_budget_async`, `reset_stats`,
+    and their blocking forms), between steps; `snapshot()` may be called from any thread. Before
+    `run(n)` the caller has written rows [0, n) of the step's static inputs; the cache pads rows
+    [n, S). The returned tensor may be a view of a graph's static output: it is valid until the next
+    call into the cache (clone to keep it).
+
+    A capture never blocks the step that asked for it: that step runs now, padded to a larger
+    captured graph if one exists, else eager; the capture thread (capturer.py) records the graph and
+    `poll` swaps it in between steps. Operator captures and warm start take the same path. Graphs of
+    the last replayed bucket and of the bucket being served are "in use" and never evicted by
+    traffic. Graphs run only in mode FULL on a CUDA device (or with an explicit backend, as tests
+    do); otherwise every step is eager and only requested sizes are counted. `notify` (any thread)
+    is called when the capture thread has a result to commit, so an idle engine can wake to `poll`.
     """
 
     def __init__(
@@ -49,6 +57,8 @@ class GraphCache:
         backend: GraphBackend | None = None,
         *,
         clock: Callable[[], float] = time.time,
+        notify: Callable[[], None] | None = None,
+        on_capture_stall: Callable[[float], None] | None = None,
     ) -> None:
         self.step = step
         self.config = config
@@ -86,11 +96,15 @@ class GraphCache:
             config.heat_half_life_s,
             config.failure_backoff_s,
             config.max_failure_backoff_s,
+            notify=lambda: self.notify() if self.notify is not None else None,
+            on_stall=on_capture_stall,
         )
+        self.notify = notify  # settable after construction (the engine that owns the wake-up comes later)
         self._buckets = self.residency.buckets
         self._warm_queue: deque[int] = deque()
         if self.mode is CudaGraphMode.FULL and config.warm_start:
             self._warm_queue.extend(s for s in self.stats.hot_buckets() if s in self._buckets)
+        self._warming: int | None = None  # the warm-start capture in flight
 
     # ---- serving ------------------------------------------------------------------------------
 
@@ -106,6 +120,10 @@ class GraphCache:
     def graphs_enabled(self) -> bool:
         return self.mode is CudaGraphMode.FULL
 
+    @property
+    def captures_pending(self) -> int:
+        return len(self.residency.pending)
+
     def descriptor(self, n: int) -> BatchDescriptor | None:
         """The key of the graph that would serve n rows (None: eager above the largest size)."""
         bucket = self._table.bucket_for(n)
@@ -117,6 +135,7 @@ class GraphCache:
         now = self._clock()
         if not self.graphs_enabled:
             return self._eager(n, None, "mode_none", now)
+        self.poll()
         bucket = self._table.bucket_for(n)
         if bucket is None:
             return self._eager(n, None, "above_max", now)
@@ -138,45 +157,76 @@ class GraphCache:
         return out[:n]
 
     def _select(self, n: int, bucket: int, now: float) -> tuple[int | None, str]:
-        """(bucket to replay, "") or (None, eager reason). May capture, evicting by policy."""
+        """(bucket to replay, "") or (None, eager reason). May submit a capture, evicting by policy;
+        meanwhile the step pads to a larger captured graph if there is one."""
         b = self._buckets[bucket]
         b.bump(now, self.config.heat_half_life_s)
         if b.graph is not None:
             return bucket, ""
         if b.in_backoff(now):
-            return None, "failed"
-        self.step.set_padding_rows(n, bucket)  # warm-up executes the step: padding must be safe
-        in_use = self.residency.last_replayed
-        protect = {bucket} | ({in_use} if in_use is not None else set())
-        outcome, _ = self.residency.try_capture(bucket, protect, evict="policy")
-        if outcome is OpOutcome.CAPTURED:
-            return bucket, ""
-        if outcome is OpOutcome.OVER_BUDGET:
-            larger = self.residency.larger_captured(bucket)
-            return (larger, "") if larger is not None else (None, "budget")
-        return None, "failed"
+            reason = "failed"
+        elif bucket in self.residency.pending:
+            reason = "capturing"
+        else:
+            in_use = self.residency.last_replayed
+            protect = {bucket} | ({in_use} if in_use is not None else set())
+            outcome, _ = self.residency.request_capture(bucket, protect, evict="policy")
+            reason = "capturing" if outcome is None else "budget"
+        larger = self.residency.larger_captured(bucket)
+        return (larger, "") if larger is not None else (None, reason)
 
     def _eager(self, n: int, bucket: int | None, reason: str, now: float) -> torch.Tensor:
         self.stats.eager(n, bucket, reason, now)
         return self.step.run(n)
 
-    # ---- capture / eviction -------------------------------------------------------------------
+    # ---- results from the capture thread --------------------------------------------------------
+
+    def poll(self) -> int:
+        """Between steps: commit finished captures and account finished releases; returns how many."""
+        capturer = self.residency.capturer
+        if capturer is None:
+            return 0
+        done = capturer.take_done()
+        for job in done:
+            if isinstance(job, CaptureJob):
+                result = self.residency.commit(job, self.residency.last_replayed)
+                if job.size == self._warming:
+                    self._warming = None
+                    if result.outcome is OpOutcome.OVER_BUDGET:
+                        log.info("graph_warm_start_skipped", bucket=job.size, reason=result.message)
+            else:
+                result = self.residency.released(job)
+            for waiter in job.waiters:
+                waiter(result)
+        return len(done)
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Block until every capture and release submitted so far is committed (tests, benchmarks and
+        shutdown; never on the serving path)."""
+        deadline = time.monotonic() + timeout
+        while self.residency.pending or self.residency.releasing_bytes:
+            if self.poll() == 0:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"graph captures still pending after {timeout} s")
+                time.sleep(0.001)
 
     def warm_step(self) -> bool:
-        """Capture at most one hot bucket from the warm-start queue, within budget (no eviction)."""
-        if not self.graphs_enabled:
+        """Submit at most one hot bucket from the warm-start queue, within budget (no eviction);
+        one at a time, so each estimate sees the previous measurement. True if one was submitted."""
+        if not self.graphs_enabled or self._warming is not None:
             return False
         now = self._clock()
         while self._warm_queue:
             size = self._warm_queue.popleft()
             b = self._buckets[size]
-            if b.graph is not None or b.in_backoff(now):
+            if b.graph is not None or b.in_backoff(now) or size in self.residency.pending:
                 continue
-            self.step.set_padding_rows(0, size)
-            outcome, message = self.residency.try_capture(size, set(), evict="none")
+            outcome, message = self.residency.request_capture(size, set(), evict="none")
             if outcome is OpOutcome.OVER_BUDGET:
                 log.info("graph_warm_start_skipped", bucket=size, reason=message)
-            return outcome is OpOutcome.CAPTURED
+                continue
+            self._warming = size
+            return True
         return False
 
     # ---- operator operations ------------------------------------------------------------------
@@ -188,50 +238,66 @@ class GraphCache:
         self._table.check_allowed(sizes)
         return sizes
 
-    def capture(self, sizes: Iterable[int]) -> dict[int, OpResult]:
-        """Capture the given allowed sizes now (ignores failure back-off; may evict unprotected graphs)."""
-        results: dict[int, OpResult] = {}
-        done: set[int] = set()
-        for s in self._check_ops(sizes):
+    def capture_async(self, sizes: Iterable[int]) -> Future:
+        """Capture the given allowed sizes through the capture thread (ignores failure back-off; may
+        evict unprotected graphs). The future gets {size: OpResult} once every capture is committed."""
+        sizes = self._check_ops(sizes)
+        results = _Results(sizes)
+        for s in sizes:
             b = self._buckets[s]
             if b.graph is not None:
-                results[s] = OpResult(OpOutcome.ALREADY_CAPTURED, f"{s} is already captured", b.graph.nbytes)
-                done.add(s)
+                results.set(s, OpResult(OpOutcome.ALREADY_CAPTURED, f"{s} is already captured", b.graph.nbytes))
                 continue
-            self.step.set_padding_rows(0, s)
-            outcome, message = self.residency.try_capture(s, done, evict="force")
-            nbytes = b.graph.nbytes if b.graph is not None else 0
-            results[s] = OpResult(outcome, message, nbytes)
-            if outcome is OpOutcome.CAPTURED:
-                done.add(s)
-        return results
+            protect = {t for t in sizes if t != s and self._buckets[t].graph is not None}
+            outcome, message = self.residency.request_capture(s, protect, "force", lambda r, s=s: results.set(s, r))
+            if outcome is not None:
+                results.set(s, OpResult(outcome, message))
+        return results.future
 
-    def evict(self, sizes: Iterable[int]) -> dict[int, OpResult]:
-        results: dict[int, OpResult] = {}
-        for s in self._check_ops(sizes):
+    def evict_async(self, sizes: Iterable[int]) -> Future:
+        """Evict the given sizes; the future gets {size: OpResult} once the device got the memory back."""
+        sizes = self._check_ops(sizes)
+        results = _Results(sizes)
+        for s in sizes:
             if self._buckets[s].graph is None:
-                results[s] = OpResult(OpOutcome.NOT_CAPTURED, f"{s} is not captured")
+                results.set(s, OpResult(OpOutcome.NOT_CAPTURED, f"{s} is not captured"))
             else:
-                freed = self.residency.evict(s, reason="operator")
-                results[s] = OpResult(OpOutcome.EVICTED, f"evicted {s}; {freed} bytes returned", freed)
-        return results
+                self.residency.evict(s, "operator", lambda r, s=s: results.set(s, r))
+        return results.future
 
-    def set_budget(self, value: str | float) -> dict[int, OpResult]:
+    def set_budget_async(self, value: str | float) -> Future:
         """Set the budget (bytes, fraction or string) and evict by policy until the graphs fit it."""
         total = self.backend.total_memory() if self.backend is not None else 0
         budget = resolve_budget(value, total)
         with self._lock:
             self.residency.budget_bytes = budget
-        results: dict[int, OpResult] = {}
         over = self.used_bytes - budget
+        victims: list[int] = []
         if over > 0:
             victims = self.residency.victims(over, set(), math.inf, self._clock()) or [
                 s for s, b in self._buckets.items() if b.graph is not None
             ]
-            for s in victims:
-                freed = self.residency.evict(s, reason="budget")
-                results[s] = OpResult(OpOutcome.EVICTED, f"evicted {s} to fit {budget} bytes", freed)
-        return results
+        results = _Results(victims)
+        for s in victims:
+            self.residency.evict(s, "budget", lambda r, s=s: results.set(
+                s, OpResult(OpOutcome.EVICTED, f"evicted {s} to fit {budget} bytes", r.bytes)))
+        return results.future
+
+    def capture(self, sizes: Iterable[int]) -> dict[int, OpResult]:
+        return self._wait(self.capture_async(sizes))
+
+    def evict(self, sizes: Iterable[int]) -> dict[int, OpResult]:
+        return self._wait(self.evict_async(sizes))
+
+    def set_budget(self, value: str | float) -> dict[int, OpResult]:
+        return self._wait(self.set_budget_async(value))
+
+    def _wait(self, future: Future) -> dict[int, OpResult]:
+        """Blocking form for the thread that owns the cache: polls until the future is done."""
+        while not future.done():
+            if self.poll() == 0:
+                time.sleep(0.001)
+        return future.result()
 
     def reset_stats(self) -> None:
         """Zero all counters, since start and persisted; measurements of live graphs are kept."""
@@ -259,11 +325,13 @@ class GraphCache:
         """Write the cumulative stats now (no-op without a stats file); never raises."""
         self.stats.save(self._clock())
 
-    def close(self) -> None:
-        """Save the stats and release every graph."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Save the stats, stop the capture thread (queued captures are not started) and release every
+        graph. A capture that does not end within `timeout` leaves its graphs to process exit."""
         self.save()
-        self.residency.release_all()
         self._warm_queue.clear()
+        if not self.residency.close(timeout):
+            log.warning("graph_capture_thread_hung", timeout_s=timeout)
 
     def snapshot(self) -> CacheSnapshot:
         with self._lock:
@@ -292,3 +360,19 @@ class GraphCache:
                 stats_file=str(self.stats.store.path) if self.stats.store else None,
                 last_save_time=self.stats.last_save_time,
             )
+
+
+class _Results:
+    """Collects one OpResult per size of an operator operation; completes its future with the last."""
+
+    def __init__(self, sizes: Iterable[int]) -> None:
+        self.future: Future = Future()
+        self._order = list(sizes)
+        self._results: dict[int, OpResult] = {}
+        if not self._order:
+            self.future.set_result({})
+
+    def set(self, size: int, result: OpResult) -> None:
+        self._results[size] = result
+        if len(self._results) == len(self._order) and not self.future.done():
+            self.future.set_result({s: self._results[s] for s in self._order})

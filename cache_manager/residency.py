@@ -12,7 +12,8 @@ import structlog
 from cache_manager.backend import CapturedGraph, GraphBackend
 from cache_manager.buckets import Bucket
 from cache_manager.budget import Candidate, choose_victims, estimate_bytes
-from cache_manager.ops import OpOutcome
+from cache_manager.capturer import CaptureJob, Capturer, ReleaseJob
+from cache_manager.ops import OpOutcome, OpResult
 from cache_manager.recorder import StatsRecorder
 from cache_manager.snapshot import BucketState
 from cache_manager.step import DecodeStep
@@ -21,13 +22,18 @@ log = structlog.get_logger("cache_manager")
 
 
 class Residency:
-    """Owns the buckets (and so the only references to their graphs), the backend and the budget.
+    """Owns the buckets (and so the only references to their graphs), the capture thread and the budget.
 
-    `try_capture` is the one way a graph becomes resident: estimate its bytes (budget.py), evict by
-    policy if it would not fit, capture, then enforce the budget on the measured bytes (evicting
-    others or dropping the new graph). Graphs in `protect` are never evicted. A failed capture marks
-    the bucket FAILED with a doubling back-off. Every event is counted in the recorder and logged
-    (graph_captured, graph_evicted with the bytes the device got back, graph_capture_failed).
+    Engine thread only (state changes take the lock so snapshots from other threads are consistent).
+    A graph becomes resident in two halves: `request_capture` estimates its bytes (budget.py),
+    evicts by policy if it would not fit, reserves the estimate and hands the capture to the
+    capture thread; `commit` (between steps) enforces the budget on the measured bytes (evicting
+    others or dropping the new graph) and makes it replayable. Evicted graphs leave service at once
+    and are released on the capture thread; their bytes count as used until the release is measured.
+    Graphs in `protect` are never evicted. A failed capture marks the bucket FAILED with a doubling
+    back-off. Every event is counted in the recorder and logged (graph_captured with what the engine
+    thread spent on it as `stall_ms`, graph_evicted with the bytes the device got back,
+    graph_capture_failed, graph_capture_dropped).
     """
 
     def __init__(
@@ -42,9 +48,12 @@ class Residency:
         half_life_s: float,
         backoff_s: float,
         max_backoff_s: float,
+        notify: Callable[[], None] | None = None,
+        on_stall: Callable[[float], None] | None = None,
     ) -> None:
         self.step = step
         self.backend = backend
+        self.capturer = Capturer(backend, step, notify) if backend is not None else None
         self.buckets = {s: Bucket(s) for s in sizes}
         self.budget_bytes = budget_bytes
         self.stats = stats
@@ -53,32 +62,28 @@ class Residency:
         self.half_life_s = half_life_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.on_stall = on_stall  # seconds the engine thread spent on one capture (metrics)
         self.last_replayed: int | None = None  # its output may still be read by the caller: in use
         # Bytes that released graphs did not give back to the device (measured at release). They
         # still occupy device memory, so they count against the budget like a live graph.
         self.unreclaimed_bytes = 0
+        self.releasing_bytes = 0  # evicted graphs not yet released by the capture thread
+        self.pending: dict[int, CaptureJob] = {}  # size -> capture submitted, not yet committed
 
     def larger_captured(self, size: int) -> int | None:
         larger = [s for s, b in self.buckets.items() if s > size and b.graph is not None]
         return min(larger) if larger else None
 
-    def release_all(self) -> None:
-        for b in self.buckets.values():
-            if b.graph is not None:
-                with self._lock:
-                    graph, b.graph, b.state = b.graph, None, BucketState.NOT_CAPTURED
-                self._release(graph)
-
     @property
     def used_bytes(self) -> int:
+        """Device memory the graphs hold now: live, being released, and never given back."""
         held = sum(b.graph.nbytes for b in self.buckets.values() if b.graph is not None)
-        return held + self.unreclaimed_bytes
+        return held + self.unreclaimed_bytes + self.releasing_bytes
 
-    def _release(self, graph: CapturedGraph) -> int:
-        freed = self.backend.release(graph)
-        # A release can also free more than measured at capture (memory an earlier graph left behind).
-        self.unreclaimed_bytes = max(0, self.unreclaimed_bytes + graph.nbytes - freed)
-        return freed
+    @property
+    def reserved_bytes(self) -> int:
+        """Estimated bytes of the captures in flight: budget decisions count them as used."""
+        return sum(job.estimate for job in self.pending.values())
 
     def victims(self, need: int, protect: set[int], max_score: float, now: float) -> list[int] | None:
         cands = [
@@ -98,92 +103,147 @@ class Residency:
         max_score = math.inf if evict == "force" else b.heat_at(now, self.half_life_s) / max(nbytes, 1)
         return self.victims(need, protect, max_score, now)
 
-    def try_capture(self, size: int, protect: set[int], evict: str) -> tuple[OpOutcome, str]:
-        """Capture `size` within the budget.
+    # ---- capture ------------------------------------------------------------------------------
+
+    def request_capture(
+        self, size: int, protect: set[int], evict: str, waiter: Callable[[OpResult], None] | None = None
+    ) -> tuple[OpOutcome | None, str]:
+        """Submit a capture of `size` to the capture thread if its estimate fits the budget.
 
         evict: "none" (warm start: only into free budget), "policy" (traffic: only graphs worth no
-        more per byte than this one), "force" (operator: any graph not in `protect`).
+        more per byte than this one), "force" (operator: any graph not in `protect`). Returns
+        (None, "") when submitted (or already in flight: `waiter` joins it), else the outcome that
+        stopped it (OVER_BUDGET) with a message. A capture that cannot fit is never attempted.
         """
+        assert self.capturer is not None
+        started = time.perf_counter()
+        if size in self.pending:
+            if waiter is not None:
+                self.pending[size].waiters.append(waiter)
+            return None, ""
         b = self.buckets[size]
         now = self._clock()
         estimate = estimate_bytes(size, self.stats.measured_bytes())
-        need = self.used_bytes + estimate - self.budget_bytes
+        need = self.used_bytes + self.reserved_bytes + estimate - self.budget_bytes
         if need > 0:
             victims = self._victims_for(b, estimate, need, protect, evict, now)
             if victims is None:
                 return OpOutcome.OVER_BUDGET, (
-                    f"needs about {estimate} bytes; {self.used_bytes} of "
-                    f"{self.budget_bytes} used and nothing evictable frees enough"
+                    f"needs about {estimate} bytes; {self.used_bytes + self.reserved_bytes} of "
+                    f"{self.budget_bytes} used or reserved and nothing evictable frees enough"
                 )
             for v in victims:
                 self.evict(v, reason="budget")
-        prior_state = b.state
+        job = CaptureJob(size, evict, estimate, frozenset(protect))
+        if waiter is not None:
+            job.waiters.append(waiter)
         with self._lock:
+            job.prior_state = b.state
             b.state = BucketState.CAPTURING
+            self.pending[size] = job
+        job.stall_s = time.perf_counter() - started
+        self.capturer.submit(job)
+        return None, ""
+
+    def commit(self, job: CaptureJob, in_use: int | None) -> OpResult:
+        """Between steps: make a recorded graph replayable within the budget, or count its failure."""
         started = time.perf_counter()
-        try:
-            graph = self.backend.capture(self.step, size)
-        except Exception as exc:  # noqa: BLE001 - any capture failure must leave the service serving
-            return self._capture_failed(b, exc, now)
-        # What the step that asked for it waited: warm-up runs, collection and memory measurement
-        # included, which the graph's own capture_ms leaves out.
-        stall_ms = (time.perf_counter() - started) * 1000.0
+        size, b = job.size, self.buckets[job.size]
+        with self._lock:
+            self.pending.pop(size, None)
+        now = self._clock()
+        if job.cancelled:
+            with self._lock:
+                b.state = job.prior_state
+            return OpResult(OpOutcome.FAILED, f"capture of {size} cancelled: the cache is closing")
+        if job.graph is None:
+            return self._capture_failed(b, job.error, now)
+        graph = job.graph
         self.stats.capture(size, graph.nbytes, graph.capture_ms)
-        over = self.used_bytes + graph.nbytes - self.budget_bytes
+        protect = set(job.protect) | {size} | ({in_use} if in_use is not None else set())
+        over = self.used_bytes + self.reserved_bytes + graph.nbytes - self.budget_bytes
         if over > 0:
-            victims = self._victims_for(b, graph.nbytes, over, protect | {size}, evict, now)
+            victims = self._victims_for(b, graph.nbytes, over, protect, job.evict, now)
             if victims is None:
-                freed = self._release(graph)
                 with self._lock:
-                    b.state = (
-                        BucketState.EVICTED
-                        if prior_state is BucketState.EVICTED
-                        else BucketState.NOT_CAPTURED
-                    )
-                log.info(
-                    "graph_capture_dropped",
-                    bucket=size,
-                    bytes=graph.nbytes,
-                    bytes_freed=freed,
-                    used=self.used_bytes,
-                    budget=self.budget_bytes,
-                )
-                return (
-                    OpOutcome.OVER_BUDGET,
-                    f"measured {graph.nbytes} bytes does not fit the budget; dropped",
-                )
+                    b.state = BucketState.EVICTED if job.prior_state is BucketState.EVICTED else BucketState.NOT_CAPTURED
+                self._release(graph, "dropped")
+                log.info("graph_capture_dropped", bucket=size, bytes=graph.nbytes, used=self.used_bytes,
+                         budget=self.budget_bytes)
+                return OpResult(OpOutcome.OVER_BUDGET, f"measured {graph.nbytes} bytes does not fit the budget; dropped")
             for v in victims:
                 self.evict(v, reason="budget")
         with self._lock:
             b.captured(graph, self.step.input_addresses())
+        # What the engine thread spent on this capture: the request and this commit. The recording,
+        # warm-up and measurement ran on the capture thread (`ms` is the recording alone).
+        stall_s = job.stall_s + time.perf_counter() - started
+        if self.on_stall is not None:
+            self.on_stall(stall_s)
         log.info("graph_captured", bucket=size, bytes=graph.nbytes, ms=round(graph.capture_ms, 2),
-                 stall_ms=round(stall_ms, 1))
-        return OpOutcome.CAPTURED, f"captured {size}: {graph.nbytes} bytes in {graph.capture_ms:.1f} ms"
+                 stall_ms=round(stall_s * 1000.0, 3), ready_ms=round((time.perf_counter() - job.requested_at) * 1000.0, 1))
+        return OpResult(OpOutcome.CAPTURED, f"captured {size}: {graph.nbytes} bytes in {graph.capture_ms:.1f} ms",
+                        graph.nbytes)
 
-    def _capture_failed(self, b: Bucket, exc: BaseException, now: float) -> tuple[OpOutcome, str]:
-        cleanup = getattr(self.backend, "cleanup_after_failure", None)
-        if cleanup is not None:
-            try:
-                cleanup()
-            except Exception:  # noqa: BLE001 - best effort; the bucket is already marked failed
-                pass
+    def _capture_failed(self, b: Bucket, exc: BaseException | None, now: float) -> OpResult:
         with self._lock:
             b.fail(now, self.backoff_s, self.max_backoff_s)
         self.stats.failure(b.size)
         reason = f"{type(exc).__name__}: {exc}"
         log.warning("graph_capture_failed", bucket=b.size, reason=reason, retry_in_s=b.backoff_s)
-        return OpOutcome.FAILED, reason
+        return OpResult(OpOutcome.FAILED, reason)
 
-    def evict(self, size: int, reason: str) -> int:
+    # ---- eviction and release -----------------------------------------------------------------
+
+    def evict(self, size: int, reason: str, waiter: Callable[[OpResult], None] | None = None) -> int:
+        """Take the graph out of service now; the capture thread releases it after its last replay.
+        Returns its measured-at-capture bytes (the release reports what the device got back)."""
         b = self.buckets[size]
         graph = b.graph
         assert graph is not None
         with self._lock:
             b.graph = None
             b.state = BucketState.EVICTED
-        freed = self._release(graph)
         self.stats.eviction(size)
         if self.last_replayed == size:
             self.last_replayed = None
-        log.info("graph_evicted", bucket=size, bytes=graph.nbytes, bytes_freed=freed, reason=reason)
-        return freed
+        self._release(graph, reason, waiter)
+        return graph.nbytes
+
+    def _release(self, graph: CapturedGraph, reason: str, waiter: Callable[[OpResult], None] | None = None) -> None:
+        assert self.capturer is not None
+        job = ReleaseJob(graph, reason, self.backend.fence())
+        if waiter is not None:
+            job.waiters.append(waiter)
+        with self._lock:
+            self.releasing_bytes += graph.nbytes
+        self.capturer.submit(job)
+
+    def released(self, job: ReleaseJob) -> OpResult:
+        """Between steps: account a finished release."""
+        graph = job.graph
+        with self._lock:
+            self.releasing_bytes -= graph.nbytes
+            # A release can also free more than measured at capture (memory an earlier graph left behind).
+            self.unreclaimed_bytes = max(0, self.unreclaimed_bytes + graph.nbytes - job.freed)
+        if job.reason != "dropped":
+            log.info("graph_evicted", bucket=graph.size, bytes=graph.nbytes, bytes_freed=job.freed, reason=job.reason)
+        return OpResult(OpOutcome.EVICTED, f"evicted {graph.size}; {job.freed} bytes returned", job.freed)
+
+    def close(self, timeout: float) -> bool:
+        """Stop the capture thread and release every graph on this thread; False if a capture hung."""
+        if self.capturer is None:
+            return True
+        ended = self.capturer.close(timeout)
+        if not ended:
+            return False
+        for job in self.capturer.take_done():  # recorded but never committed
+            if isinstance(job, CaptureJob) and job.graph is not None:
+                self.backend.release(job.graph)
+        self.pending.clear()
+        for b in self.buckets.values():
+            if b.graph is not None:
+                with self._lock:
+                    graph, b.graph, b.state = b.graph, None, BucketState.NOT_CAPTURED
+                self.backend.release(graph, self.backend.fence())
+        return True

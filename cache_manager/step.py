@@ -26,6 +26,11 @@ class DecodeStep(Protocol):
         """Run rows [0, batch_size); returns a tensor whose first dim is batch_size."""
         ...
 
+    def run_scratch(self, batch_size: int) -> torch.Tensor:
+        """Run `batch_size` rows on private inputs that touch only the scratch KV slot: the warm-up
+        before a capture, which runs beside serving steps and so must not use their inputs."""
+        ...
+
     def input_addresses(self) -> tuple[int, ...]:
         """Data pointers of the static inputs, for the debug check that they never move."""
         ...

@@ -5,6 +5,7 @@ Not used in production. It replays by running the step eagerly, so outputs stay 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -26,35 +27,57 @@ class FakeGraph:
 
 
 class FakeGraphBackend:
-    """Captures instantly; a graph of size s "uses" bytes_for(s) bytes; sizes in `fail_sizes` raise."""
+    """Captures at once on the capture thread; a graph of size s "uses" bytes_for(s) bytes; sizes in
+    `fail_sizes` raise. With `gate` set, each capture first waits for the gate (tests hold a capture
+    in flight that way); `threads` records which thread captured."""
 
     def __init__(
         self,
         bytes_for: Callable[[int], int] | dict[int, int] = lambda s: 1000 * s,
         total: int = 10**9,
         fail_sizes: set[int] | None = None,
+        gate: threading.Event | None = None,
     ) -> None:
         self.bytes_for = bytes_for.__getitem__ if isinstance(bytes_for, dict) else bytes_for
         self.total = total
         self.fail_sizes = set(fail_sizes or ())
+        self.gate = gate
         self.captured: list[int] = []  # capture order
         self.released: list[int] = []
         self.live: dict[int, int] = {}  # size -> bytes held now
+        self.peak_bytes = 0  # the most ever held at once, captures in flight included
+        self.threads: set[str] = set()
+        self.started = threading.Event()  # set when a capture began (before the gate)
 
     def total_memory(self) -> int:
         return self.total
 
+    def bind_thread(self) -> None:
+        pass
+
     def capture(self, step: DecodeStep, size: int) -> FakeGraph:
+        self.threads.add(threading.current_thread().name)
+        self.started.set()
+        if self.gate is not None:
+            assert self.gate.wait(30), "fake capture gate never opened"
+        step.run_scratch(size)
         if size in self.fail_sizes:
             raise torch.OutOfMemoryError(f"fake: out of memory capturing {size}")
         self.captured.append(size)
         nbytes = self.bytes_for(size)
         self.live[size] = nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return FakeGraph(step, size, nbytes, capture_ms=1.0)
 
-    def release(self, graph: FakeGraph) -> int:
+    def fence(self) -> object:
+        return None
+
+    def release(self, graph: FakeGraph, after: object = None) -> int:
         self.released.append(graph.size)
         return self.live.pop(graph.size)
+
+    def cleanup_after_failure(self) -> None:
+        pass
 
     @property
     def live_bytes(self) -> int:
@@ -69,6 +92,7 @@ class CountingStep:
         self.inputs = torch.zeros(max_batch, width)
         self.padding_calls: list[tuple[int, int]] = []
         self.runs: list[int] = []
+        self.scratch_runs: list[int] = []
 
     def set_padding_rows(self, start: int, stop: int) -> None:
         self.padding_calls.append((start, stop))
@@ -77,6 +101,10 @@ class CountingStep:
     def run(self, batch_size: int) -> torch.Tensor:
         self.runs.append(batch_size)
         return self.inputs[:batch_size] * 2
+
+    def run_scratch(self, batch_size: int) -> torch.Tensor:
+        self.scratch_runs.append(batch_size)
+        return torch.zeros(batch_size, self.inputs.shape[1])
 
     def input_addresses(self) -> tuple[int, ...]:
         return (self.inputs.data_ptr(),)

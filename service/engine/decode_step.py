@@ -23,6 +23,13 @@ class ModelDecodeStep:
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.slot_ids = torch.full((max_batch,), kv.scratch_slot, dtype=torch.long, device=device)
+        # The capture thread's warm-up inputs: never written, so a warm-up beside serving steps only
+        # touches the scratch slot (token 0 at position 0).
+        self._scratch_inputs = (
+            torch.zeros(max_batch, dtype=torch.long, device=device),
+            torch.zeros(max_batch, dtype=torch.long, device=device),
+            torch.full((max_batch,), kv.scratch_slot, dtype=torch.long, device=device),
+        )
         # One copy per step for all inputs, from one of two pinned buffers in turn: the engine writes
         # step t+1's rows while step t's copy may still be queued behind the device's work.
         self._host = torch.zeros((2, 4 * max_batch), dtype=torch.long, pin_memory=device.type == "cuda")
@@ -68,6 +75,11 @@ class ModelDecodeStep:
         return self.model.decode(
             self.input_ids[:batch_size], self.positions[:batch_size], self.slot_ids[:batch_size], self.kv
         )
+
+    def run_scratch(self, batch_size: int) -> torch.Tensor:
+        """Like `run`, on private inputs that write only the scratch KV slot (the capture warm-up)."""
+        ids, positions, slots = (t[:batch_size] for t in self._scratch_inputs)
+        return self.model.decode(ids, positions, slots, self.kv)
 
     def input_addresses(self) -> tuple[int, ...]:
         """Data pointers of the static inputs, for the debug check that they never move."""

@@ -85,7 +85,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.publish = publish
         self.observer = observer
-        self.between_steps = between_steps  # graph warm-start and stats saving, on the engine thread
+        self.between_steps = between_steps  # graph commits, warm start and stats saving, on the engine thread
         # Overlap: launch step t+1 before reading step t's tokens, so that the host's work on step t
         # (stop checks, detokenizing, publishing) runs while the device computes step t+1.
         self.overlap = overlap
@@ -147,6 +147,11 @@ class Engine:
             self._inbox.append((key, request, sink))
             self._cond.notify()
         return key
+
+    def wake(self) -> None:
+        """Run `between_steps` soon even when idle (a graph capture finished and waits to be committed)."""
+        with self._cond:
+            self._cond.notify()
 
     def abort(self, key: str) -> None:
         with self._cond:

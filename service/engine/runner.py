@@ -8,6 +8,7 @@ step t, so the host's work on step t overlaps the device's work on step t+1.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,10 @@ class ModelRunner:
         self.loaded.model.prefill(torch.tensor([bos], device=self.device), scratch, self.kv)
         self.decode_step.write_rows([bos], [1], [scratch])
         self.decode_step.run(1).argmax(dim=-1).tolist()
+        # Everything alive now (model, caches, modules) lives as long as the process: keep it out of
+        # every collection, so a collection while serving or capturing walks only what requests made.
+        gc.collect()
+        gc.freeze()
 
     @torch.inference_mode()
     def step(self, decodes: list[Sequence], prefills: list[Sequence]) -> list[int]:

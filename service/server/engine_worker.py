@@ -173,12 +173,15 @@ class _Worker:
         self.graphs = graphs = runner.graphs
 
         def between_steps() -> None:
+            graphs.poll()
             graphs.warm_step()
             graphs.maybe_save()
 
         self.engine = Engine(runner, Scheduler(c.max_running_seqs, c.max_prefill_tokens), loaded.tokenizer,
                              frozenset(loaded.spec.eos_token_ids), publish=self.publish,
                              observer=self.metrics, between_steps=between_steps, overlap=c.overlap_steps)
+        graphs.notify = self.engine.wake  # a finished capture is committed between steps, even when idle
+        graphs.residency.on_stall = self.metrics.graph_capture_stall.observe
         return WorkerReady(
             model_path=str(loaded.path), spec=loaded.spec, max_seq_len=max_seq_len, device=str(device),
             dtype=str(dtype).removeprefix("torch."), graph_config=graphs.config, graph_mode=mode.value,
@@ -216,7 +219,7 @@ class _Worker:
         elif name in GRAPH_OPS:
             future = self.engine.call(lambda: self._graph_op(name, args))
             # The callback runs where the future completes: here, if the engine has stopped.
-            future.add_done_callback(lambda f: self.replies.submit(self._reply, call_id, f.result))
+            future.add_done_callback(lambda f: self._reply_when_done(call_id, f))
         else:
             self.replies.submit(self.send, (RESULT, call_id, False, ValueError(f"unknown engine call {name!r}")))
 
@@ -239,7 +242,18 @@ class _Worker:
             return getattr(g, name)
         if name == "total_memory":
             return g.backend.total_memory() if g.backend is not None else None
+        if name in ("capture", "evict", "set_budget"):  # finished on the capture thread: never wait here
+            return getattr(g, f"{name}_async")(*args)
         return getattr(g, name)(*args)
+
+    def _reply_when_done(self, call_id: int, future: concurrent.futures.Future) -> None:
+        """Reply with the call's result; an operation that finishes on the capture thread returned a
+        future of its own, whose result is the reply."""
+        if not future.cancelled() and future.exception() is None and isinstance(future.result(),
+                                                                                 concurrent.futures.Future):
+            future.result().add_done_callback(lambda inner: self._reply_when_done(call_id, inner))
+            return
+        self.replies.submit(self._reply, call_id, future.result)
 
     def _reply(self, call_id: int, fn: Any) -> None:
         try:

@@ -25,6 +25,8 @@ ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.
                0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0)
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0,
                     60.0, 120.0, 300.0, 600.0)
+# What the engine thread spent on one graph capture (submit and commit): the target is ~0.
+STALL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                  10.0, 20.0, 40.0, 80.0, 160.0)
 
@@ -48,6 +50,10 @@ class EngineMetrics:
                                   buckets=DURATION_BUCKETS, registry=r)
         self.queue_time = Histogram("graphserve_queue_time_seconds", "Arrival to admission into a KV slot.",
                                     buckets=QUEUE_BUCKETS, registry=r)
+        self.graph_capture_stall = Histogram(
+            "graphserve_graph_capture_stall_seconds",
+            "Engine-thread time one graph capture cost the serving steps (the recording runs beside them).",
+            buckets=STALL_BUCKETS, registry=r)
         self.prompt_tokens = Counter("graphserve_prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.generated_tokens = Counter("graphserve_generated_tokens", "Completion tokens sampled.", registry=r)
         # sequence key -> (time of its latest token, completion tokens seen); engine thread only.

@@ -1,3 +1,4 @@
+import threading
 import time
 
 import pytest
@@ -26,10 +27,10 @@ class Clock:
         return self.t
 
 
-def make(budget=10**9, bytes_for=lambda s: 1000 * s, fail=None, mode="full", backend=True, **kw):
+def make(budget=10**9, bytes_for=lambda s: 1000 * s, fail=None, mode="full", backend=True, gate=None, **kw):
     clock = Clock()
     step = CountingStep(8)
-    fake = FakeGraphBackend(bytes_for, fail_sizes=fail) if backend else None
+    fake = FakeGraphBackend(bytes_for, fail_sizes=fail, gate=gate) if backend else None
     cfg = GraphCacheConfig(mode, SIZES, 8, memory_budget=budget, **kw)
     cache = GraphCache(step, cfg, torch.device("cpu"), FP, fake, clock=clock)
     return cache, step, fake, clock
@@ -45,20 +46,49 @@ def bucket(cache, size):
     return next(b for b in cache.snapshot().buckets if b.size == size)
 
 
-def test_lazy_capture_then_replay_pads_and_returns_first_rows():
-    cache, step, fake, _ = make()
+def run_settled(cache, n):
+    """One step, then everything it sent to the capture thread committed (as by the next steps)."""
+    out = cache.run(n)
+    cache.wait_idle()
+    return out
+
+
+def test_lazy_capture_runs_beside_the_step_that_asked_and_is_swapped_in_between_steps():
+    gate = threading.Event()
+    cache, step, fake, _ = make(gate=gate)
     expected = write(step, 3)
-    out = cache.run(3)
-    assert fake.captured == [4]
+    assert torch.equal(cache.run(3), expected)  # served eagerly now: the capture waits on the gate
+    assert fake.started.wait(5) and fake.captured == []
+    assert bucket(cache, 4).state is BucketState.CAPTURING
+    assert torch.equal(cache.run(3), expected)  # still capturing: eager again, no second capture
+    gate.set()
+    cache.wait_idle()
+    assert fake.captured == [4] and fake.threads == {"graphserve-capture"}
+    assert step.scratch_runs == [4] and step.padding_calls == []  # warm-up never used the live inputs
+    expected = write(step, 3)
+    assert torch.equal(cache.run(3), expected)  # replayed, padded
     assert (3, 4) in step.padding_calls
-    assert torch.equal(out, expected)
-    expected = write(step, 3)
-    assert torch.equal(cache.run(3), expected)
-    assert fake.captured == [4]  # captured once, replayed after
     entry = bucket(cache, 4)
-    assert entry.state is BucketState.CAPTURED and entry.since_start.replays == 2
-    assert entry.since_start.padded_rows == 2 and entry.since_start.captures == 1
+    assert entry.state is BucketState.CAPTURED and entry.since_start.replays == 1
+    assert entry.since_start.eager_fallbacks == {"capturing": 2} and entry.since_start.captures == 1
     assert entry.bytes == 4000
+    cache.close()
+
+
+def test_while_capturing_a_step_pads_to_a_larger_captured_graph():
+    gate = threading.Event()
+    cache, step, fake, _ = make(gate=gate)
+    gate.set()
+    run_settled(cache, 8)
+    gate.clear()
+    expected = write(step, 3)
+    assert torch.equal(cache.run(3), expected)  # 4 is being captured: 8 serves it meanwhile
+    assert (3, 8) in step.padding_calls and bucket(cache, 8).since_start.replays == 1
+    gate.set()
+    cache.wait_idle()
+    assert fake.captured == [8, 4]
+    cache.run(3)
+    assert bucket(cache, 4).since_start.replays == 1
 
 
 def test_above_max_and_mode_none_run_eager_and_count_requested_sizes():
@@ -88,6 +118,7 @@ def test_above_max_and_mode_none_run_eager_and_count_requested_sizes():
 def test_eviction_never_takes_the_graph_in_use_and_pads_to_a_larger_captured_graph():
     cache, step, fake, _ = make(budget=8000)
     write(step, 8)
+    run_settled(cache, 8)
     cache.run(8)  # bucket 8 takes the whole budget and is the graph in use
     expected = write(step, 3)
     out = cache.run(3)  # 4 is estimated at 8000 (from bucket 8): cannot fit without evicting 8
@@ -100,11 +131,11 @@ def test_eviction_never_takes_the_graph_in_use_and_pads_to_a_larger_captured_gra
 def test_eager_when_nothing_fits_and_the_measured_size_is_remembered():
     cache, step, fake, _ = make(budget=500)
     expected = write(step, 3)
-    assert torch.equal(cache.run(3), expected)  # captured, measured 4000 > 500, dropped
+    assert torch.equal(run_settled(cache, 3), expected)  # captured, measured 4000 > 500, dropped
     assert fake.captured == [4] and fake.live_bytes == 0
     cache.run(3)  # the estimate now knows 4000: no second capture
     assert fake.captured == [4]
-    assert cache.snapshot().requested_detail[0].eager_fallbacks == {"budget": 2}
+    assert cache.snapshot().requested_detail[0].eager_fallbacks == {"capturing": 1, "budget": 1}
     assert bucket(cache, 4).state is BucketState.NOT_CAPTURED
     assert cache.snapshot().used_bytes == 0
 
@@ -114,9 +145,9 @@ def test_policy_evicts_lowest_replays_per_byte_and_keeps_hot_graphs():
     for n, times in ((1, 10), (2, 1), (4, 3)):
         for _ in range(times):
             write(step, n)
-            cache.run(n)
+            run_settled(cache, n)
     assert fake.live_bytes == 3000
-    cache.run(8)  # needs room: 2 is the coldest per byte; 4 is in use
+    run_settled(cache, 8)  # needs room: 2 is the coldest per byte; 4 is in use
     assert fake.released == [2]
     assert {b.size for b in cache.snapshot().buckets if b.state is BucketState.CAPTURED} == {1, 4, 8}
     assert fake.live_bytes <= 3000
@@ -125,9 +156,9 @@ def test_policy_evicts_lowest_replays_per_byte_and_keeps_hot_graphs():
 def test_one_off_batch_does_not_displace_hot_graphs():
     cache, _step, fake, _ = make(budget=2000, bytes_for=lambda s: 1000)
     for _ in range(10):
-        cache.run(1)
-        cache.run(2)
-    cache.run(4)
+        run_settled(cache, 1)
+        run_settled(cache, 2)
+    run_settled(cache, 4)
     assert fake.released == [] and fake.captured == [1, 2]
     assert bucket(cache, 4).since_start.eager_fallbacks == {"budget": 1}
 
@@ -137,8 +168,9 @@ def test_memory_never_exceeds_budget_cycling_three_buckets():
     for i in range(30):
         n = (1, 3, 7)[i % 3]
         expected = write(step, n)
-        assert torch.equal(cache.run(n), expected)
+        assert torch.equal(run_settled(cache, n), expected)
         assert fake.live_bytes <= 8000 and cache.snapshot().used_bytes == fake.live_bytes
+    assert fake.peak_bytes <= 8000  # also while captures were in flight
 
 
 def test_memory_a_released_graph_keeps_counts_against_the_budget():
@@ -146,14 +178,14 @@ def test_memory_a_released_graph_keeps_counts_against_the_budget():
     device memory: the budget must see it, or graphs plus that memory would exceed it."""
 
     class Leaky(FakeGraphBackend):
-        def release(self, graph):  # noqa: ANN001, ANN202
+        def release(self, graph, after=None):  # noqa: ANN001, ANN202
             return super().release(graph) - 1000  # the device gets 1000 bytes less back
 
     cache, step, _, _ = make(budget=8000, bytes_for=lambda s: 4000)
-    cache.residency.backend = cache.backend = Leaky(lambda s: 4000)
+    cache.residency.backend = cache.residency.capturer.backend = cache.backend = Leaky(lambda s: 4000)
     for n in (1, 3, 7, 1, 3, 7):
         write(step, n)
-        cache.run(n)
+        run_settled(cache, n)
         assert cache.used_bytes <= 8000
     assert cache.residency.unreclaimed_bytes > 0
     held = sum(b.bytes for b in cache.snapshot().buckets if b.state is BucketState.CAPTURED)
@@ -164,7 +196,7 @@ def test_failed_capture_backs_off_doubling_then_recovers():
     cache, step, fake, clock = make(fail={4}, failure_backoff_s=60)
     with structlog.testing.capture_logs() as logs:
         expected = write(step, 3)
-        assert torch.equal(cache.run(3), expected)
+        assert torch.equal(run_settled(cache, 3), expected)
     assert any(
         e["event"] == "graph_capture_failed" and e["bucket"] == 4 and "OutOfMemory" in e["reason"]
         for e in logs
@@ -173,13 +205,14 @@ def test_failed_capture_backs_off_doubling_then_recovers():
     assert entry.state is BucketState.FAILED and entry.retry_at == clock.t + 60
     clock.t += 30
     cache.run(3)
-    assert entry.since_start.failures == 1 and bucket(cache, 4).since_start.eager_fallbacks == {"failed": 2}
+    assert entry.since_start.failures == 1
+    assert bucket(cache, 4).since_start.eager_fallbacks == {"capturing": 1, "failed": 1}
     clock.t += 31
-    cache.run(3)  # back-off over: retried, fails again, back-off doubles
+    run_settled(cache, 3)  # back-off over: retried, fails again, back-off doubles
     assert bucket(cache, 4).since_start.failures == 2 and bucket(cache, 4).retry_at == clock.t + 120
     fake.fail_sizes.clear()
     clock.t += 121
-    cache.run(3)
+    run_settled(cache, 3)
     assert bucket(cache, 4).state is BucketState.CAPTURED and fake.captured == [4]
 
 
@@ -187,14 +220,19 @@ def test_warm_start_captures_hottest_first_one_per_call_within_budget(tmp_path):
     path = tmp_path / "stats.json"
     first, _step, _, _ = make(stats_file=path)
     for n, times in ((8, 5), (2, 9), (1, 2)):
-        for _ in range(times):
-            first.run(n)
+        for _ in range(times + 1):  # the first of each is served eagerly while its graph is captured
+            run_settled(first, n)
     first.close()
 
     cache, _, fake, _ = make(budget=10_000, stats_file=path)  # fits 8 (8000) and 2 (2000), not 1 too
     assert cache.snapshot().warm_queue == (2, 8, 1)
-    assert cache.warm_step() is True and fake.captured == [2]
-    assert cache.warm_step() is True and fake.captured == [2, 8]
+    assert cache.warm_step() is True
+    assert cache.warm_step() is False  # one warm capture at a time
+    cache.wait_idle()
+    assert fake.captured == [2] and fake.threads == {"graphserve-capture"}
+    assert cache.warm_step() is True
+    cache.wait_idle()
+    assert fake.captured == [2, 8]
     assert cache.warm_step() is False and fake.captured == [2, 8]  # 1 would exceed the budget
     assert fake.released == []
     assert cache.warm_step() is False
@@ -208,7 +246,8 @@ def test_operator_capture_evict_and_set_budget():
     res = cache.capture([4, 8])
     assert res[4].outcome is OpOutcome.CAPTURED and res[8].outcome is OpOutcome.CAPTURED
     assert cache.capture([4])[4].outcome is OpOutcome.ALREADY_CAPTURED
-    assert (0, 4) in step.padding_calls  # captures between steps pad every row
+    assert step.padding_calls == [] and step.scratch_runs == [4, 8]  # warm-ups ran on private inputs
+    assert _fake.threads == {"graphserve-capture"}
     with pytest.raises(ValueError, match=r"allowed: \[1, 2, 4, 8\]"):
         cache.capture([3])
     ev = cache.evict([4, 1])
@@ -225,9 +264,9 @@ def test_operator_capture_evict_and_set_budget():
 
 def test_snapshot_and_reset_stats():
     cache, _step, _fake, _ = make(budget=5000)
-    cache.run(1)
-    cache.run(3)
-    cache.run(3)
+    run_settled(cache, 1)
+    run_settled(cache, 3)
+    run_settled(cache, 3)
     snap = cache.snapshot()
     assert snap.mode == "full" and snap.device == "cpu" and snap.capture_sizes == SIZES
     assert snap.budget_bytes == 5000 and snap.used_bytes == 5000
@@ -247,7 +286,7 @@ def test_snapshot_and_reset_stats():
 
 def test_debug_check_detects_moved_inputs():
     cache, step, _, _ = make(debug_check_addresses=True)
-    cache.run(2)
+    run_settled(cache, 2)
     cache.run(2)
     step.inputs = torch.zeros(8, 4)
     with pytest.raises(RuntimeError, match="moved"):
@@ -256,6 +295,7 @@ def test_debug_check_detects_moved_inputs():
 
 def test_replay_totals_are_logged_per_interval_not_per_step():
     cache, _step, _, clock = make(replay_log_interval_s=60)
+    cache.capture([2])
     with structlog.testing.capture_logs() as logs:
         for _ in range(5):
             cache.run(2)
@@ -273,37 +313,100 @@ def test_a_bigger_graph_needs_proportionally_more_traffic_to_displace_a_small_on
     cache, _step, fake, _ = make(budget=22 * mib + 4 * mib + 2 * mib, bytes_for=sizes)
     for _ in range(10):
         for n in (1, 2, 3):
-            cache.run(n)
+            run_settled(cache, n)
             assert fake.live_bytes <= cache.budget_bytes
     assert bucket(cache, 4).state is not BucketState.CAPTURED  # 10 uses do not pay for 22 MiB
     for _ in range(40):
-        cache.run(3)
+        run_settled(cache, 3)
     assert bucket(cache, 4).state is not BucketState.CAPTURED  # 50 uses per 22 MiB < 10 per 4 MiB
     for _ in range(26):
-        cache.run(3)
+        run_settled(cache, 3)
     assert bucket(cache, 4).state is BucketState.CAPTURED
     assert fake.released == [4, 1]  # the first capture of 4 measured over budget and was dropped
     assert bucket(cache, 1).since_start.evictions == 1 and bucket(cache, 2).state is BucketState.CAPTURED
     for _ in range(10):
         for n in (1, 2, 3):
-            cache.run(n)
+            run_settled(cache, n)
             assert fake.live_bytes <= cache.budget_bytes
 
 
-def test_capture_log_reports_the_stall_beside_the_capture_time():
-    """A capture's own time leaves out its warm-up, collection and measurement; the log also says how
-    long the step that asked for it waited."""
+def test_capture_log_reports_the_engine_threads_stall_apart_from_the_capture_time():
+    """A slow capture (warm-up, recording, measurement) costs the engine thread nothing: the log's
+    stall_ms is what the engine thread spent on it, ready_ms how long until the graph served."""
 
-    class SlowAroundCapture(FakeGraphBackend):
+    class SlowCapture(FakeGraphBackend):
         def capture(self, step, size):  # noqa: ANN001, ANN201
-            time.sleep(0.05)  # warm-up and gc before the timed capture, as the CUDA backend does
+            time.sleep(0.2)  # as a warm-up and recording on the device would take
             return super().capture(step, size)
 
-    cache, step, _, _ = make()
-    cache.residency.backend = cache.backend = SlowAroundCapture()
+    stalls: list[float] = []
+    step = CountingStep(8)
+    cfg = GraphCacheConfig("full", SIZES, 8)
+    cache = GraphCache(step, cfg, torch.device("cpu"), FP, SlowCapture(), on_capture_stall=stalls.append)
     with structlog.testing.capture_logs() as logs:
         write(step, 3)
+        started = time.perf_counter()
         cache.run(3)
+        returned_after = time.perf_counter() - started
+        cache.wait_idle()
     (event,) = [e for e in logs if e["event"] == "graph_captured"]
     assert event["bucket"] == 4 and event["ms"] == 1.0
-    assert event["stall_ms"] >= 50
+    assert returned_after < 0.2 and event["ready_ms"] >= 200
+    assert event["stall_ms"] < 200 and stalls == [pytest.approx(event["stall_ms"] / 1000, abs=1e-3)]
+
+
+def test_eviction_while_another_capture_is_pending_takes_the_graph_out_at_once():
+    gate = threading.Event()
+    cache, step, fake, _ = make(gate=gate)
+    gate.set()
+    cache.capture([8])
+    gate.clear()
+    cache.run(3)  # 4 goes to the capture thread and waits on the gate; 8 serves it meanwhile
+    assert fake.started.wait(5) and bucket(cache, 8).since_start.replays == 1
+    evicted = cache.evict_async([8])
+    assert bucket(cache, 8).state is BucketState.EVICTED and not evicted.done()
+    write(step, 8)
+    cache.run(8)  # 8 is no longer replayed: eager while it is captured again (queued behind 4)
+    assert bucket(cache, 8).since_start.replays == 1
+    gate.set()
+    cache.wait_idle()
+    assert evicted.result()[8].outcome is OpOutcome.EVICTED and evicted.result()[8].bytes == 8000
+    assert fake.captured == [8, 4, 8] and fake.released == [8]
+    assert cache.used_bytes == fake.live_bytes == 12_000
+
+
+def test_budget_counts_captures_in_flight():
+    gate = threading.Event()
+    cache, _step, fake, _ = make(budget=8000, bytes_for=lambda s: 4000, gate=gate)
+    gate.set()
+    run_settled(cache, 1)
+    cache.run(1)  # replayed: 1 is the graph in use
+    gate.clear()
+    cache.run(2)  # estimated 4000: fits beside 1 (4000 + 4000 <= 8000); goes to the capture thread
+    cache.run(3)  # 4 would need 4000 more while 2 is in flight: over budget, and 1 is in use
+    assert bucket(cache, 4).since_start.eager_fallbacks == {"budget": 1}
+    gate.set()
+    cache.wait_idle()
+    assert fake.captured == [1, 2] and fake.peak_bytes <= 8000
+
+
+def test_close_during_a_capture_ends_cleanly_and_skips_queued_captures():
+    gate = threading.Event()
+    cache, _step, fake, _ = make(gate=gate)
+    cache.run(1)
+    assert fake.started.wait(5)
+    cache.run(2)
+    cache.run(3)  # 2 and 4 are queued behind 1
+    threading.Timer(0.1, gate.set).start()
+    cache.close()
+    assert fake.captured == [1] and fake.live == {}  # 1 finished and was released; 2 and 4 never started
+
+
+def test_close_with_a_hung_capture_returns_and_says_so():
+    cache, _step, fake, _ = make(gate=threading.Event())
+    cache.run(1)
+    assert fake.started.wait(5)
+    with structlog.testing.capture_logs() as logs:
+        cache.close(timeout=0.2)
+    assert any(e["event"] == "graph_capture_thread_hung" for e in logs)
+    fake.gate.set()  # let the thread end

@@ -1,0 +1,126 @@
+"""The capture thread: records graphs and releases evicted ones beside the serving engine thread.
+
+Why a thread: a capture runs a warm-up forward, records the step and measures its pool (7-60 ms on
+an H200 for a 1B model); a release waits for the graph's last replay and empties the allocator's
+cache (which synchronizes the device). Done on the engine thread, every stream froze meanwhile.
+Here the engine thread only decides (what to capture, what to evict, what fits the budget) and
+commits results between steps; this thread does the slow device work and reports back.
+
+Contract: `submit_*` and `take_done` are called by the engine thread only. Jobs run one at a time,
+in order. The engine thread is woken through `notify` when a job finishes so an idle engine commits
+it without waiting for traffic. The thread starts with the first job and is stopped by `close`.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from cache_manager.backend import CapturedGraph, GraphBackend
+from cache_manager.step import DecodeStep
+
+log = structlog.get_logger("cache_manager")
+
+
+@dataclass
+class CaptureJob:
+    size: int
+    evict: str  # what the commit may evict to fit the measured bytes: "none", "policy" or "force"
+    estimate: int  # bytes reserved in the budget until the commit
+    protect: frozenset[int] = frozenset()  # never evicted for this capture
+    requested_at: float = field(default_factory=time.perf_counter)
+    graph: CapturedGraph | None = None  # set when recorded
+    error: BaseException | None = None  # set when the capture failed
+    cancelled: bool = False
+    waiters: list[Callable[[Any], None]] = field(default_factory=list)  # called with the OpResult
+    prior_state: Any = None  # the bucket's state before it became CAPTURING
+    stall_s: float = 0.0  # engine-thread time spent submitting it
+
+
+@dataclass
+class ReleaseJob:
+    graph: CapturedGraph
+    reason: str
+    after: Any = None  # the backend's fence: the graph's last replay is queued before it
+    freed: int = 0  # measured when released
+    waiters: list[Callable[[Any], None]] = field(default_factory=list)
+
+
+Job = CaptureJob | ReleaseJob
+
+
+class Capturer:
+    """One background thread that runs capture and release jobs for the cache, in submission order."""
+
+    def __init__(self, backend: GraphBackend, step: DecodeStep, notify: Callable[[], None] | None = None) -> None:
+        self.backend = backend
+        self.step = step
+        self.notify = notify
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._done: collections.deque[Job] = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.running: Job | None = None  # the job on the thread now (read by tests and state)
+
+    def submit(self, job: Job) -> None:
+        assert not self._closed, "submit after close"
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="graphserve-capture", daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    def take_done(self) -> list[Job]:
+        """Finished jobs since the last call, in completion order."""
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Stop after the job in hand (queued captures are not started); False if it did not end in time."""
+        self._closed = True
+        if self._thread is None:
+            return True
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _loop(self) -> None:
+        self.backend.bind_thread()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if self._closed and isinstance(job, CaptureJob):
+                job.cancelled = True
+            else:
+                self.running = job
+                self._run(job)
+                self.running = None
+            self._done.append(job)
+            if self.notify is not None:
+                try:
+                    self.notify()
+                except Exception:  # noqa: BLE001 - a wake-up is an optimisation; the next step commits anyway
+                    log.warning("capture_notify_failed", exc_info=True)
+
+    def _run(self, job: Job) -> None:
+        if isinstance(job, CaptureJob):
+            try:
+                job.graph = self.backend.capture(self.step, job.size)
+            except Exception as exc:  # noqa: BLE001 - any failure backs the bucket off; serving goes on
+                job.error = exc
+                self.backend.cleanup_after_failure()
+            return
+        try:
+            job.freed = self.backend.release(job.graph, job.after)
+        except Exception:  # noqa: BLE001 - the graph is dropped either way; its bytes count as unreclaimed
+            log.warning("graph_release_failed", bucket=job.graph.size, exc_info=True)
+            job.freed = 0
