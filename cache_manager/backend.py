@@ -135,13 +135,16 @@ class CudaGraphBackend:
       syncs and allocations stay legal; recording executes nothing, so the static inputs it reads
       may change under it. `torch.cuda.graph` is not used: on entry it synchronizes the device and
       empties the allocator's cache, which is what used to stall every stream.
-    - Bytes are the private pool's segments (`pool_bytes`); a private pool is what makes eviction
-      real: deleting one graph of a shared pool frees nothing until every graph of it is gone.
+    - Bytes are the larger of the private pool's segments (`pool_bytes`, exact while the engine
+      allocates beside it) and the driver's free-memory drop (which also sees the instantiated
+      graph). A private pool is what makes eviction real: deleting one graph of a shared pool frees
+      nothing until every graph of it is gone.
     """
 
     def __init__(self, device: torch.device, warmup_iters: int = 2) -> None:
         assert device.type == "cuda", device
-        self.device = device
+        # An explicit index: the capture thread binds to it (a bare "cuda" means the current device here).
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.warmup_iters = warmup_iters
 
     def total_memory(self) -> int:
@@ -159,6 +162,7 @@ class CudaGraphBackend:
             stream.synchronize()  # waits for this stream only; the engine's stream runs on
             graph = torch.cuda.CUDAGraph()
             pool = torch.cuda.graph_pool_handle()
+            free0 = torch.cuda.mem_get_info(device)[0]  # no device sync: the engine keeps running
             start = time.perf_counter()
             try:
                 with _NoAutomaticGc():
@@ -173,7 +177,10 @@ class CudaGraphBackend:
                 graph = pool = None
                 raise
             capture_ms = (time.perf_counter() - start) * 1000.0
-        return CudaGraph(graph, pool, output, size, pool_bytes(device, pool), capture_ms)
+        # The pool holds the graph's tensors; the driver's free-memory drop also sees the instantiated
+        # graph (and, rarely, a segment the engine allocated meanwhile: an over-estimate is safe).
+        nbytes = max(pool_bytes(device, pool), free0 - torch.cuda.mem_get_info(device)[0])
+        return CudaGraph(graph, pool, output, size, nbytes, capture_ms)
 
     def fence(self) -> object:
         event = torch.cuda.Event()
@@ -185,11 +192,13 @@ class CudaGraphBackend:
         if after is not None:
             after.synchronize()  # the last replay (and the reads of its output) finished
         pool = graph.pool
-        before = pool_bytes(self.device, pool)
+        before, free0 = pool_bytes(self.device, pool), torch.cuda.mem_get_info(self.device)[0]
         graph.drop()
-        # Gives the pool back to the driver (and any other unused cached block: measured per pool).
+        # Gives the pool (and the engine's unused cached blocks, which it re-takes as it needs them)
+        # back to the driver. The pool's own delta is exact; the driver's also sees the graph itself.
         torch.cuda.empty_cache()
-        return max(before - pool_bytes(self.device, pool), 0)
+        pool_freed = before - pool_bytes(self.device, pool)
+        return max(pool_freed, min(torch.cuda.mem_get_info(self.device)[0] - free0, graph.nbytes), 0)
 
     def cleanup_after_failure(self) -> None:
         _side_stream(self.device).synchronize()

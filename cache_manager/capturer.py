@@ -92,8 +92,18 @@ class Capturer:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    @property
+    def alive(self) -> bool:
+        """False once the thread has ended (closed); waiting on it then would wait forever."""
+        return self._thread is None or self._thread.is_alive()
+
     def _loop(self) -> None:
-        self.backend.bind_thread()
+        bind_error: BaseException | None = None
+        try:
+            self.backend.bind_thread()
+        except Exception as exc:  # noqa: BLE001 - every capture then fails (and backs off); serving goes on
+            log.error("capture_thread_bind_failed", error=repr(exc))
+            bind_error = exc
         while True:
             job = self._jobs.get()
             if job is None:
@@ -102,7 +112,7 @@ class Capturer:
                 job.cancelled = True
             else:
                 self.running = job
-                self._run(job)
+                self._run(job, bind_error)
                 self.running = None
             self._done.append(job)
             if self.notify is not None:
@@ -111,13 +121,18 @@ class Capturer:
                 except Exception:  # noqa: BLE001 - a wake-up is an optimisation; the next step commits anyway
                     log.warning("capture_notify_failed", exc_info=True)
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: Job, bind_error: BaseException | None) -> None:
         if isinstance(job, CaptureJob):
             try:
+                if bind_error is not None:
+                    raise RuntimeError(f"the capture thread could not use the device: {bind_error!r}")
                 job.graph = self.backend.capture(self.step, job.size)
             except Exception as exc:  # noqa: BLE001 - any failure backs the bucket off; serving goes on
                 job.error = exc
-                self.backend.cleanup_after_failure()
+                try:
+                    self.backend.cleanup_after_failure()
+                except Exception:  # noqa: BLE001 - best effort; the bucket is marked failed anyway
+                    log.warning("capture_cleanup_failed", exc_info=True)
             return
         try:
             job.freed = self.backend.release(job.graph, job.after)

@@ -208,6 +208,7 @@ class GraphCache:
             if self.poll() == 0:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"graph captures still pending after {timeout} s")
+                self._check_capturer()
                 time.sleep(0.001)
 
     def warm_step(self) -> bool:
@@ -296,8 +297,14 @@ class GraphCache:
         """Blocking form for the thread that owns the cache: polls until the future is done."""
         while not future.done():
             if self.poll() == 0:
+                self._check_capturer()
                 time.sleep(0.001)
         return future.result()
+
+    def _check_capturer(self) -> None:
+        capturer = self.residency.capturer
+        if capturer is not None and not capturer.alive:
+            raise RuntimeError("the graph capture thread has stopped")
 
     def reset_stats(self) -> None:
         """Zero all counters, since start and persisted; measurements of live graphs are kept."""

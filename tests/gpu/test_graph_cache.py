@@ -202,22 +202,22 @@ def test_budget_of_two_graphs_is_never_exceeded_and_eviction_returns_memory(mode
     kv = new_kv()
     step = new_step(model, kv)
     prefill(model, kv, 24)
-    prime = new_cache(step)  # one-time costs (the capture stream's cuBLAS workspace) are not graphs
-    prime.capture([8])
-    prime.close()
+    cache = new_cache(step)
+    # The capture thread's one-time costs (its cuBLAS handle and workspace) are not graphs.
+    cache.capture([8])
+    cache.evict([8])
     baseline = graph_bytes(0)
 
-    probe = new_cache(step)
-    probe.capture([8, 16, 24])
-    sizes = {b.size: b.bytes for b in probe.snapshot().buckets if b.state is BucketState.CAPTURED}
+    cache.capture([8, 16, 24])
+    sizes = {b.size: b.bytes for b in cache.snapshot().buckets if b.state is BucketState.CAPTURED}
     held = graph_bytes(baseline)
     assert 0 < held <= sum(sizes.values()), (held, sizes)
-    probe.close()
-    assert graph_bytes(baseline) <= 0.05 * held, "closing the cache must give the graphs' memory back"
+    cache.evict([8, 16, 24])
+    assert graph_bytes(baseline) <= 0.05 * held, "eviction must give the graphs' memory back"
 
     ordered = sorted(sizes.values())
     budget = ordered[2] + ordered[1] + ordered[0] // 2  # any two fit, never three
-    cache = new_cache(step, budget=budget)
+    cache.set_budget(budget)
     worst = 0
 
     def serve(workload: list[int]) -> None:
@@ -372,26 +372,27 @@ def test_restart_warm_start_captures_hot_buckets_before_first_request(model, tmp
 
 
 def test_captures_beside_serving_steps_leave_their_outputs_and_kv_intact(model):
-    """Every bucket is captured on the capture thread while the main thread keeps decoding 8 live
-    rows through the cache. The live rows' tokens and KV equal a run that captured nothing: the
-    warm-ups (which execute) touched only the scratch slot, and recording read the static inputs
-    that the serving steps were rewriting without disturbing them."""
+    """Every bucket is captured on the capture thread while the main thread keeps decoding 64 live
+    rows through the cache (eager until the largest bucket is in, then replayed at the same size).
+    The live rows' tokens and KV equal a run that captured nothing: the warm-ups (which execute)
+    touched only the scratch slot, and recording read the static inputs that the serving steps were
+    rewriting without disturbing them."""
     kv, ref_kv = new_kv(), new_kv()
     step, ref_step = new_step(model, kv), new_step(model, ref_kv)
-    tokens = prefill(model, kv, 8)
-    assert prefill(model, ref_kv, 8) == tokens
+    tokens = prefill(model, kv, MAX_BATCH)
+    assert prefill(model, ref_kv, MAX_BATCH) == tokens
     ref_tokens = list(tokens)
     cache = new_cache(step)
     try:
         everything = cache.capture_async(cache.config.sizes)
         t = 0
-        while not everything.done() or t < 8:
+        while not everything.done() or t < 4:
             cache.poll()
-            positions, slots = [PROMPT_LEN + t] * 8, list(range(8))
+            positions, slots = [PROMPT_LEN + t] * MAX_BATCH, list(range(MAX_BATCH))
             step.write_rows(tokens, positions, slots)
-            got = cache.run(8).clone()
+            got = cache.run(MAX_BATCH).clone()
             ref_step.write_rows(ref_tokens, positions, slots)
-            want = ref_step.run(8)
+            want = ref_step.run(MAX_BATCH)
             assert rel_err(got, want) < 1e-2, t
             tokens, ref_tokens = got.argmax(-1).tolist(), want.argmax(-1).tolist()
             assert tokens == ref_tokens, t
@@ -400,8 +401,8 @@ def test_captures_beside_serving_steps_leave_their_outputs_and_kv_intact(model):
         assert all(r.outcome is OpOutcome.CAPTURED for r in everything.result().values())
         for layer in range(len(kv.k)):
             filled = PROMPT_LEN + t
-            assert rel_err(kv.k[layer][:8, :, :filled], ref_kv.k[layer][:8, :, :filled]) < 1e-2
-            assert rel_err(kv.v[layer][:8, :, :filled], ref_kv.v[layer][:8, :, :filled]) < 1e-2
+            assert rel_err(kv.k[layer][:MAX_BATCH, :, :filled], ref_kv.k[layer][:MAX_BATCH, :, :filled]) < 1e-2
+            assert rel_err(kv.v[layer][:MAX_BATCH, :, :filled], ref_kv.v[layer][:MAX_BATCH, :, :filled]) < 1e-2
         # After all that, every bucket replays what eager computes.
         for n in cache.config.sizes:
             step.write_rows([1] * n, [PROMPT_LEN] * n, list(range(n)))
