@@ -44,8 +44,9 @@ def requests(loaded: LoadedModel) -> list[GenerationRequest]:  # noqa: F811
     return [*shorts, long]
 
 
-def run(loaded: LoadedModel, reqs: list[GenerationRequest], budget: int) -> tuple[Results, RecordingRunner]:  # noqa: F811
-    config = GraphCacheConfig(mode=CudaGraphMode.NONE, capture_sizes=None, max_batch=SLOTS)
+def run(loaded: LoadedModel, reqs: list[GenerationRequest], budget: int,  # noqa: F811
+        graphs: CudaGraphMode = CudaGraphMode.NONE) -> tuple[Results, RecordingRunner]:
+    config = GraphCacheConfig(mode=graphs, capture_sizes=None, max_batch=SLOTS)
     runner = RecordingRunner(ModelRunner(loaded, SLOTS, MAX_SEQ, config))
     steps: list[tuple[list[str], list[tuple[str, int, int]]]] = []
     launch = runner.launch
