@@ -16,7 +16,6 @@ from service.engine.sequence import Sequence
 from service.model.kv_cache import KVCache
 from service.model.llama import LlamaForCausalLM
 from service.model.loader import LoadedModel
-from tests.unit.test_kernels import random_model, spec
 
 CPU = torch.device("cpu")
 ATOL = 1e-4
@@ -28,10 +27,9 @@ STEPS = 12
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module", params=["gqa-untied", "bias-tied"])
-def model(request: pytest.FixtureRequest) -> LlamaForCausalLM:
-    over = {} if request.param == "gqa-untied" else {"attention_bias": True, "tie_word_embeddings": True}
-    return random_model(spec(**over))
+@pytest.fixture(scope="module")
+def model(random_llama: LlamaForCausalLM) -> LlamaForCausalLM:
+    return random_llama
 
 
 def prompts(lens: tuple[int, ...] = LENS, seed: int = 0) -> list[torch.Tensor]:

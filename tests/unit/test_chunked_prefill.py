@@ -12,7 +12,6 @@ from service.model.kv_cache import KVCache
 from service.model.llama import LlamaForCausalLM
 from service.model.pieces import PiecewiseForward
 from service.model.step_batch import ChunkSpec, StepBatch, build_step_batch
-from tests.unit.test_kernels import random_model, spec
 
 CPU = torch.device("cpu")
 ATOL = 1e-5
@@ -20,12 +19,6 @@ NUM_SLOTS, MAX_SEQ = 5, 160
 STEPS = 10
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module", params=["gqa-untied", "bias-tied"])
-def model(request: pytest.FixtureRequest) -> LlamaForCausalLM:
-    over = {} if request.param == "gqa-untied" else {"attention_bias": True, "tie_word_embeddings": True}
-    return random_model(spec(**over))
 
 
 def new_cache(model: LlamaForCausalLM) -> KVCache:
@@ -67,15 +60,15 @@ def greedy(model: LlamaForCausalLM, first: torch.Tensor, position: int, slot: in
 
 @pytest.mark.parametrize("bounds", [[0, 16, 40, 150], [0, 1, 2, 149, 150], [0, 75, 150]],
                          ids=["uneven", "tiny-chunks", "halves"])
-def test_chunked_prefill_equals_one_prefill(model, bounds):
+def test_chunked_prefill_equals_one_prefill(random_llama, bounds):
     tokens = prompt(150, seed=1)
-    kv_ref, kv = new_cache(model), new_cache(model)
-    whole = model.prefill(torch.tensor(tokens), 2, kv_ref)
-    chunked = prefill_in_chunks(model, tokens, 2, kv, bounds)
+    kv_ref, kv = new_cache(random_llama), new_cache(random_llama)
+    whole = random_llama.prefill(torch.tensor(tokens), 2, kv_ref)
+    chunked = prefill_in_chunks(random_llama, tokens, 2, kv, bounds)
     torch.testing.assert_close(chunked, whole, atol=ATOL, rtol=0)
     for cache, ref in zip(kv.k + kv.v, kv_ref.k + kv_ref.v):
         torch.testing.assert_close(cache, ref, atol=ATOL, rtol=0)
-    assert greedy(model, chunked, 150, 2, kv) == greedy(model, whole, 150, 2, kv_ref)
+    assert greedy(random_llama, chunked, 150, 2, kv) == greedy(random_llama, whole, 150, 2, kv_ref)
 
 
 def mixed_step(model: LlamaForCausalLM, kv: KVCache, forward, pad_to: int | None = None) -> torch.Tensor:  # noqa: ANN001
@@ -99,44 +92,44 @@ def history(model: LlamaForCausalLM) -> KVCache:
     return kv
 
 
-def test_mixed_step_gives_each_row_what_it_gets_alone(model):
-    kv = history(model)
-    logits = mixed_step(model, kv, lambda b: model.forward_step(b, kv))
-    assert logits.shape == (4, model.spec.vocab_size)  # 2 decodes, the completed continuation, the short prompt
+def test_mixed_step_gives_each_row_what_it_gets_alone(random_llama):
+    kv = history(random_llama)
+    logits = mixed_step(random_llama, kv, lambda b: random_llama.forward_step(b, kv))
+    assert logits.shape == (4, random_llama.spec.vocab_size)  # 2 decodes, the completed continuation, the short prompt
 
-    ref = history(model)
+    ref = history(random_llama)
     expected = [
-        model.decode(torch.tensor([7, 11]), torch.tensor([12, 30]), torch.tensor([3, 0]), ref),
-        model.prefill(torch.tensor(prompt(50, seed=5)), 1, ref)[None],
-        model.prefill(torch.tensor(prompt(9, seed=6)), 4, ref)[None],
+        random_llama.decode(torch.tensor([7, 11]), torch.tensor([12, 30]), torch.tensor([3, 0]), ref),
+        random_llama.prefill(torch.tensor(prompt(50, seed=5)), 1, ref)[None],
+        random_llama.prefill(torch.tensor(prompt(9, seed=6)), 4, ref)[None],
     ]
     torch.testing.assert_close(logits, torch.cat(expected), atol=ATOL, rtol=0)
     # The partial prompt wrote exactly its 25 positions, as a whole prefill of them would.
-    model.prefill(torch.tensor(prompt(40, seed=7)[:25]), 2, ref)
+    random_llama.prefill(torch.tensor(prompt(40, seed=7)[:25]), 2, ref)
     for cache, want in zip(kv.k + kv.v, ref.k + ref.v):
         torch.testing.assert_close(cache, want, atol=ATOL, rtol=0)
         assert not cache[2, :, 25:].any() and not cache[kv.scratch_slot].any()
 
 
-def test_split_forward_equals_unsplit(model, monkeypatch):
-    kv_split, kv_whole = history(model), history(model)
-    pieces = PiecewiseForward(model, kv_split)
+def test_split_forward_equals_unsplit(random_llama, monkeypatch):
+    kv_split, kv_whole = history(random_llama), history(random_llama)
+    pieces = PiecewiseForward(random_llama, kv_split)
     attention_calls = []
-    real = model.step_attention
-    monkeypatch.setattr(model, "step_attention", lambda layer, *a, **kw: attention_calls.append(layer) or real(layer, *a, **kw))
+    real = random_llama.step_attention
+    monkeypatch.setattr(random_llama, "step_attention", lambda layer, *a, **kw: attention_calls.append(layer) or real(layer, *a, **kw))
 
-    split = mixed_step(model, kv_split, pieces.forward)
+    split = mixed_step(random_llama, kv_split, pieces.forward)
     # Every attention ran between pieces, eagerly, in layer order: L layers, L + 1 pieces.
-    assert attention_calls == list(range(model.spec.num_layers)) and pieces.num_pieces == model.spec.num_layers + 1
-    whole = mixed_step(model, kv_whole, lambda b: model.forward_step(b, kv_whole))
+    assert attention_calls == list(range(random_llama.spec.num_layers)) and pieces.num_pieces == random_llama.spec.num_layers + 1
+    whole = mixed_step(random_llama, kv_whole, lambda b: random_llama.forward_step(b, kv_whole))
     torch.testing.assert_close(split, whole, atol=0, rtol=0)
     assert all(torch.equal(a, b) for a, b in zip(kv_split.k + kv_split.v, kv_whole.k + kv_whole.v))
 
 
-def test_padding_rows_touch_only_the_scratch_slot(model):
-    kv_padded, kv = history(model), history(model)
-    padded = mixed_step(model, kv_padded, PiecewiseForward(model, kv_padded).forward, pad_to=80)
-    exact = mixed_step(model, kv, PiecewiseForward(model, kv).forward)
+def test_padding_rows_touch_only_the_scratch_slot(random_llama):
+    kv_padded, kv = history(random_llama), history(random_llama)
+    padded = mixed_step(random_llama, kv_padded, PiecewiseForward(random_llama, kv_padded).forward, pad_to=80)
+    exact = mixed_step(random_llama, kv, PiecewiseForward(random_llama, kv).forward)
     torch.testing.assert_close(padded, exact, atol=ATOL, rtol=0)
     for a, b in zip(kv_padded.k + kv_padded.v, kv.k + kv.v):
         torch.testing.assert_close(a[: kv.scratch_slot], b[: kv.scratch_slot], atol=ATOL, rtol=0)
@@ -149,7 +142,7 @@ def test_padding_rows_touch_only_the_scratch_slot(model):
     ([ChunkSpec(1, 0, 2), ChunkSpec(1, 2, 2)], "share a KV slot"),
     ([ChunkSpec(NUM_SLOTS + 1, 0, 2)], "outside the KV cache's slots"),
 ])
-def test_bad_steps_raise(model, chunks, message):
-    kv = new_cache(model)
+def test_bad_steps_raise(random_llama, chunks, message):
+    kv = new_cache(random_llama)
     with pytest.raises(ValueError, match=message):
         build_step_batch([], [], chunks, [0] * sum(c.length for c in chunks), MAX_SEQ, kv.scratch_slot, CPU)
