@@ -29,7 +29,8 @@ class ServeConfig:
     port: int = 50051
     max_running_seqs: int = 32
     max_seq_len: int = 2048
-    max_prefill_tokens: int = 4096
+    # Tokens per engine step (one forward pass): every running decode plus prompt chunks.
+    max_num_batched_tokens: int = 2048
     default_max_tokens: int = 256
     overlap_steps: bool = True  # launch step t+1 before reading step t's tokens
     # Graph cache
@@ -63,6 +64,11 @@ class ServeConfig:
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
 
+    @property
+    def max_prefill_tokens(self) -> int:
+        """Deprecated name of max_num_batched_tokens (the per-step prompt budget it replaced)."""
+        return self.max_num_batched_tokens
+
     def redacted(self) -> dict[str, object]:
         """The config as plain data with secrets masked, for the start-up log."""
         data = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -87,7 +93,7 @@ class ServeConfig:
             value = getattr(self, name)
             need(0 <= value <= 65535, f"--{name.replace('_', '-')} must be a port in 0..65535, got {value}")
         positive = (
-            "max_running_seqs", "max_seq_len", "max_prefill_tokens", "default_max_tokens", "max_tokens_limit",
+            "max_running_seqs", "max_seq_len", "max_num_batched_tokens", "default_max_tokens", "max_tokens_limit",
             "max_prompt_bytes", "max_stop_string_bytes", "max_waiting_requests", "max_waiting_tokens",
             "max_concurrent_streams", "max_receive_message_bytes",
         )
@@ -96,6 +102,10 @@ class ServeConfig:
         for name in ("max_stop_strings", "max_stop_token_ids"):
             need(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
         need(self.max_seq_len >= 2, "--max-seq-len must be at least 2")
+        # Decodes are never held back: a step must hold one token of every running sequence.
+        need(self.max_num_batched_tokens >= self.max_running_seqs,
+             f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= --max-running-seqs "
+             f"({self.max_running_seqs}): every running sequence may decode in the same step")
         need(self.default_max_tokens <= self.max_tokens_limit, "--default-max-tokens must be <= --max-tokens-limit")
         need(self.drain_timeout >= 0, "--drain-timeout must be >= 0 seconds")
         need(self.watchdog_timeout > 0, "--watchdog-timeout must be > 0 seconds")
@@ -152,7 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, default=d.port)
     g.add_argument("--max-running-seqs", type=int, default=d.max_running_seqs, help="KV slots = max batch")
     g.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="prompt + completion tokens")
-    g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens, help="prompt tokens per step")
+    g.add_argument("--max-num-batched-tokens", "--max-prefill-tokens", dest="max_num_batched_tokens", type=int,
+                   default=d.max_num_batched_tokens,
+                   help="tokens per engine step: every running decode plus prompt chunks; a longer prompt is "
+                        "prefilled over several steps (>= --max-running-seqs; --max-prefill-tokens is deprecated)")
     g.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
     g.add_argument("--overlap-steps", dest="overlap_steps", action="store_true", default=d.overlap_steps,
                    help="launch step t+1 on the device before the host reads step t's tokens")
@@ -190,16 +203,16 @@ def _env_argv(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> li
     """Flags from GRAPHSERVE_* variables, placed before the command line so the command line wins."""
     argv: list[str] = []
     for action in parser._actions:  # noqa: SLF001 - argparse has no public walk of its actions
-        flag = next((s for s in action.option_strings if s.startswith("--")), None)
-        if flag is None or flag in ("--help", "--no-warm-start"):
-            continue
-        value = environ.get(ENV_PREFIX + flag[2:].replace("-", "_").upper())
-        if value is None:
-            continue
-        if flag == "--warm-start":
-            argv.append("--warm-start" if _bool(value) else "--no-warm-start")
-        else:
-            argv += [flag, value]
+        for flag in (s for s in action.option_strings if s.startswith("--")):  # aliases too
+            if flag in ("--help", "--no-warm-start"):
+                continue
+            value = environ.get(ENV_PREFIX + flag[2:].replace("-", "_").upper())
+            if value is None:
+                continue
+            if flag == "--warm-start":
+                argv.append("--warm-start" if _bool(value) else "--no-warm-start")
+            else:
+                argv += [flag, value]
     return argv
 
 

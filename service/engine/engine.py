@@ -22,7 +22,7 @@ import structlog
 
 from service.engine.output import RequestOutput
 from service.engine.request import EngineError, Finish, GenerationRequest, RequestEvent
-from service.engine.scheduler import Scheduler
+from service.engine.scheduler import PrefillChunk, Scheduler
 from service.engine.sequence import Sequence, SequenceStatus
 
 log = structlog.get_logger("graphserve.engine")
@@ -37,19 +37,21 @@ Publish = Callable[[list[tuple[Sink, RequestEvent]]], None]
 
 
 class Runner(Protocol):
-    def launch(self, decodes: list[Sequence], prefills: list[Sequence]) -> Any:
-        """Queue a step (decodes first, then prefills); returns a handle for `collect`. A decode may
-        have a token pending from the previous launch: the runner feeds it on the device."""
+    def launch(self, decodes: list[Sequence], prefills: list[PrefillChunk]) -> Any:
+        """Queue one forward pass over the decodes (one token each) and the prompt chunks; returns a
+        handle for `collect`. A decode may have a token pending from the previous launch: the
+        runner feeds it on the device."""
         ...
 
     def collect(self, launched: Any) -> list[int]:
-        """The launched step's sampled tokens, one per sequence, in launch order."""
+        """The launched step's sampled tokens: one per decode, then one per chunk that completes its
+        prompt (ScheduledBatch.sampling's order)."""
         ...
 
 
 @dataclass
 class _InFlight:
-    seqs: list[Sequence]  # decodes then prefills, as launched
+    seqs: list[Sequence]  # the sequences that sample, in the order of the launch's tokens
     launched: Any  # the runner's handle
 
 
@@ -228,9 +230,9 @@ class Engine:
         events = self._step_events = []
         for seq in self.scheduler.take_aborted():
             events.append(self._finish(seq, None, now))
-        seqs = batch.decodes + batch.prefills
+        seqs = batch.sampling  # a chunk that leaves part of its prompt for later steps samples nothing
         launched = None
-        if seqs:
+        if not batch.empty:
             launched = _InFlight(seqs, self.runner.launch(batch.decodes, batch.prefills))
             for seq in seqs:
                 seq.num_pending += 1
@@ -239,9 +241,9 @@ class Engine:
         if launched is not None:
             self._read_tokens(launched, events)
         self._publish_step(events)
-        if seqs or events:
+        if not batch.empty or events:
             self.last_progress = time.monotonic()
-        if self.observer is not None and (seqs or events):
+        if self.observer is not None and (not batch.empty or events):
             self.observer.on_step(self.scheduler.num_running, self.num_waiting, len(batch.decodes), len(batch.prefills))
 
     def _drain(self) -> None:

@@ -1,9 +1,12 @@
 """The model runner: the only code that touches the device.
 
-It owns the KV cache, the static decode inputs and the graph cache, and turns a list of sequences
-into one sampled token each. `launch` queues a step without waiting; `collect` is the step's one
-host sync (the token ids coming back to the CPU). The engine launches step t+1 before it collects
-step t, so the host's work on step t overlaps the device's work on step t+1.
+It owns the KV cache, the static decode inputs and the graph cache, and turns a scheduled step
+(decodes and prompt chunks) into one forward pass and one sampled token per sampling sequence. A
+uniform-decode step (every row one decode token) replays a full decode graph through the graph
+cache; a step with any prompt chunk runs the forward split at attention (service.model.pieces),
+eagerly for now. `launch` queues a step without waiting; `collect` is the step's one host sync
+(the token ids coming back to the CPU). The engine launches step t+1 before it collects step t,
+so the host's work on step t overlaps the device's work on step t+1.
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ import torch
 from cache_manager import Fingerprint, GraphCache, GraphCacheConfig
 from service.engine.decode_step import ModelDecodeStep
 from service.engine.sampler import SamplingBatch, sample
+from service.engine.scheduler import PrefillChunk
 from service.engine.sequence import Sequence
 from service.model.kv_cache import KVCache
 from service.model.loader import LoadedModel
+from service.model.pieces import PiecewiseForward
+from service.model.step_batch import ChunkSpec, build_step_batch
 
 
 class ModelRunner:
@@ -27,6 +33,7 @@ class ModelRunner:
         self.device = loaded.device
         self.kv = KVCache(loaded.spec, max_running, max_seq_len, loaded.device, loaded.dtype)
         self.decode_step = ModelDecodeStep(loaded.model, self.kv, max_running, loaded.device)
+        self.pieces = PiecewiseForward(loaded.model, self.kv)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         fingerprint = Fingerprint(
             model=loaded.name,
@@ -48,10 +55,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """One eager prefill and decode on the scratch slot, outside the graph cache (no stats)."""
+        """One eager step with a prompt chunk and one decode on the scratch slot, outside the graph
+        cache (no stats)."""
         scratch = self.kv.scratch_slot
         bos = self.loaded.spec.bos_token_id or 0
-        self.loaded.model.prefill(torch.tensor([bos], device=self.device), scratch, self.kv)
+        self.pieces.forward(build_step_batch(
+            [], [], [ChunkSpec(scratch, 0, 1)], [bos], self.kv.max_seq_len, scratch, self.device
+        ))
         self.decode_step.write_rows([bos], [1], [scratch])
         self.decode_step.run(1).argmax(dim=-1).tolist()
         # Everything alive now (model, caches, modules) lives as long as the process: keep it out of
@@ -60,25 +70,20 @@ class ModelRunner:
         gc.freeze()
 
     @torch.inference_mode()
-    def step(self, decodes: list[Sequence], prefills: list[Sequence]) -> list[int]:
-        """One engine step, launched and read back at once. Returns one token per sequence (decodes
-        first)."""
+    def step(self, decodes: list[Sequence], prefills: list[PrefillChunk]) -> list[int]:
+        """One engine step, launched and read back at once. Returns one token per sampling sequence
+        (decodes, then the sequences whose prompt a chunk completes)."""
         return self.collect(self.launch(decodes, prefills))
 
     @torch.inference_mode()
-    def launch(self, decodes: list[Sequence], prefills: list[Sequence]) -> LaunchedStep:
-        """Queue one engine step on the device without waiting for it: decode the running batch,
-        prefill the admitted prompts. A decode whose input token is still pending (sampled by the
-        previous launch, not yet read by the host) takes it from that launch's device tokens."""
-        seqs = decodes + prefills
-        assert seqs, "an empty step"
-        sampled = []
-        if decodes:
-            sampled.append(self.decode(decodes))
-        if prefills:
-            sampled.append(self.prefill(prefills))
-        tokens = sampled[0] if len(sampled) == 1 else torch.cat(sampled)
-        self._previous = {seq.key: row for row, seq in enumerate(seqs)}, tokens
+    def launch(self, decodes: list[Sequence], prefills: list[PrefillChunk]) -> LaunchedStep:
+        """Queue one engine step on the device without waiting for it: one forward pass over the
+        running decodes and the prompt chunks. A decode whose input token is still pending (sampled
+        by the previous launch, not yet read by the host) takes it from that launch's device tokens."""
+        assert decodes or prefills, "an empty step"
+        tokens = self.mixed(decodes, prefills) if prefills else self.decode(decodes)
+        sampling = decodes + [c.seq for c in prefills if c.completes_prompt]
+        self._previous = {seq.key: row for row, seq in enumerate(sampling)}, tokens
         if self._tokens_ready is None:
             return LaunchedStep(tokens, None, None)
         # Two pinned buffers and events in turn: the host reads launch t while launch t+1 is queued.
@@ -96,17 +101,31 @@ class ModelRunner:
         launched.ready.synchronize()  # releases the GIL while the device works
         return launched.host.tolist()
 
-    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """All admitted prompts in one packed forward pass (one host->device copy of their token ids);
-        returns the first completion token of each (on device). The scheduler caps the packed length."""
-        prompts = [seq.request.prompt_token_ids for seq in seqs]
-        slots = [seq.slot for seq in seqs]
-        assert all(slot is not None for slot in slots)
-        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, pin_memory=self.device.type == "cuda")
-        logits = self.loaded.model.prefill_packed(
-            ids.to(self.device, non_blocking=True), [len(p) for p in prompts], slots, self.kv
+    def mixed(self, decodes: list[Sequence], chunks: list[PrefillChunk]) -> torch.Tensor:
+        """Decodes and prompt chunks in one packed forward pass (one host->device copy of the step's
+        rows); returns a token for each decode and each chunk that completes its prompt (on device)."""
+        rows, previous_tokens = self._previous
+        pending_rows = [rows[s.key] if s.num_pending else -1 for s in decodes]
+        any_pending = any(r >= 0 for r in pending_rows)
+        batch = build_step_batch(
+            [s.next_position() for s in decodes],
+            [_slot(s) for s in decodes],
+            [ChunkSpec(_slot(c.seq), c.start, c.num_tokens, c.completes_prompt) for c in chunks],
+            [0 if s.num_pending else s.last_token_id() for s in decodes] + [t for c in chunks for t in c.token_ids()],
+            self.kv.max_seq_len,
+            self.kv.scratch_slot,
+            self.device,
+            pending_rows=pending_rows if any_pending else None,
         )
-        return self._sample(logits, seqs)
+        if batch.pending_rows is not None:
+            d = len(decodes)
+            from_previous = previous_tokens[batch.pending_rows.clamp(min=0)]
+            batch.input_ids[:d] = torch.where(batch.pending_rows >= 0, from_previous, batch.input_ids[:d])
+        logits = self.pieces.forward(batch)
+        sampling = decodes + [c.seq for c in chunks if c.completes_prompt]
+        if not sampling:  # every chunk leaves part of its prompt for a later step
+            return torch.zeros(0, dtype=torch.long, device=self.device)
+        return self._sample(logits, sampling)
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One decode step for the running batch, through the graph cache; tokens on device."""
@@ -127,6 +146,11 @@ class ModelRunner:
         # The counter is the index of the token being sampled, pending ones included.
         params = [(s.request.sampling, s.num_completion_tokens + s.num_pending) for s in seqs]
         return sample(logits, SamplingBatch.build(params, self.device))
+
+
+def _slot(seq: Sequence) -> int:
+    assert seq.slot is not None, f"{seq.request_id} holds no KV slot"
+    return seq.slot
 
 
 @dataclass

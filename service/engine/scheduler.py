@@ -1,8 +1,12 @@
 """Admission and batching policy of the continuous-batching engine. Pure logic: no torch, no I/O.
 
-A sequence waits in a FIFO queue until a KV slot is free, is admitted (prefill) within a per-step
-prompt-token budget, then decodes one token per step until the engine calls finish() or the client
-aborts. Not thread-safe: only the engine thread calls it (the engine forwards aborts to its thread).
+Each step is one forward pass over at most `max_num_batched_tokens` tokens: every running decode
+(one token each, never held back), then prompt chunks filling the rest of the budget. A sequence
+waits in a FIFO queue until a KV slot is free, is admitted, has its prompt prefilled in one or more
+chunks (a prompt longer than the budget is split over steps, oldest prompt first), then decodes one
+token per step until the engine calls finish() or the client aborts. Only the chunk that completes a
+prompt samples a token (the first completion token). Not thread-safe: only the engine thread calls
+it (the engine forwards aborts to its thread).
 """
 
 from __future__ import annotations
@@ -15,26 +19,67 @@ from dataclasses import dataclass, field
 from service.engine.sequence import Sequence, SequenceStatus
 
 
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens [start, end) of one sequence, prefilled in this step."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def completes_prompt(self) -> bool:
+        """The chunk holds the prompt's last token: the step samples the first completion token."""
+        return self.end == self.seq.num_prompt_tokens
+
+    def token_ids(self) -> list[int]:
+        return self.seq.request.prompt_token_ids[self.start : self.end]
+
+
 @dataclass
 class ScheduledBatch:
-    prefills: list[Sequence] = field(default_factory=list)  # admitted this step: run the prompt
     decodes: list[Sequence] = field(default_factory=list)  # running, with >= 1 completion token
+    prefills: list[PrefillChunk] = field(default_factory=list)  # prompt chunks, oldest prompt first
 
     @property
     def empty(self) -> bool:
         return not self.prefills and not self.decodes
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+
+    @property
+    def uniform_decode(self) -> bool:
+        """Every row is one decode token (the shape the full decode graphs capture)."""
+        return not self.prefills
+
+    @property
+    def sampling(self) -> list[Sequence]:
+        """The sequences that get a token from this step, in the runner's order: decodes, then the
+        sequences whose prompt this step completes."""
+        return self.decodes + [c.seq for c in self.prefills if c.completes_prompt]
+
 
 class Scheduler:
-    def __init__(self, max_running: int, max_prefill_tokens: int) -> None:
+    def __init__(self, max_running: int, max_num_batched_tokens: int) -> None:
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
-        if max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        # Every running sequence may decode in the same step, and decodes are never held back: a
+        # smaller budget could not hold them, nor leave room for a prompt beside a full batch.
+        if max_num_batched_tokens < max_running:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_running ({max_running})"
+            )
         self.max_running = max_running
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: dict[int, Sequence] = {}  # slot -> sequence
+        self._prefilling: list[Sequence] = []  # running, prompt not fully scheduled; admission order
         self._free_slots: list[int] = list(range(max_running))  # a min-heap: lowest slot first
         self._by_key: dict[str, Sequence] = {}  # every waiting or running sequence, by Sequence.key
         self._aborted: list[Sequence] = []
@@ -68,6 +113,8 @@ class Scheduler:
             raise ValueError(f"duplicate sequence key {seq.key!r}")
         if seq.status is not SequenceStatus.WAITING or seq.slot is not None:
             raise ValueError(f"request {seq.request_id!r} is not a fresh waiting sequence")
+        if seq.num_prompt_tokens < 1:
+            raise ValueError(f"request {seq.request_id!r} has an empty prompt")
         self._waiting.append(seq)
         self._by_key[seq.key] = seq
         self._waiting_prompt_tokens += seq.num_prompt_tokens
@@ -107,30 +154,43 @@ class Scheduler:
         # A sequence decodes once its first token exists (seen or in flight) and until max_tokens
         # are sampled; the engine finishes it when it reads the last one.
         batch.decodes = [seq for slot in sorted(self._running) if _decodes(seq := self._running[slot])]
+        budget = self.max_num_batched_tokens - len(batch.decodes)  # >= 1 whenever a prompt is unfinished
 
-        budget_used = 0
-        now = time.monotonic()
-        while self._waiting and self._free_slots:
-            seq = self._waiting[0]
-            # Strict FIFO: a long prompt is not skipped over, and it is admitted alone when it
-            # exceeds the whole budget, so it never starves.
-            if batch.prefills and budget_used + seq.num_prompt_tokens > self.max_prefill_tokens:
+        # Prompts already started go on first, oldest first; strict FIFO admission after them: a long
+        # prompt is not skipped over, it takes what the budget leaves and continues next step.
+        for seq in self._prefilling:
+            if budget == 0:
                 break
-            self._waiting.popleft()
+            budget -= self._add_chunk(batch, seq, budget)
+        now = time.monotonic()
+        while self._waiting and self._free_slots and budget > 0:
+            seq = self._waiting.popleft()
             self._waiting_prompt_tokens -= seq.num_prompt_tokens
             seq.slot = heapq.heappop(self._free_slots)
             seq.status = SequenceStatus.RUNNING
             seq.scheduled_at = now
             self._running[seq.slot] = seq
-            budget_used += seq.num_prompt_tokens
-            batch.prefills.append(seq)
+            self._prefilling.append(seq)
+            budget -= self._add_chunk(batch, seq, budget)
+        self._prefilling = [seq for seq in self._prefilling if seq.num_unprefilled_tokens]
         self._check()
         return batch
 
     # ---- internals -----------------------------------------------------------------------
 
+    @staticmethod
+    def _add_chunk(batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+        """Schedule the next chunk of seq's prompt within budget; returns its token count."""
+        start = seq.num_prefilled_tokens
+        end = min(seq.num_prompt_tokens, start + budget)
+        batch.prefills.append(PrefillChunk(seq, start, end))
+        seq.num_prefilled_tokens = end
+        return end - start
+
     def _release(self, seq: Sequence) -> None:
         assert seq.slot is not None
+        if seq.num_unprefilled_tokens:
+            self._prefilling.remove(seq)
         del self._running[seq.slot]
         heapq.heappush(self._free_slots, seq.slot)
         del self._by_key[seq.key]
@@ -142,6 +202,7 @@ class Scheduler:
         assert not set(self._free_slots) & set(self._running), "a slot is both free and used"
         assert len(set(self._free_slots)) == len(self._free_slots), "a slot is free twice"
         assert all(seq.slot == slot for slot, seq in self._running.items())
+        assert all(self._running.get(seq.slot) is seq for seq in self._prefilling)
 
 
 def _decodes(seq: Sequence) -> bool:

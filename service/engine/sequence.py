@@ -28,6 +28,9 @@ class Sequence:
     # Tokens sampled on the device by a step still in flight (0 or 1): the engine launches step t+1
     # before it reads step t's tokens, so positions and sampling counters count them already.
     num_pending: int = 0
+    # Prompt tokens already scheduled into the KV cache (by steps launched so far): the prefill's
+    # progress. A prompt longer than a step's token budget is prefilled in chunks over several steps.
+    num_prefilled_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.key:
@@ -48,6 +51,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + self.num_completion_tokens
+
+    @property
+    def num_unprefilled_tokens(self) -> int:
+        return self.num_prompt_tokens - self.num_prefilled_tokens
 
     @property
     def exhausted(self) -> bool:

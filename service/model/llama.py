@@ -1,8 +1,10 @@
 """Our own Llama-family decoder (Llama, Mistral, Qwen2): prefill into and decode from a static KVCache.
 
 Parameter names follow Hugging Face so checkpoints load as they are. All tokens of a call are
-handled as a flat [N, ...] batch so prefill, decode and the cache-free forward share the layer code
-and differ only in how attention reads and writes keys and values.
+handled as a flat [N, ...] batch so a step (decodes and prompt chunks, see step_batch), the decode
+graph's step and the cache-free forward share the layer code and differ only in how attention reads
+and writes keys and values. Each layer is two halves around attention, so the same forward can run
+split at attention (service.model.pieces).
 
 Mistral's (and Qwen2's optional) sliding window is not applied: attention is always over the full
 context. That is exact while the context is no longer than the window (4096 for Mistral-7B v0.1);
@@ -11,15 +13,14 @@ ModelSpec.sliding_window tells the engine where to cap max_seq_len.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from service.model.attention import causal_attention, step_attention
 from service.model.kernels import FastPath
 from service.model.kernels.activation import silu_mul_torch, silu_mul_triton
 from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton
@@ -27,6 +28,7 @@ from service.model.kernels.norm import add_rmsnorm_torch, add_rmsnorm_triton
 from service.model.kernels.rope import apply_rope, rope_kv_write_torch, rope_kv_write_triton, split_qkv
 from service.model.kv_cache import KVCache
 from service.model.spec import ModelLoadError, ModelSpec
+from service.model.step_batch import ChunkSpec, StepBatch, build_step_batch
 
 # attend(layer_idx, qkv [N, (H + 2 KVH) * D], cos, sin [N, 1, D]) -> [N, H * D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -62,52 +64,6 @@ def rope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    # q: [L, H, D], k, v: [L, KVH, D] -> [L, H * D]
-    return _batched_causal_attention(q[None], k[None], v[None])[0]
-
-
-def _batched_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    # q: [B, L, H, D], k, v: [B, L, KVH, D] -> [B, L, H * D]; each of the B sequences on its own
-    batch, length, heads, _ = q.shape
-    groups = heads // k.shape[2]
-    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
-    kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)  # [B, H, L, D]
-    return out.transpose(1, 2).reshape(batch, length, -1)
-
-
-@dataclass(frozen=True)
-class _AttentionGroup:
-    """Packed prompts of similar length, right-padded to the longest: one causal attention call.
-    Causal masking keeps every real query away from the padding keys after it, so padding changes
-    no real row. Without `rows` the group is the whole packed batch in order, with no padding."""
-
-    batch: int
-    length: int
-    rows: torch.Tensor | None = None  # [batch * length] the packed row read into each padded position
-    real: torch.Tensor | None = None  # [n] padded positions that hold real tokens
-    dest: torch.Tensor | None = None  # [n] their packed rows
-
-
-def packed_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[_AttentionGroup]
-) -> torch.Tensor:
-    """q: [N, H, D], k, v: [N, KVH, D] of packed prompts -> [N, H * D], each prompt attending causally
-    to itself only. Work grows with the prompts' own lengths squared, not with N squared."""
-    if len(groups) == 1 and groups[0].rows is None:
-        g = groups[0]
-        out = _batched_causal_attention(*(x.view(g.batch, g.length, *x.shape[1:]) for x in (q, k, v)))
-        return out.view(q.shape[0], -1)
-    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-    for g in groups:
-        assert g.rows is not None and g.real is not None and g.dest is not None
-        padded = (x.index_select(0, g.rows).view(g.batch, g.length, *x.shape[1:]) for x in (q, k, v))
-        out_g = _batched_causal_attention(*padded).view(g.batch * g.length, -1)
-        out.index_copy_(0, g.dest, out_g.index_select(0, g.real))
-    return out
-
-
 def _check_packed(num_tokens: int, seq_lens: list[int], slots: list[int], kv: KVCache) -> None:
     """Raises ValueError unless seq_lens/slots describe num_tokens packed prompts that fit the cache."""
     if not seq_lens:
@@ -126,50 +82,6 @@ def _check_packed(num_tokens: int, seq_lens: list[int], slots: list[int], kv: KV
             raise ValueError(f"slot {slot} is outside the KV cache's slots [0, {kv.scratch_slot}]")
     if len(set(slots)) != len(slots):
         raise ValueError(f"two prompts share a KV slot: {slots}")
-
-
-def _packed_index(
-    seq_lens: list[int], slots: list[int], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[_AttentionGroup]]:
-    """Per-token positions and slots [N], each prompt's last-token row [P] and the attention groups:
-    prompts whose lengths share a power-of-two bucket, so padding at most doubles a prompt.
-
-    Built on the host and copied to `device` at once (pinned, non-blocking on CUDA): no host sync."""
-    n = sum(seq_lens)
-    if len(set(seq_lens)) == 1:  # the common case: one group, in order, nothing padded
-        whole = [_AttentionGroup(len(seq_lens), seq_lens[0])]
-        if len(seq_lens) == 1:  # nothing to copy: positions 0..n-1 of one slot
-            positions = torch.arange(n, device=device)
-            return positions, torch.full((n,), slots[0], device=device), positions[-1:], whole
-    starts = list(itertools.accumulate(seq_lens, initial=0))[:-1]
-    parts: list[list[int]] = [
-        [t for length in seq_lens for t in range(length)],  # positions
-        [slot for slot, length in zip(slots, seq_lens) for _ in range(length)],  # slots
-        [start + length - 1 for start, length in zip(starts, seq_lens)],  # last rows
-    ]
-    shapes: list[tuple[int, int]] = []
-    if len(set(seq_lens)) > 1:
-        buckets: dict[int, list[int]] = {}
-        for j, length in enumerate(seq_lens):
-            buckets.setdefault((length - 1).bit_length(), []).append(j)
-        for members in buckets.values():
-            longest = max(seq_lens[j] for j in members)
-            rows, real, dest = [], [], []
-            for b, j in enumerate(members):
-                start, length = starts[j], seq_lens[j]
-                rows += [*range(start, start + length), *[start] * (longest - length)]
-                real += range(b * longest, b * longest + length)
-                dest += range(start, start + length)
-            parts += [rows, real, dest]
-            shapes.append((len(members), longest))
-    host = torch.tensor([x for part in parts for x in part], dtype=torch.long, pin_memory=device.type == "cuda")
-    flat = host.to(device, non_blocking=True)
-    views = list(flat.split([len(part) for part in parts]))
-    positions, token_slots, last = views[:3]
-    if not shapes:
-        return positions, token_slots, last, whole
-    groups = [_AttentionGroup(b, length, *views[3 + 3 * i: 6 + 3 * i]) for i, (b, length) in enumerate(shapes)]
-    return positions, token_slots, last, groups
 
 
 def _empty(*shape: int, device: torch.device | str, dtype: torch.dtype) -> nn.Parameter:
@@ -303,10 +215,21 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: residual stream [N, hidden]; delta: the previous layer's MLP output, not yet added
         (None for the first layer), so the add fuses with this layer's norm. Returns (x, mlp delta)."""
-        a = self.self_attn
+        x, qkv = self.pre_attention(x, delta, fast)
+        return self.post_attention(x, attend(idx, qkv, cos, sin), fast)
+
+    def pre_attention(
+        self, x: torch.Tensor, delta: torch.Tensor | None, fast: FastPath
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, qkv [N, (H + 2 KVH) * D]): the add, the input norm and the fused projection."""
         x, h = self.input_layernorm(x, delta, fast.norm)
-        attn = a.o_proj(attend(idx, a.qkv_proj(h), cos, sin))
-        x, h = self.post_attention_layernorm(x, attn, fast.norm)
+        return x, self.self_attn.qkv_proj(h)
+
+    def post_attention(
+        self, x: torch.Tensor, attn: torch.Tensor, fast: FastPath
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """attn [N, H * D] -> (x + o_proj(attn), mlp delta): the output projection, the add, the norm, the MLP."""
+        x, h = self.post_attention_layernorm(x, self.self_attn.o_proj(attn), fast.norm)
         return x, self.mlp(h, fast.silu_mul)
 
 
@@ -355,12 +278,37 @@ class LlamaForCausalLM(nn.Module):
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         # input_ids, positions: [N] -> final hidden states [N, hidden]
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        x, cos, sin = self.embed(input_ids, positions)
         delta = None
         for i, layer in enumerate(self.model.layers):
             x, delta = layer(i, x, delta, cos, sin, attend, self.fast)
+        return self.final_norm(x, delta)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """input_ids, positions [N] -> (embeddings [N, hidden], cos, sin [N, 1, D])."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        return x, cos, sin
+
+    def final_norm(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         return self.model.norm(x, delta, self.fast.norm)[1]
+
+    def rope_kv_write(
+        self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        slot_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+    ) -> torch.Tensor:
+        """Rotates q and k of every row and writes k, v into (slot, :, position) of the layer's cache;
+        returns rotated q [N, H, D]. Graph-safe: no host syncs."""
+        s = self.spec
+        write = rope_kv_write_triton if self.fast.rope_kv else rope_kv_write_torch
+        return write(qkv, cos, sin, kv.k[layer], kv.v[layer], slot_ids, positions, s.num_heads, s.num_kv_heads)
+
+    def step_attention(
+        self, layer: int, q: torch.Tensor, batch: StepBatch, kv: KVCache, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Attention of a step's rows (their K/V already in the cache) -> [S, H * D]. Eager."""
+        attention = decode_attention_triton if self.fast.attention else decode_attention_torch
+        return step_attention(q, kv.k[layer], kv.v[layer], batch, attention, out)
 
     def _rope(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -370,7 +318,8 @@ class LlamaForCausalLM(nn.Module):
         q, k, v = split_qkv(qkv, s.num_heads, s.num_kv_heads, s.head_dim)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [R, hidden] -> float32 logits [R, V]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight).float()
 
@@ -392,33 +341,34 @@ class LlamaForCausalLM(nn.Module):
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids must be 1-D [N], got shape {tuple(input_ids.shape)}")
         _check_packed(input_ids.shape[0], seq_lens, slots, kv)
-        positions, slot_index, last, groups = _packed_index(seq_lens, slots, input_ids.device)
+        chunks = [ChunkSpec(slot, 0, n) for n, slot in zip(seq_lens, slots)]
+        batch = build_step_batch([], [], chunks, input_ids, kv.max_seq_len, kv.scratch_slot, input_ids.device)
+        return self.forward_step(batch, kv)
+
+    @torch.inference_mode()
+    def forward_step(self, batch: StepBatch, kv: KVCache) -> torch.Tensor:
+        """One step over decode rows and prompt chunks (service.model.step_batch) in one forward pass:
+        writes every row's K/V into its slot and returns float32 logits [R, V] of batch.sample_rows.
+        The reference for the same forward split at attention (service.model.pieces)."""
 
         def attend(i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-            q, k, v = self._rope(qkv, cos, sin)
-            kv.k[i][slot_index, :, positions] = k  # [N, KVH, D] into (slot, :, position)
-            kv.v[i][slot_index, :, positions] = v
-            return packed_causal_attention(q, k, v, groups)
+            q = self.rope_kv_write(i, qkv, cos, sin, batch.slot_ids, batch.positions, kv)
+            return self.step_attention(i, q, batch, kv)
 
-        return self._logits(self._run(input_ids, positions, attend)[last])
+        return self.logits(self._run(batch.input_ids, batch.positions, attend)[batch.sample_rows])
 
     @torch.inference_mode()
     def decode(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor, kv: KVCache
     ) -> torch.Tensor:
         """input_ids, positions, slot_ids: [B] -> float32 logits [B, V]. Graph-safe: no host syncs."""
-        s = self.spec
-        rope_kv_write = rope_kv_write_triton if self.fast.rope_kv else rope_kv_write_torch
         attention = decode_attention_triton if self.fast.attention else decode_attention_torch
 
         def attend(i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-            # rotates q and k, writes k and v into (slot, :, position) of layer i's cache
-            q = rope_kv_write(
-                qkv, cos, sin, kv.k[i], kv.v[i], slot_ids, positions, s.num_heads, s.num_kv_heads
-            )
+            q = self.rope_kv_write(i, qkv, cos, sin, slot_ids, positions, kv)
             return attention(q, kv.k[i], kv.v[i], slot_ids, positions)
 
-        return self._logits(self._run(input_ids, positions, attend))
+        return self.logits(self._run(input_ids, positions, attend))
 
     @torch.inference_mode()
     def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -426,7 +376,7 @@ class LlamaForCausalLM(nn.Module):
         ids = input_ids[0]
         positions = torch.arange(ids.shape[0], device=ids.device)
         h = self._run(ids, positions, lambda i, qkv, cos, sin: causal_attention(*self._rope(qkv, cos, sin)))
-        return self._logits(h)[None]
+        return self.logits(h)[None]
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Copies HF-named tensors in (casting to the model dtype); any mismatch raises ModelLoadError."""

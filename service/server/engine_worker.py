@@ -177,7 +177,7 @@ class _Worker:
             graphs.warm_step()
             graphs.maybe_save()
 
-        self.engine = Engine(runner, Scheduler(c.max_running_seqs, c.max_prefill_tokens), loaded.tokenizer,
+        self.engine = Engine(runner, Scheduler(c.max_running_seqs, c.max_num_batched_tokens), loaded.tokenizer,
                              frozenset(loaded.spec.eos_token_ids), publish=self.publish,
                              observer=self.metrics, between_steps=between_steps, overlap=c.overlap_steps)
         graphs.notify = self.engine.wake  # a finished capture is committed between steps, even when idle

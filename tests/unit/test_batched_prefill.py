@@ -11,11 +11,11 @@ import torch
 from cache_manager import CudaGraphMode, GraphCacheConfig
 from service.engine.request import GenerationRequest, SamplingParams, StoppingParams
 from service.engine.runner import ModelRunner
+from service.engine.scheduler import PrefillChunk
 from service.engine.sequence import Sequence
 from service.model.kv_cache import KVCache
 from service.model.llama import LlamaForCausalLM
 from service.model.loader import LoadedModel
-from tests.unit.test_kernels import random_model, spec
 
 CPU = torch.device("cpu")
 ATOL = 1e-4
@@ -27,10 +27,9 @@ STEPS = 12
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module", params=["gqa-untied", "bias-tied"])
-def model(request: pytest.FixtureRequest) -> LlamaForCausalLM:
-    over = {} if request.param == "gqa-untied" else {"attention_bias": True, "tie_word_embeddings": True}
-    return random_model(spec(**over))
+@pytest.fixture(scope="module")
+def model(random_llama: LlamaForCausalLM) -> LlamaForCausalLM:
+    return random_llama
 
 
 def prompts(lens: tuple[int, ...] = LENS, seed: int = 0) -> list[torch.Tensor]:
@@ -162,12 +161,12 @@ def test_runner_prefills_all_prompts_in_one_packed_call(model, monkeypatch):
     ]
     expected, kv_ref = one_by_one(model, ps, SLOTS)
     calls = []
-    real = model.prefill_packed
-    monkeypatch.setattr(model, "prefill_packed", lambda *a: calls.append(a[1:3]) or real(*a))
+    real = runner.pieces.forward
+    monkeypatch.setattr(runner.pieces, "forward", lambda batch: calls.append(batch.size) or real(batch))
     monkeypatch.setattr(model, "prefill", lambda *a: pytest.fail("per-prompt prefill called"))
 
-    tokens = runner.step([], seqs)
-    assert calls == [(list(LENS), SLOTS)]
+    tokens = runner.step([], [PrefillChunk(seq, 0, seq.num_prompt_tokens) for seq in seqs])
+    assert calls == [sum(LENS)]
     assert tokens == expected.argmax(dim=-1).tolist()
     for slot, n in zip(SLOTS, LENS):
         torch.testing.assert_close(runner.kv.k[0][slot, :, :n], kv_ref.k[0][slot, :, :n], atol=ATOL, rtol=0)

@@ -32,7 +32,18 @@ def test_admin_token_file_is_read_and_an_empty_one_refused(tmp_path) -> None:  #
     (["--port", "70000"], "--port"),
     (["--tls-cert", "/nonexistent.pem"], "--tls-cert"),
     (["--default-max-tokens", "5000"], "--default-max-tokens"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+    (["--max-num-batched-tokens", "16", "--max-running-seqs", "32"], "--max-num-batched-tokens"),
 ])
 def test_bad_values_fail_at_start_naming_the_flag(argv: list[str], flag: str) -> None:
     with pytest.raises(ConfigError, match=flag):
         load_config(argv, {})
+
+
+def test_step_token_budget_default_and_its_deprecated_name() -> None:
+    assert load_config([], {}).max_num_batched_tokens == 2048
+    assert load_config(["--max-num-batched-tokens", "512"], {}).max_num_batched_tokens == 512
+    old = load_config(["--max-prefill-tokens", "300"], {})
+    assert old.max_num_batched_tokens == old.max_prefill_tokens == 300
+    assert load_config([], {"GRAPHSERVE_MAX_PREFILL_TOKENS": "400"}).max_num_batched_tokens == 400
+    assert load_config([], {"GRAPHSERVE_MAX_NUM_BATCHED_TOKENS": "64"}).max_num_batched_tokens == 64

@@ -37,7 +37,7 @@ class ScriptedRunner:
         self.calls += 1
         if self.fail_from_call is not None and self.calls >= self.fail_from_call:
             raise RuntimeError("scripted failure")
-        return [1] * (len(decodes) + len(prefills))
+        return [1] * (len(decodes) + sum(chunk.completes_prompt for chunk in prefills))
 
     def collect(self, launched: list[int]) -> list[int]:
         return launched

@@ -51,13 +51,13 @@ class RecordingRunner:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.log: list[tuple[str, int]] = []
-        self.rows: dict[str, int] = {}  # request id -> rows launched for it
+        self.rows: dict[str, int] = {}  # request id -> rows launched that sample a token for it
         self._launches = 0
 
     def launch(self, decodes, prefills):  # noqa: ANN001, ANN201
         self._launches += 1
         self.log.append(("launch", self._launches))
-        for seq in decodes + prefills:
+        for seq in decodes + [chunk.seq for chunk in prefills if chunk.completes_prompt]:
             self.rows[seq.request_id] = self.rows.get(seq.request_id, 0) + 1
         return self._launches, self.runner.launch(decodes, prefills)
 
@@ -106,8 +106,8 @@ def make_engine(loaded: LoadedModel, overlap: bool, graphs: CudaGraphMode = Cuda
                 ) -> tuple[Engine, RecordingRunner]:
     config = GraphCacheConfig(mode=graphs, capture_sizes=None, max_batch=SLOTS)
     runner = RecordingRunner(ModelRunner(loaded, SLOTS, MAX_SEQ, config))
-    # A small prefill budget: admissions spread over several steps, between decodes.
-    engine = Engine(runner, Scheduler(SLOTS, max_prefill_tokens=24), loaded.tokenizer,
+    # A small token budget: admissions spread over several steps, between decodes.
+    engine = Engine(runner, Scheduler(SLOTS, max_num_batched_tokens=24), loaded.tokenizer,
                     frozenset(loaded.spec.eos_token_ids), overlap=overlap)
     return engine, runner
 

@@ -1,12 +1,14 @@
-"""Scheduler policy: FIFO admission into the lowest free slots, prefill budget, aborts, finish."""
+"""Scheduler policy: FIFO admission into the lowest free slots, token-budgeted steps of decodes and
+prompt chunks, aborts, finish."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.engine.request import GenerationRequest, SamplingParams, StoppingParams
-from service.engine.scheduler import Scheduler
+from service.engine.scheduler import PrefillChunk, Scheduler
 from service.engine.sequence import Sequence, SequenceStatus
 
 
@@ -20,8 +22,18 @@ def make_seq(request_id: str, prompt_len: int = 4) -> Sequence:
     return Sequence(request)
 
 
-def ids(seqs: list[Sequence]) -> list[str]:
-    return [s.request_id for s in seqs]
+def ids(rows: list[Sequence] | list[PrefillChunk]) -> list[str]:
+    return [(r.seq if isinstance(r, PrefillChunk) else r).request_id for r in rows]
+
+
+def chunks(rows: list[PrefillChunk]) -> list[tuple[str, int, int]]:
+    return [(c.seq.request_id, c.start, c.end) for c in rows]
+
+
+def sample(seqs: list[Sequence]) -> None:
+    """What the engine does with a step's tokens once read."""
+    for seq in seqs:
+        seq.completion_token_ids.append(7)
 
 
 def test_sequence_positions_follow_generated_tokens() -> None:
@@ -33,48 +45,85 @@ def test_sequence_positions_follow_generated_tokens() -> None:
 
 
 def test_admits_fifo_into_lowest_free_slots_up_to_max_running() -> None:
-    sched = Scheduler(max_running=2, max_prefill_tokens=100)
+    sched = Scheduler(max_running=2, max_num_batched_tokens=100)
     seqs = [make_seq(f"r{i}") for i in range(3)]
     for seq in seqs:
         sched.add(seq)
     batch = sched.schedule()
     assert ids(batch.prefills) == ["r0", "r1"] and batch.decodes == []
-    assert [s.slot for s in batch.prefills] == [0, 1]
-    assert all(s.status is SequenceStatus.RUNNING and s.scheduled_at is not None for s in batch.prefills)
+    assert [c.seq.slot for c in batch.prefills] == [0, 1]
+    assert all(c.seq.status is SequenceStatus.RUNNING and c.seq.scheduled_at is not None for c in batch.prefills)
     assert (sched.num_running, sched.num_waiting, sched.num_free_slots) == (2, 1, 0)
 
     # Prefilled sequences have their first token after the step: now they decode.
-    for seq in batch.prefills:
-        seq.completion_token_ids.append(7)
+    assert batch.sampling == seqs[:2]
+    sample(batch.sampling)
     sched.finish(seqs[0])
     assert seqs[0].status is SequenceStatus.FINISHED and seqs[0].slot is None
     batch = sched.schedule()
-    assert ids(batch.prefills) == ["r2"] and batch.prefills[0].slot == 0
+    assert ids(batch.prefills) == ["r2"] and batch.prefills[0].seq.slot == 0
     assert ids(batch.decodes) == ["r1"]
 
 
-def test_prefill_budget_splits_admission_across_steps() -> None:
-    sched = Scheduler(max_running=8, max_prefill_tokens=10)
-    for i in range(3):
-        sched.add(make_seq(f"r{i}", prompt_len=4))
+def test_token_budget_splits_prompts_into_chunks_across_steps() -> None:
+    sched = Scheduler(max_running=8, max_num_batched_tokens=10)
+    seqs = [make_seq(f"r{i}", prompt_len=4) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
     assert sched.waiting_prompt_tokens == 12
-    assert ids(sched.schedule().prefills) == ["r0", "r1"]
-    assert sched.waiting_prompt_tokens == 4
-    assert ids(sched.schedule().prefills) == ["r2"]
+    batch = sched.schedule()
+    assert chunks(batch.prefills) == [("r0", 0, 4), ("r1", 0, 4), ("r2", 0, 2)] and batch.num_tokens == 10
+    assert batch.sampling == seqs[:2]  # r2's prompt is not complete: no token for it yet
+    assert sched.waiting_prompt_tokens == 0 and sched.num_running == 3
+    sample(batch.sampling)
+    batch = sched.schedule()
+    assert ids(batch.decodes) == ["r0", "r1"] and chunks(batch.prefills) == [("r2", 2, 4)]
+    assert batch.sampling == seqs
 
 
-def test_prompt_longer_than_budget_runs_alone_and_is_not_overtaken() -> None:
-    sched = Scheduler(max_running=8, max_prefill_tokens=10)
-    sched.add(make_seq("short", prompt_len=4))
-    sched.add(make_seq("long", prompt_len=50))
-    sched.add(make_seq("tiny", prompt_len=1))
-    assert ids(sched.schedule().prefills) == ["short"]  # "tiny" does not jump the queue
-    assert ids(sched.schedule().prefills) == ["long"]  # alone, over budget: no starvation
-    assert ids(sched.schedule().prefills) == ["tiny"]
+def test_long_prompt_is_served_in_chunks_beside_every_decode() -> None:
+    sched = Scheduler(max_running=5, max_num_batched_tokens=16)
+    short = [make_seq(f"d{i}", prompt_len=3) for i in range(3)]
+    for seq in short:
+        sched.add(seq)
+    sample(sched.schedule().sampling)
+    long = make_seq("long", prompt_len=50)
+    tiny = make_seq("tiny", prompt_len=1)
+    sched.add(long)
+    sched.add(tiny)
+    seen: list[tuple[str, int, int]] = []
+    while long.num_completion_tokens == 0:
+        batch = sched.schedule()
+        # Decodes are never held back by the prompt, and the step stays within the budget.
+        assert ids(batch.decodes) == ["d0", "d1", "d2"] and batch.num_tokens <= 16
+        seen += chunks(batch.prefills)
+        assert (long in batch.sampling) == (batch.prefills[0].end == 50)
+        sample(batch.sampling)
+    # 13 prompt tokens per step beside 3 decodes; the long prompt is contiguous and in order, and
+    # "tiny", behind it in the queue, waits for the last step with room to spare.
+    assert seen == [("long", 0, 13), ("long", 13, 26), ("long", 26, 39), ("long", 39, 50), ("tiny", 0, 1)]
+    assert long.num_prefilled_tokens == 50 and tiny.num_completion_tokens == 1
+
+
+def test_budget_must_hold_a_decode_of_every_running_sequence() -> None:
+    with pytest.raises(ValueError, match="must be >= max_running"):
+        Scheduler(max_running=8, max_num_batched_tokens=7)
+
+
+def test_abort_in_the_middle_of_a_prefill_frees_the_slot() -> None:
+    sched = Scheduler(max_running=1, max_num_batched_tokens=4)
+    long, nxt = make_seq("long", prompt_len=10), make_seq("next", prompt_len=2)
+    sched.add(long)
+    sched.add(nxt)
+    assert chunks(sched.schedule().prefills) == [("long", 0, 4)]
+    sched.abort("long")
+    batch = sched.schedule()
+    assert sched.take_aborted() == [long] and long.slot is None
+    assert chunks(batch.prefills) == [("next", 0, 2)] and nxt.slot == 0
 
 
 def test_abort_waiting_sequence_leaves_at_once() -> None:
-    sched = Scheduler(max_running=1, max_prefill_tokens=100)
+    sched = Scheduler(max_running=1, max_num_batched_tokens=100)
     sched.add(make_seq("a"))
     seq = sched.abort("a")
     assert seq is not None and seq.aborted and seq.status is SequenceStatus.FINISHED
@@ -88,7 +137,7 @@ def test_abort_waiting_sequence_leaves_at_once() -> None:
 
 
 def test_abort_running_sequence_frees_slot_at_next_schedule() -> None:
-    sched = Scheduler(max_running=1, max_prefill_tokens=100)
+    sched = Scheduler(max_running=1, max_num_batched_tokens=100)
     running, waiting = make_seq("run"), make_seq("wait")
     sched.add(running)
     sched.add(waiting)
@@ -104,7 +153,7 @@ def test_abort_running_sequence_frees_slot_at_next_schedule() -> None:
 
 
 def test_finish_frees_slot_for_reuse_lowest_first() -> None:
-    sched = Scheduler(max_running=3, max_prefill_tokens=100)
+    sched = Scheduler(max_running=3, max_num_batched_tokens=100)
     seqs = [make_seq(f"r{i}") for i in range(3)]
     for seq in seqs:
         sched.add(seq)
@@ -113,42 +162,56 @@ def test_finish_frees_slot_for_reuse_lowest_first() -> None:
     sched.finish(seqs[1])
     sched.add(make_seq("n0"))
     sched.add(make_seq("n1"))
-    assert [s.slot for s in sched.schedule().prefills] == [1, 2]
+    assert [c.seq.slot for c in sched.schedule().prefills] == [1, 2]
 
 
 @settings(max_examples=150, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["add", "schedule", "finish", "abort"]),
                               st.integers(0, 30), st.integers(1, 20)), max_size=60),
-       max_running=st.integers(1, 4), budget=st.integers(1, 30))
+       max_running=st.integers(1, 4), extra_budget=st.integers(0, 26))
 def test_random_operations_keep_slots_consistent(ops: list[tuple[str, int, int]], max_running: int,
-                                                 budget: int) -> None:
-    """Whatever the interleaving: slots are exclusive, admission is FIFO, every request ends once."""
-    sched = Scheduler(max_running=max_running, max_prefill_tokens=budget)
+                                                 extra_budget: int) -> None:
+    """Whatever the interleaving: slots are exclusive, admission is FIFO, every step holds every
+    decode within the budget, each prompt is prefilled exactly once in order, every request ends once."""
+    budget = max_running + extra_budget
+    sched = Scheduler(max_running=max_running, max_num_batched_tokens=budget)
     added: list[str] = []
     admitted: list[str] = []
     ended: list[str] = []
-    running: dict[str, Sequence] = {}
+    prefilled: dict[str, int] = {}  # request id -> prompt tokens scheduled so far
+    running: dict[str, Sequence] = {}  # prompt complete, not finished
+
+    def step() -> None:
+        batch = sched.schedule()
+        for seq in sched.take_aborted():
+            ended.append(seq.request_id)
+            running.pop(seq.request_id, None)
+        assert batch.num_tokens <= budget
+        decoding = [s for s in running.values() if not s.aborted and not s.exhausted]
+        assert sorted(ids(batch.decodes)) == sorted(ids(decoding))  # never held back
+        assert all(not c.seq.aborted for c in batch.prefills) and all(not s.aborted for s in batch.decodes)
+        for c in batch.prefills:
+            rid = c.seq.request_id
+            if c.start == 0:
+                admitted.append(rid)
+            assert c.start == prefilled.get(rid, 0) and c.end > c.start  # contiguous, in order
+            prefilled[rid] = c.end
+        assert len({c.seq.request_id for c in batch.prefills}) == len(batch.prefills)
+        for seq in batch.sampling:
+            seq.completion_token_ids.append(1)  # what the step's sampler would do
+            running[seq.request_id] = seq
+        holders = {c.seq for c in batch.prefills} | {s for s in running.values() if not s.aborted}
+        slots = [s.slot for s in holders]
+        assert len(set(slots)) == len(slots) and all(0 <= s < max_running for s in slots)
+        assert sched.num_free_slots + sched.num_running == max_running
+
     for op, pick, prompt_len in ops:
         if op == "add":
             seq = make_seq(f"r{len(added)}", prompt_len)
             sched.add(seq)
             added.append(seq.request_id)
         elif op == "schedule":
-            batch = sched.schedule()
-            for seq in sched.take_aborted():
-                ended.append(seq.request_id)
-                running.pop(seq.request_id, None)
-            assert not set(batch.prefills) & set(batch.decodes)
-            assert all(not s.aborted for s in batch.prefills + batch.decodes)
-            assert sum(s.num_prompt_tokens for s in batch.prefills) <= budget or len(batch.prefills) == 1
-            for seq in batch.decodes + batch.prefills:
-                seq.completion_token_ids.append(1)  # what the step's sampler would do
-            for seq in batch.prefills:
-                admitted.append(seq.request_id)
-                running[seq.request_id] = seq
-            slots = [s.slot for s in running.values() if not s.aborted]
-            assert len(set(slots)) == len(slots) and all(0 <= s < max_running for s in slots)
-            assert sched.num_free_slots + sched.num_running == max_running
+            step()
         elif op == "finish" and running:
             candidates = [s for s in running.values() if not s.aborted]
             if candidates:
@@ -158,12 +221,11 @@ def test_random_operations_keep_slots_consistent(ops: list[tuple[str, int, int]]
                 ended.append(seq.request_id)
         elif op == "abort" and added:
             sched.abort(added[pick % len(added)])
-    while sched.has_work():  # drain: every running sequence finishes, the queue empties
-        batch = sched.schedule()
-        ended.extend(s.request_id for s in sched.take_aborted())
-        admitted.extend(s.request_id for s in batch.prefills)
-        for seq in batch.prefills + batch.decodes:
+    while sched.has_work():  # drain: every sequence finishes once its prompt is done
+        step()
+        for seq in [s for s in running.values() if not s.aborted]:
             sched.finish(seq)
+            del running[seq.request_id]
             ended.append(seq.request_id)
     assert admitted == sorted(admitted, key=lambda r: int(r[1:]))
     assert sorted(ended) == sorted(added) and len(set(ended)) == len(ended)

@@ -1,0 +1,89 @@
+"""Attention over one step's packed rows, reading keys and values from the KV cache.
+
+The step's K/V are already in the cache when this runs (the piece before it writes them), so
+attention is a function of the rotated queries, the cache and the step's AttentionMetadata:
+decode rows through the decode kernel (Triton on CUDA, torch otherwise), chunks that start a
+prompt through batched causal attention by length bucket, chunks that continue a prompt against
+their slot's earlier KV plus causally within the chunk. It runs eagerly, between the pieces that
+CUDA graphs may capture, on the real lengths; padding rows of the output stay zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from service.model.step_batch import StepBatch
+
+# (q [B, H, D], k_cache, v_cache, slot_ids [B], positions [B]) -> [B, H * D]
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    # q: [L, H, D], k, v: [L, KVH, D] -> [L, H * D]
+    return batched_causal_attention(q[None], k[None], v[None])[0]
+
+
+def batched_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    # q: [B, L, H, D], k, v: [B, L, KVH, D] -> [B, L, H * D]; each of the B sequences on its own
+    batch, length, heads, _ = q.shape
+    groups = heads // k.shape[2]
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+    kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)  # [B, H, L, D]
+    return out.transpose(1, 2).reshape(batch, length, -1)
+
+
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q: [L, H, D], the last L of the E positions whose keys and values are k, v: [KVH, E, D]
+    -> [L, H * D]: query i attends to positions [0, E - L + i]."""
+    length, heads, _ = q.shape
+    groups = heads // k.shape[0]
+    kh, vh = k.repeat_interleave(groups, dim=0)[None], v.repeat_interleave(groups, dim=0)[None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], kh, vh, attn_mask=causal_lower_right(length, k.shape[1])
+    )  # [1, H, L, D]
+    return out[0].transpose(0, 1).reshape(length, -1)
+
+
+def step_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: StepBatch,
+    decode_attention: DecodeAttention,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q: [S, H, D] rotated queries of every row; caches [num_slots + 1, KVH, T, D] already holding
+    this step's K/V -> [S, H * D] (written into `out` when given, e.g. a buffer a captured piece reads)."""
+    meta = batch.attention
+    if out is None:
+        out = q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
+    elif meta.num_tokens < out.shape[0]:
+        out[meta.num_tokens:].zero_()
+    d = meta.num_decodes
+    if d:
+        out[:d] = decode_attention(q[:d], k_cache, v_cache, batch.slot_ids[:d], batch.positions[:d])
+    for g in meta.prompts:
+        if g.rows is None:
+            rows = slice(g.first_row, g.first_row + g.batch * g.length)
+            qg, slots, positions = q[rows], batch.slot_ids[rows], batch.positions[rows]
+        else:
+            qg, slots, positions = (x.index_select(0, g.rows) for x in (q, batch.slot_ids, batch.positions))
+        kg, vg = k_cache[slots, :, positions], v_cache[slots, :, positions]  # [batch * length, KVH, D]
+        shaped = (x.view(g.batch, g.length, *x.shape[1:]) for x in (qg, kg, vg))
+        og = batched_causal_attention(*shaped).view(g.batch * g.length, -1)
+        if g.rows is None:
+            out[rows] = og
+        else:
+            assert g.real is not None and g.dest is not None
+            out.index_copy_(0, g.dest, og.index_select(0, g.real))
+    for c in meta.contexts:
+        end = c.start + c.length
+        out[c.row: c.row + c.length] = context_attention(
+            q[c.row: c.row + c.length], k_cache[c.slot, :, :end], v_cache[c.slot, :, :end]
+        )
+    return out

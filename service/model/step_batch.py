@@ -1,0 +1,184 @@
+"""One engine step as the model sees it: decode rows and prompt chunks packed into one flat batch.
+
+Rows are the decodes first (one token each), then each chunk's tokens, in the caller's order. The
+per-token tensors (token ids, positions, KV slots) have one fixed shape for every mix of decodes
+and chunks with the same (padded) token count: they are what the non-attention pieces of the
+forward read. `AttentionMetadata` holds the real per-sequence lengths that only attention reads.
+Padding rows (past `num_tokens`) read token 0 at position 0 and write only the scratch KV slot.
+
+Built on the host and copied to the device at once (pinned, non-blocking on CUDA): no host sync.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """Prompt tokens at KV positions [start, start + length) of `slot`."""
+
+    slot: int
+    start: int  # 0: the prompt starts here; > 0: the slot's KV holds [0, start) from earlier steps
+    length: int
+    sample: bool = True  # return the logits of its last token
+
+
+@dataclass(frozen=True)
+class PromptGroup:
+    """Chunks that start a prompt (position 0), of similar length, right-padded to the longest: one
+    batched causal attention call. Causal masking keeps every real query away from the padding keys
+    after it, so padding changes no real row. Without `rows` the group is rows
+    [first_row, first_row + batch * length) in order, with no padding."""
+
+    batch: int
+    length: int
+    first_row: int = 0
+    rows: torch.Tensor | None = None  # [batch * length] the token row read into each padded position
+    real: torch.Tensor | None = None  # [n] padded positions that hold real tokens
+    dest: torch.Tensor | None = None  # [n] their token rows
+
+
+@dataclass(frozen=True)
+class ContextChunk:
+    """A chunk that continues a prompt: rows [row, row + length) attend to the slot's KV [0, start)
+    and causally among themselves."""
+
+    row: int
+    length: int
+    slot: int
+    start: int
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    num_decodes: int  # rows [0, num_decodes): one token at `position`, attending to KV [0, position]
+    prompts: list[PromptGroup]
+    contexts: list[ContextChunk]
+    num_tokens: int  # real rows; the rest is padding that attention leaves zero
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    input_ids: torch.Tensor  # [S] int64
+    positions: torch.Tensor  # [S] int64, KV position of each token
+    slot_ids: torch.Tensor  # [S] int64, KV slot of each token (scratch for padding)
+    sample_rows: torch.Tensor  # [R] rows whose logits come back: decodes, then sampling chunks' last rows
+    attention: AttentionMetadata
+    pending_rows: torch.Tensor | None = None  # [num_decodes] see build_step_batch
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def build_step_batch(
+    decode_positions: list[int],
+    decode_slots: list[int],
+    chunks: list[ChunkSpec],
+    token_ids: list[int] | torch.Tensor,
+    max_seq_len: int,
+    scratch_slot: int,
+    device: torch.device,
+    pad_to: int | None = None,
+    pending_rows: list[int] | None = None,
+) -> StepBatch:
+    """token_ids: every real row's token, decodes first (host ints, or a device tensor [n]).
+    pending_rows: per decode row, an index into the previous step's sampled tokens to take its
+    token from on the device (-1: use token_ids); carried to the device in the same copy."""
+    num_decodes = len(decode_positions)
+    n = num_decodes + sum(c.length for c in chunks)
+    _check(decode_positions, decode_slots, chunks, n, len(token_ids), max_seq_len, scratch_slot)
+    size = n if pad_to is None else pad_to
+    if size < n:
+        raise ValueError(f"pad_to {pad_to} is below the {n} tokens of the step")
+    pad = size - n
+
+    first_rows = list(itertools.accumulate((c.length for c in chunks), initial=num_decodes))[:-1]
+    positions = [*decode_positions, *(p for c in chunks for p in range(c.start, c.start + c.length)), *[0] * pad]
+    slots = [*decode_slots, *(c.slot for c in chunks for _ in range(c.length)), *[scratch_slot] * pad]
+    sample_rows = [*range(num_decodes), *(r + c.length - 1 for r, c in zip(first_rows, chunks) if c.sample)]
+    contexts = [ContextChunk(r, c.length, c.slot, c.start) for r, c in zip(first_rows, chunks) if c.start > 0]
+    shapes, group_parts = _prompt_groups([(r, c.length) for r, c in zip(first_rows, chunks) if c.start == 0])
+
+    parts: list[list[int]] = [positions, slots, sample_rows, *group_parts]
+    ids_on_host = not isinstance(token_ids, torch.Tensor)
+    if ids_on_host:
+        parts.append([*token_ids, *[0] * pad])
+    if pending_rows is not None:
+        assert len(pending_rows) == num_decodes
+        parts.append(pending_rows)
+    host = torch.tensor([x for part in parts for x in part], dtype=torch.long, pin_memory=device.type == "cuda")
+    views = list(host.to(device, non_blocking=True).split([len(part) for part in parts]))
+    positions_t, slots_t, sample_t = views[:3]
+    prompts = [
+        PromptGroup(batch, length, first) if rows is None
+        else PromptGroup(batch, length, first, *views[3 + 3 * rows: 6 + 3 * rows])
+        for batch, length, first, rows in shapes
+    ]
+    rest = views[3 + len(group_parts):]
+    if ids_on_host:
+        ids_t = rest.pop(0)
+    else:
+        ids_t = token_ids if not pad else torch.cat([token_ids, token_ids.new_zeros(pad)])
+    pending_t = rest.pop(0) if pending_rows is not None else None
+    meta = AttentionMetadata(num_decodes, prompts, contexts, n)
+    return StepBatch(ids_t, positions_t, slots_t, sample_t, meta, pending_t)
+
+
+def _prompt_groups(
+    chunks: list[tuple[int, int]],
+) -> tuple[list[tuple[int, int, int, int | None]], list[list[int]]]:
+    """(first row, length) of each prompt-starting chunk -> per group (batch, length, first row, index
+    of its three index lists or None) and the index lists: chunks whose lengths share a power-of-two
+    bucket go together, so padding at most doubles a chunk."""
+    if not chunks:
+        return [], []
+    lengths = [length for _, length in chunks]
+    contiguous = all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(chunks))
+    if len(set(lengths)) == 1 and contiguous:  # the common case: one group, in order, nothing padded
+        return [(len(chunks), lengths[0], chunks[0][0], None)], []
+    buckets: dict[int, list[tuple[int, int]]] = {}
+    for first, length in chunks:
+        buckets.setdefault((length - 1).bit_length(), []).append((first, length))
+    shapes: list[tuple[int, int, int, int | None]] = []
+    parts: list[list[int]] = []
+    for members in buckets.values():
+        longest = max(length for _, length in members)
+        rows, real, dest = [], [], []
+        for b, (first, length) in enumerate(members):
+            rows += [*range(first, first + length), *[first] * (longest - length)]
+            real += range(b * longest, b * longest + length)
+            dest += range(first, first + length)
+        shapes.append((len(members), longest, members[0][0], len(shapes)))
+        parts += [rows, real, dest]
+    return shapes, parts
+
+
+def _check(
+    decode_positions: list[int], decode_slots: list[int], chunks: list[ChunkSpec], num_tokens: int,
+    num_ids: int, max_seq_len: int, scratch_slot: int,
+) -> None:
+    """Raises ValueError unless the rows describe one step that fits the KV cache."""
+    if len(decode_positions) != len(decode_slots):
+        raise ValueError(f"{len(decode_positions)} decode positions but {len(decode_slots)} slots")
+    if num_ids != num_tokens:
+        raise ValueError(f"the rows hold {num_tokens} tokens but token_ids has {num_ids}")
+    for j, c in enumerate(chunks):
+        if c.length < 1:
+            raise ValueError(f"chunk {j} is empty ({c.length} tokens)")
+        if c.start < 0 or c.start + c.length > max_seq_len:
+            raise ValueError(f"chunk {j} at positions [{c.start}, {c.start + c.length}) exceeds the KV cache "
+                             f"length {max_seq_len}")
+    if num_tokens == 0:
+        raise ValueError("a step needs at least one token")
+    if any(not 0 <= p < max_seq_len for p in decode_positions):
+        raise ValueError(f"a decode position is outside the KV cache length {max_seq_len}")
+    slots = [*decode_slots, *(c.slot for c in chunks)]
+    if any(not 0 <= s <= scratch_slot for s in slots):
+        raise ValueError(f"a slot is outside the KV cache's slots [0, {scratch_slot}]: {slots}")
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"two rows of the step share a KV slot: {slots}")
