@@ -6,13 +6,15 @@ gRPC server produces.
 
 from __future__ import annotations
 
+import os
+import shlex
 from collections.abc import Iterator
 
 import pytest
 
 from service import LLM, SamplingParams
 from service.chat import ChatError
-from service.config import ConfigError
+from service.config import ConfigError, load_config
 from service.proto import inference_pb2
 from tests.support.server import ServerThread, generate, greedy
 
@@ -22,9 +24,10 @@ CONVERSATION = [{"role": "system", "content": "Answer briefly."}, {"role": "user
 
 @pytest.fixture(scope="module")
 def llm(model_cache_dir) -> Iterator[LLM]:  # noqa: ANN001
-    """The same model and limits as the session's gRPC server (tests/conftest.py)."""
+    """The same model, device and limits as the session's gRPC server (tests/conftest.py)."""
+    extra = load_config(shlex.split(os.environ.get("GRAPHSERVE_TEST_ARGS", "")), {})  # as ServerThread adds them
     with LLM(model="builtin:tiny", model_cache_dir=model_cache_dir, max_running_seqs=16, max_seq_len=512,
-             default_max_tokens=32) as llm:
+             default_max_tokens=32, device=extra.device, dtype=extra.dtype) as llm:
         yield llm
 
 
