@@ -97,9 +97,11 @@ class GraphCache:
             config.failure_backoff_s,
             config.max_failure_backoff_s,
             notify=lambda: self.notify() if self.notify is not None else None,
-            on_stall=on_capture_stall,
+            on_stall=lambda seconds: self.on_capture_stall(seconds) if self.on_capture_stall is not None else None,
         )
-        self.notify = notify  # settable after construction (the engine that owns the wake-up comes later)
+        # Both settable after construction: the engine that wakes and the metrics come later.
+        self.notify = notify
+        self.on_capture_stall = on_capture_stall
         self._buckets = self.residency.buckets
         self._warm_queue: deque[int] = deque()
         if self.mode is CudaGraphMode.FULL and config.warm_start:

@@ -16,6 +16,9 @@ _REASONS = {v.number: v.name.removeprefix("FINISH_REASON_").lower()
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="graphserve generate", description="Stream a completion from a server.")
     p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message, rendered with the model's chat template")
+    p.add_argument("--system", default=None, help="a system message before the prompt (implies --chat)")
     p.add_argument("--target", default="127.0.0.1:50051")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -35,8 +38,15 @@ def main(argv: list[str]) -> int:
         sampling.top_p = args.top_p
     if args.seed is not None:
         sampling.seed = args.seed
+    if args.chat or args.system is not None:
+        turns = [("system", args.system)] if args.system is not None else []
+        turns.append(("user", args.prompt))
+        prompt = {"messages": inference_pb2.ChatMessages(
+            messages=[inference_pb2.ChatMessage(role=role, content=content) for role, content in turns])}
+    else:
+        prompt = {"text": args.prompt}
     request = inference_pb2.GenerateRequest(
-        text=args.prompt,
+        **prompt,
         sampling=sampling,
         stopping=inference_pb2.StoppingCriteria(max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos),
     )

@@ -4,6 +4,8 @@
              [--tls-ca F [--tls-cert F --tls-key F]]
              state | stats | capture SIZE... | evict SIZE... | budget BYTES | reset-stats
 
+The global flags go before or after the command: `graphctl --json state` = `graphctl state --json`.
+
 Exit codes: 0 ok, 2 usage, 3 server unreachable, 4 no or wrong token, 5 refused or failed.
 Imports no torch, so it starts fast.
 """
@@ -246,27 +248,46 @@ def run_command(args: argparse.Namespace, stub: admin_pb2_grpc.GraphCacheAdminSt
     return r, format_operation(r), code
 
 
+def _add_global_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
+    """The flags every command takes. The main parser holds their defaults; each command's parser
+    takes them too (`graphctl state --json`), without defaults, so that it only sets what was typed."""
+
+    def default(value: Any) -> Any:
+        return value if defaults else argparse.SUPPRESS
+
+    p.add_argument("--target", default=default(None),
+                   help=f"admin HOST:PORT (GRAPHSERVE_ADMIN_TARGET, default {DEFAULT_TARGET})")
+    p.add_argument("--token-file", type=Path, default=default(None),
+                   help="file holding the admin token (or GRAPHSERVE_ADMIN_TOKEN)")
+    p.add_argument("--json", action="store_true", default=default(False), help="print the response as JSON")
+    p.add_argument("--timeout", type=float, default=default(30.0), help="seconds per call (default 30)")
+    p.add_argument("--tls-ca", type=Path, default=default(None), help="CA that signed the server certificate")
+    p.add_argument("--tls-cert", type=Path, default=default(None), help="client certificate (mTLS)")
+    p.add_argument("--tls-key", type=Path, default=default(None), help="client key (mTLS)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="graphctl", description="Inspect and steer the CUDA-graph cache of a running graphserve.",
-        epilog="exit codes: 0 ok, 2 usage, 3 unreachable, 4 no or wrong token, 5 refused or failed",
+        epilog="global flags go before or after the command; "
+               "exit codes: 0 ok, 2 usage, 3 unreachable, 4 no or wrong token, 5 refused or failed",
     )
-    p.add_argument("--target", default=None, help=f"admin HOST:PORT (GRAPHSERVE_ADMIN_TARGET, default {DEFAULT_TARGET})")
-    p.add_argument("--token-file", type=Path, default=None, help="file holding the admin token (or GRAPHSERVE_ADMIN_TOKEN)")
-    p.add_argument("--json", action="store_true", help="print the response as JSON")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds per call (default 30)")
-    p.add_argument("--tls-ca", type=Path, default=None, help="CA that signed the server certificate")
-    p.add_argument("--tls-cert", type=Path, default=None, help="client certificate (mTLS)")
-    p.add_argument("--tls-key", type=Path, default=None, help="client key (mTLS)")
+    _add_global_flags(p, defaults=True)
+    flags = argparse.ArgumentParser(add_help=False)
+    _add_global_flags(flags, defaults=False)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("state", help="buckets, their state, memory and counters")
-    sub.add_parser("stats", help="requested-size histogram and per-bucket counters, since start and persisted")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:  # noqa: A002 - argparse's own name
+        return sub.add_parser(name, help=help, parents=[flags])
+
+    command("state", "buckets, their state, memory and counters")
+    command("stats", "requested-size histogram and per-bucket counters, since start and persisted")
     for name, verb in (("capture", "capture now"), ("evict", "evict now")):
-        c = sub.add_parser(name, help=f"{verb} the graphs of these batch sizes")
+        c = command(name, f"{verb} the graphs of these batch sizes")
         c.add_argument("sizes", nargs="+", type=_size, metavar="SIZE")
-    b = sub.add_parser("budget", help="set the graph memory budget (evicts until the graphs fit)")
+    b = command("budget", "set the graph memory budget (evicts until the graphs fit)")
     b.add_argument("budget", metavar="BYTES", help="e.g. 8GiB, 512MiB or 1000000")
-    sub.add_parser("reset-stats", help="zero every counter, since start and persisted")
+    command("reset-stats", "zero every counter, since start and persisted")
     return p
 
 

@@ -141,50 +141,22 @@ class _Worker:
     # ---- start --------------------------------------------------------------------------------
 
     def load(self) -> WorkerReady:
-
-        from cache_manager import CudaGraphMode, GraphCacheConfig, parse_capture_sizes
-        from service.engine.engine import Engine
-        from service.engine.runner import ModelRunner
-        from service.engine.scheduler import Scheduler
-        from service.model.loader import load_model
+        from service.engine.builder import load_runner, new_engine
         from service.server.faults import wrap_decode
 
         c, faults = self.spec.config, self.spec.faults
-        device = resolve_device(c.device)
-        dtype = resolve_dtype(c.dtype, device)
         if faults.load_delay_s:  # a slow load, as a big checkpoint would be (tests only)
             time.sleep(faults.load_delay_s)
-        loaded = load_model(c.model, device, dtype, c.model_cache_dir)
-        max_seq_len = min(c.max_seq_len, loaded.spec.max_position_embeddings)
-        mode = CudaGraphMode.parse(c.cudagraph_mode) if device.type == "cuda" else CudaGraphMode.NONE
-        graph_config = GraphCacheConfig(
-            mode=mode,
-            capture_sizes=parse_capture_sizes(c.capture_sizes, c.max_running_seqs) if c.capture_sizes else None,
-            max_batch=c.max_running_seqs,
-            memory_budget=c.graph_memory_budget,
-            stats_file=c.stats_file,
-            warm_start=c.warm_start,
-        )
-        runner = ModelRunner(loaded, c.max_running_seqs, max_seq_len, graph_config)
-        # One real prefill and eager decode before SERVING: a broken model fails here, not on a client.
-        runner.warmup()
+        lr = load_runner(c)
         if faults.decode_raise_after is not None:
-            wrap_decode(runner, faults.decode_raise_after)
-        self.graphs = graphs = runner.graphs
-
-        def between_steps() -> None:
-            graphs.poll()
-            graphs.warm_step()
-            graphs.maybe_save()
-
-        self.engine = Engine(runner, Scheduler(c.max_running_seqs, c.max_num_batched_tokens), loaded.tokenizer,
-                             frozenset(loaded.spec.eos_token_ids), publish=self.publish,
-                             observer=self.metrics, between_steps=between_steps, overlap=c.overlap_steps)
-        graphs.notify = self.engine.wake  # a finished capture is committed between steps, even when idle
-        graphs.residency.on_stall = self.metrics.graph_capture_stall.observe
+            wrap_decode(lr.runner, faults.decode_raise_after)
+        self.graphs = graphs = lr.graphs
+        self.engine = new_engine(c, lr, publish=self.publish, observer=self.metrics)
+        graphs.on_capture_stall = self.metrics.graph_capture_stall.observe
+        loaded = lr.loaded
         return WorkerReady(
-            model_path=str(loaded.path), spec=loaded.spec, max_seq_len=max_seq_len, device=str(device),
-            dtype=str(dtype).removeprefix("torch."), graph_config=graphs.config, graph_mode=mode.value,
+            model_path=str(loaded.path), spec=loaded.spec, max_seq_len=lr.max_seq_len, device=str(loaded.device),
+            dtype=str(loaded.dtype).removeprefix("torch."), graph_config=graphs.config, graph_mode=lr.mode.value,
             graphs_device=str(graphs.device), has_graph_backend=graphs.backend is not None,
         )
 
@@ -277,29 +249,9 @@ class _Worker:
                 return
 
     def shutdown(self) -> None:
-        self.engine.stop()
-        if not self.engine.thread_alive:
-            self.graphs.close()
-        else:  # a step that would not stop still uses the device: save the stats only
-            self.graphs.save()
+        from service.engine.builder import close_engine
 
-
-def resolve_device(name: str) -> Any:
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: Any) -> Any:
-    import torch
-
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+        close_engine(self.engine, self.graphs)
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:

@@ -22,6 +22,7 @@ from service.server.validation import (
     InvalidRequest,
     Limits,
     check_prompt_size,
+    prompt_bytes,
     prompt_ids,
     request_id_of,
     to_generation_request,
@@ -97,7 +98,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         try:
             try:
                 check_prompt_size(request, self.limits)
-                if request.WhichOneof("prompt") == "text" and len(request.text) > _INLINE_TOKENIZE_BYTES:
+                if prompt_bytes(request) > _INLINE_TOKENIZE_BYTES:
                     prompt = await asyncio.to_thread(prompt_ids, request, self.tokenizer, self.limits)
                 else:
                     prompt = prompt_ids(request, self.tokenizer, self.limits)
@@ -153,8 +154,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                                f"{self.engine.num_waiting} requests are waiting, the limit is "
                                f"{a.max_waiting_requests}: retry later")
         # Estimated prompt tokens: exact for token ids, at most one token per byte for text.
-        estimate = (len(request.token_ids.ids) if request.WhichOneof("prompt") == "token_ids"
-                    else len(request.text.encode("utf-8", "surrogatepass")))
+        estimate = len(request.token_ids.ids) if request.WhichOneof("prompt") == "token_ids" else prompt_bytes(request)
         if self.engine.num_waiting > 0 and self.engine.waiting_prompt_tokens + estimate > a.max_waiting_tokens:
             await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_tokens",
                                f"the waiting queue holds {self.engine.waiting_prompt_tokens} prompt tokens, the "

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from service.chat import ChatError, chat_prompt_ids
 from service.config import ServeConfig
 from service.engine.request import GenerationRequest, SamplingParams, StoppingParams
 from service.proto import inference_pb2
@@ -54,11 +55,26 @@ def _need(ok: bool, message: str) -> None:
         raise InvalidRequest(message)
 
 
+def prompt_bytes(request: inference_pb2.GenerateRequest) -> int:
+    """Bytes of a text or chat prompt (at most one token per byte); 0 for token ids."""
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return len(request.text.encode("utf-8", "surrogatepass"))
+    if kind == "messages":
+        return sum(len(m.content.encode("utf-8", "surrogatepass")) for m in request.messages.messages)
+    return 0
+
+
 def check_prompt_size(request: inference_pb2.GenerateRequest, limits: Limits) -> None:
     """Cheap checks done before any tokenization."""
     kind = request.WhichOneof("prompt")
-    _need(kind is not None, "prompt: set either text or token_ids")
-    if kind == "text":
+    _need(kind is not None, "prompt: set text, token_ids or messages")
+    if kind == "messages":
+        _need(len(request.messages.messages) > 0, "prompt.messages is empty: send at least one message")
+        size = prompt_bytes(request)
+        _need(size <= limits.max_prompt_bytes,
+              f"prompt.messages hold {size} bytes, over the limit of {limits.max_prompt_bytes} bytes (--max-prompt-bytes)")
+    elif kind == "text":
         size = len(request.text.encode("utf-8", "surrogatepass"))
         _need(size > 0, "prompt.text is empty: send at least one character")
         _need(size <= limits.max_prompt_bytes,
@@ -76,6 +92,11 @@ def prompt_ids(request: inference_pb2.GenerateRequest, tokenizer: Any, limits: L
         bad = next((i for i in ids if i >= limits.vocab_size), None)
         _need(bad is None, f"prompt.token_ids: id {bad} is outside the vocabulary [0, {limits.vocab_size})")
         return ids
+    if request.WhichOneof("prompt") == "messages":
+        try:
+            return chat_prompt_ids(tokenizer, list(request.messages.messages), model="this model")
+        except ChatError as exc:
+            raise InvalidRequest(str(exc)) from None
     ids = tokenizer.encode(request.text, add_special_tokens=True)
     _need(len(ids) > 0, "prompt.text encodes to no tokens")
     return ids

@@ -117,6 +117,23 @@ def test_table_names_every_bucket(admin: Admin, capsys) -> None:
     assert "requested batch sizes" in out and "mode_none" in out
 
 
+def test_global_flags_go_before_or_after_the_command(admin: Admin, capsys) -> None:
+    def run(*argv: str) -> tuple[int, str]:
+        capsys.readouterr()
+        code = graphctl.main(list(argv))
+        return code, capsys.readouterr().out
+
+    target, token = ("--target", admin.target), ("--token-file", admin.token_file)
+    before = run(*target, *token, "--json", "state")
+    after = run("state", "--json", *target, *token)
+    mixed = run(*target, "state", *token, "--json")
+    assert before[0] == after[0] == mixed[0] == 0
+    assert json.loads(before[1])["capture_sizes"] == json.loads(after[1])["capture_sizes"] == SIZES
+    assert json.loads(mixed[1])["mode"] == "none"
+    code, out = run("stats", *target, *token)  # after the command, without --json: the table
+    assert code == 0 and out.startswith("stats file: ")
+
+
 def test_missing_or_wrong_token_is_unauthenticated(admin: Admin, capsys, tmp_path, monkeypatch) -> None:
     for metadata in ((), admin.auth("wrong-token"), (("authorization", TOKEN),), admin.auth(TOKEN + "x")):
         with pytest.raises(grpc.RpcError) as info:

@@ -1,0 +1,96 @@
+"""From a validated ServeConfig to a warmed-up runner and an engine over it.
+
+The engine process (service/server/engine_worker.py) and the in-process Python API (service/llm.py)
+both build their engine here, so that both run the same model, runner, graph cache and scheduler
+for the same config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cache_manager import CudaGraphMode, GraphCache, GraphCacheConfig, parse_capture_sizes
+from service.config import ServeConfig
+from service.engine.engine import Engine, EngineObserver, Publish, deliver
+from service.engine.runner import ModelRunner
+from service.engine.scheduler import Scheduler
+from service.model.loader import LoadedModel, load_model
+
+
+@dataclass
+class LoadedRunner:
+    """A loaded model and its runner, warmed up: one real prefill and eager decode have run."""
+
+    loaded: LoadedModel
+    runner: ModelRunner
+    max_seq_len: int  # the config's, capped by the model's context
+    mode: CudaGraphMode  # NONE whenever the device is not CUDA
+
+    @property
+    def graphs(self) -> GraphCache:
+        return self.runner.graphs
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def load_runner(c: ServeConfig) -> LoadedRunner:
+    """Load the model, build its runner and graph cache, and run one eager step: a broken model
+    fails here, not on the first request."""
+    device = resolve_device(c.device)
+    dtype = resolve_dtype(c.dtype, device)
+    loaded = load_model(c.model, device, dtype, c.model_cache_dir)
+    max_seq_len = min(c.max_seq_len, loaded.spec.max_position_embeddings)
+    mode = CudaGraphMode.parse(c.cudagraph_mode) if device.type == "cuda" else CudaGraphMode.NONE
+    graph_config = GraphCacheConfig(
+        mode=mode,
+        capture_sizes=parse_capture_sizes(c.capture_sizes, c.max_running_seqs) if c.capture_sizes else None,
+        max_batch=c.max_running_seqs,
+        memory_budget=c.graph_memory_budget,
+        stats_file=c.stats_file,
+        warm_start=c.warm_start,
+    )
+    runner = ModelRunner(loaded, c.max_running_seqs, max_seq_len, graph_config)
+    runner.warmup()
+    return LoadedRunner(loaded, runner, max_seq_len, mode)
+
+
+def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
+               observer: EngineObserver | None = None) -> Engine:
+    """An engine (not started) over the runner; between steps it commits the graphs the capture
+    thread finished, warm-starts graphs and saves stats."""
+    graphs = lr.graphs
+
+    def between_steps() -> None:
+        graphs.poll()
+        graphs.warm_step()
+        graphs.maybe_save()
+
+    engine = Engine(lr.runner, Scheduler(c.max_running_seqs, c.max_num_batched_tokens), lr.loaded.tokenizer,
+                    frozenset(lr.loaded.spec.eos_token_ids), publish=publish, observer=observer,
+                    between_steps=between_steps, overlap=c.overlap_steps)
+    graphs.notify = engine.wake  # a finished capture is committed between steps, even when idle
+    return engine
+
+
+def close_engine(engine: Engine, graphs: GraphCache) -> None:
+    """Stop the engine; free the graphs once its thread is gone (a step that would not stop still
+    uses the device, so then only the stats are saved)."""
+    engine.stop()
+    if not engine.thread_alive:
+        graphs.close()
+    else:
+        graphs.save()

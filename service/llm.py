@@ -1,0 +1,399 @@
+"""The in-process Python API: the server's engine, runner and graph cache, without gRPC.
+
+    from service import LLM, SamplingParams
+
+    with LLM(model="builtin:tiny") as llm:
+        out = llm.generate(["Explain CUDA graphs"], SamplingParams(temperature=0, max_tokens=20))
+        print(out[0].text)
+
+The keywords are checked by the server's config validation (service/config.py); the model, runner,
+graph cache and engine are built by the same builder as the server's engine process
+(service/engine/builder.py), and the engine runs on its own thread. `generate` hands every prompt
+to the engine at once (continuous batching) and returns when all are done, in prompt order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import queue
+import random
+import re
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from service.chat import ChatMessage, Conversation, chat_prompt
+from service.config import ConfigError, ServeConfig
+from service.engine import request as engine_request
+
+log = structlog.get_logger("graphserve.llm")
+
+PromptInput = str | Sequence[int]
+# generate() shows a progress bar from this many prompts on (use_tqdm=None).
+TQDM_MIN_PROMPTS = 8
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion and when to stop it.
+
+    temperature 0 is greedy. top_k 0 (or -1) and top_p 1 disable those filters. The same seed, prompt
+    and parameters give the same tokens whatever else shares the batch; seed None draws one (or
+    takes the next of the LLM's `seed`). max_tokens None is the LLM's `default_max_tokens`, capped by
+    the room the context leaves. Generation stops before a `stop` string (not included in the text)
+    and after a token of `stop_token_ids` or the model's end-of-sequence token (unless ignore_eos).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        _need(isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t) and t >= 0,
+              f"SamplingParams.temperature must be a finite number >= 0 (0 is greedy), got {t!r}")
+        p = self.top_p
+        _need(isinstance(p, int | float) and not isinstance(p, bool) and 0 < p <= 1,
+              f"SamplingParams.top_p must be in (0, 1], got {p!r}")
+        _need(_is_int(self.top_k) and self.top_k >= -1, f"SamplingParams.top_k must be an int >= 0 (0 or -1: off), got {self.top_k!r}")
+        _need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64),
+              f"SamplingParams.seed must be None or an int in [0, 2**64), got {self.seed!r}")
+        _need(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+              f"SamplingParams.max_tokens must be None or an int >= 1, got {self.max_tokens!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        _need(all(isinstance(s, str) and s for s in stop), f"SamplingParams.stop must hold non-empty strings, got {self.stop!r}")
+        ids = tuple(self.stop_token_ids or ())
+        _need(all(_is_int(i) and i >= 0 for i in ids), f"SamplingParams.stop_token_ids must hold token ids >= 0, got {ids!r}")
+        object.__setattr__(self, "top_k", max(0, self.top_k))
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", ids)
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_seconds: float  # from submit to the first scheduling step
+    time_to_first_token_seconds: float
+    total_seconds: float
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """One prompt's completion."""
+
+    prompt: str | None  # the text (for chat: as the template rendered it); None for token ids
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]  # the completion's tokens; a stop token or EOS that ended it is not included
+    finish_reason: str  # "length", "eos", "stop" or "abort"
+    stop_reason: str | int | None  # the stop string or stop token id that ended it
+    seed: int  # the seed that drove sampling
+    timings: Timings
+
+
+@dataclass(frozen=True)
+class _Options:
+    """LLM's keywords besides `model`. The seed's vLLM-style names map onto the server's config."""
+
+    tensor_parallel_size: int = 1
+    lora_weights: str | Sequence[str] | None = None
+    cudagraph_mode: str = ServeConfig.cudagraph_mode  # any case: "FULL", "full", "none"
+    cudagraph_capture_sizes: Sequence[int] | None = None
+    device: str = ServeConfig.device
+    dtype: Any = ServeConfig.dtype  # "auto", "float32", ... or a torch.dtype
+    max_running_seqs: int | None = None  # default: the server's, raised to the largest capture size
+    max_seq_len: int = ServeConfig.max_seq_len
+    max_num_batched_tokens: int = ServeConfig.max_num_batched_tokens
+    default_max_tokens: int = ServeConfig.default_max_tokens
+    overlap_steps: bool = ServeConfig.overlap_steps
+    graph_memory_budget: str | None = None
+    stats_file: str | Path | None = None
+    warm_start: bool = ServeConfig.warm_start
+    model_cache_dir: str | Path | None = None
+    seed: int | None = None  # seeds the seeds of requests that give none
+    log_level: str = "warning"  # used only when the program has not configured structlog
+
+
+VALID_KEYWORDS = ("model", *(f.name for f in dataclasses.fields(_Options)))
+# Config flags whose LLM keyword has another name (for error messages).
+_KEYWORD_OF_FLAG = {"capture-sizes": "cudagraph_capture_sizes"}
+
+
+def _config_of(model: str, o: _Options) -> ServeConfig:
+    """The server's config for these keywords, validated by the server's own checks."""
+    sizes = None if o.cudagraph_capture_sizes is None else ",".join(str(s) for s in o.cudagraph_capture_sizes)
+    max_running = o.max_running_seqs
+    if max_running is None:  # capture sizes above the default batch would be refused: raise the batch
+        largest = max((s for s in o.cudagraph_capture_sizes or () if _is_int(s)), default=0)
+        max_running = max(ServeConfig.max_running_seqs, largest)
+    mode = o.cudagraph_mode.value if hasattr(o.cudagraph_mode, "value") else o.cudagraph_mode
+    dtype = o.dtype if isinstance(o.dtype, str) else str(o.dtype).removeprefix("torch.")
+    config = ServeConfig(
+        model=str(model), model_cache_dir=None if o.model_cache_dir is None else Path(o.model_cache_dir),
+        device=o.device, dtype=dtype, max_running_seqs=max_running, max_seq_len=o.max_seq_len,
+        max_num_batched_tokens=o.max_num_batched_tokens, default_max_tokens=o.default_max_tokens,
+        max_tokens_limit=max(ServeConfig.max_tokens_limit, o.default_max_tokens), overlap_steps=o.overlap_steps,
+        cudagraph_mode=str(mode).lower(), capture_sizes=sizes, graph_memory_budget=o.graph_memory_budget,
+        stats_file=None if o.stats_file is None else Path(o.stats_file), warm_start=o.warm_start,
+        log_level=o.log_level,
+    )
+    try:
+        config.validate()
+    except ConfigError as exc:  # the server names its flags; name the keywords instead
+        message = re.sub(r"--([a-z][a-z-]*)", lambda m: _KEYWORD_OF_FLAG.get(m[1], m[1].replace("-", "_")), str(exc))
+        raise ConfigError(message) from None
+    return config
+
+
+def _check_unavailable(o: _Options) -> None:
+    tp = o.tensor_parallel_size
+    if not _is_int(tp) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+    if tp > 1:
+        raise NotImplementedError(f"tensor_parallel_size={tp}: tensor parallelism is not available yet; graphserve "
+                                  "runs a model on one device (tensor_parallel_size=1)")
+    if o.lora_weights:
+        raise NotImplementedError(f"lora_weights={o.lora_weights!r}: LoRA adapters are not available yet; "
+                                  "leave lora_weights unset")
+
+
+class _Collector:
+    """The engine's sink for one prompt (called on the engine thread): gathers its tokens and text,
+    and reports the prompt's index to `done` when it ends."""
+
+    __slots__ = ("index", "done", "token_ids", "text", "finish", "error")
+
+    def __init__(self, index: int, done: queue.SimpleQueue) -> None:
+        self.index, self.done = index, done
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish: engine_request.Finish | None = None
+        self.error: str | None = None
+
+    def __call__(self, event: engine_request.RequestEvent) -> None:
+        if isinstance(event, engine_request.TokenDelta):
+            self._add(event)
+            return
+        if isinstance(event, engine_request.Finish):
+            if event.final_delta is not None:
+                self._add(event.final_delta)
+            self.finish = event
+        else:
+            self.error = event.message
+        self.done.put(self.index)
+
+    def _add(self, delta: engine_request.TokenDelta) -> None:
+        self.token_ids += delta.token_ids
+        self.text += delta.text
+
+
+class LLM:
+    """A model served in this process: `generate` for prompts, `chat` for conversations.
+
+    Keywords (besides `model`, "builtin:<name>" or a local Hugging Face directory): see VALID_KEYWORDS;
+    an unknown one is a TypeError. The device is held until `close()` (or the end of a `with` block).
+    """
+
+    def __init__(self, model: str = ServeConfig.model, **options: Any) -> None:
+        unknown = sorted(set(options) - set(VALID_KEYWORDS))
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+                            f"valid keywords: {', '.join(VALID_KEYWORDS)}")
+        o = _Options(**options)
+        _check_unavailable(o)
+        self.config = config = _config_of(model, o)
+        if not structlog.is_configured():
+            from service.telemetry.log import configure_logging
+
+            configure_logging("console", config.log_level)
+        from service.engine.builder import load_runner, new_engine
+
+        t0 = time.monotonic()
+        lr = load_runner(config)
+        self._graphs = lr.graphs
+        self._engine = new_engine(config, lr)
+        self._engine.start()
+        self.tokenizer = lr.loaded.tokenizer
+        self.max_seq_len = lr.max_seq_len
+        self.vocab_size = lr.loaded.spec.vocab_size
+        self._seeds = random.Random(o.seed) if o.seed is not None else None
+        self._ids = itertools.count()
+        self._closed = False
+        log.info("llm_ready", model=config.model, device=str(lr.loaded.device), graph_mode=lr.mode.value,
+                 seconds=round(time.monotonic() - t0, 2))
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+        lora_adapter_names: Sequence[str] | None = None,
+    ) -> list[GenerationOutput]:
+        """Complete a prompt or each of a list of prompts (text, or token-id lists). One output per
+        prompt, in order. A progress bar shows from TQDM_MIN_PROMPTS prompts on (use_tqdm=None)."""
+        if lora_adapter_names:
+            raise NotImplementedError(f"lora_adapter_names={list(lora_adapter_names)!r}: LoRA adapters are not "
+                                      "available yet; leave lora_adapter_names unset")
+        items = [prompts] if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and all(_is_int(t) for t in prompts)) else list(prompts)
+        encoded = []
+        for i, p in enumerate(items):
+            if isinstance(p, str):
+                _need(p != "", f"prompt {i} is empty")
+                encoded.append((p, self.tokenizer.encode(p, add_special_tokens=True)))
+            else:
+                _need(isinstance(p, Sequence) and all(_is_int(t) for t in p),
+                      f"prompt {i} must be a string or a list of token ids, not {type(p).__name__}")
+                encoded.append((None, list(p)))
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[GenerationOutput]:
+        """Answer a conversation (a list of {"role", "content"} messages) or each of a list of them,
+        rendered with the model's chat template and its generation prompt."""
+        many = isinstance(messages, Sequence) and bool(messages) and not isinstance(messages[0], Mapping | ChatMessage)
+        conversations = list(messages) if many else [messages]
+        encoded: list[tuple[str | None, list[int]]] = [
+            chat_prompt(self.tokenizer, conversation, model=self.config.model) for conversation in conversations]
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             use_tqdm: bool | None) -> list[GenerationOutput]:
+        self._check_open()
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(encoded)
+        else:
+            params = list(sampling_params)
+            _need(len(params) == len(encoded),
+                  f"{len(params)} SamplingParams for {len(encoded)} prompts: give one, or one per prompt")
+        # Every prompt is checked before any is submitted: a bad one must not leave the others running.
+        requests = [self._request(i, ids, p) for i, ((_, ids), p) in enumerate(zip(encoded, params))]
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        collectors = [_Collector(i, done) for i in range(len(requests))]
+        show = len(requests) >= TQDM_MIN_PROMPTS if use_tqdm is None else use_tqdm
+        keys: list[str] = []
+        try:
+            for request, collector in zip(requests, collectors):
+                keys.append(self._engine.submit(request, collector))
+            self._wait(done, len(requests), show)
+        except BaseException:  # KeyboardInterrupt, a failed engine: nothing keeps running for us
+            for key, collector in zip(keys, collectors):
+                if collector.finish is None:
+                    self._engine.abort(key)
+            raise
+        return [self._output(prompt, ids, c) for (prompt, ids), c in zip(encoded, collectors)]
+
+    def _request(self, index: int, ids: list[int], p: SamplingParams) -> engine_request.GenerationRequest:
+        _need(len(ids) > 0, f"prompt {index} has no tokens")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        _need(bad is None, f"prompt {index}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        room = self.max_seq_len - len(ids)
+        _need(room >= 1, f"prompt {index} has {len(ids)} tokens; the context holds {self.max_seq_len} (max_seq_len)")
+        _need(p.max_tokens is None or p.max_tokens <= room,
+              f"prompt {index} ({len(ids)} tokens) plus max_tokens ({p.max_tokens}) exceeds the context of "
+              f"{self.max_seq_len} tokens (max_seq_len): ask for at most {room}")
+        bad = next((t for t in p.stop_token_ids if t >= self.vocab_size), None)
+        _need(bad is None, f"stop_token_ids: id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        max_tokens = p.max_tokens or min(self.config.default_max_tokens, room)
+        if p.seed is not None:
+            seed = p.seed
+        else:
+            seed = self._seeds.getrandbits(63) if self._seeds is not None else secrets.randbits(63)
+        return engine_request.GenerationRequest(
+            request_id=f"llm-{next(self._ids)}",
+            prompt_token_ids=ids,
+            sampling=engine_request.SamplingParams(p.temperature, p.top_p, p.top_k, seed),
+            stopping=engine_request.StoppingParams(max_tokens, tuple(p.stop), tuple(p.stop_token_ids), p.ignore_eos),
+            stream_interval=max_tokens,  # nothing streams: the text arrives in one piece with the finish
+            arrival_time=time.monotonic(),
+        )
+
+    def _wait(self, done: queue.SimpleQueue, count: int, show: bool) -> None:
+        from tqdm.auto import tqdm
+
+        with tqdm(total=count, desc="Generating", unit="prompt", disable=not show) as bar:
+            finished = 0
+            while finished < count:
+                try:
+                    done.get(timeout=1.0)
+                except queue.Empty:
+                    if not self._engine.thread_alive:
+                        raise RuntimeError(f"the engine stopped: {self._engine.error!r}") from None
+                    continue
+                finished += 1
+                bar.update(1)
+
+    @staticmethod
+    def _output(prompt: str | None, ids: list[int], c: _Collector) -> GenerationOutput:
+        if c.finish is None:
+            raise RuntimeError(c.error or "the engine ended the request without a result")
+        f = c.finish
+        return GenerationOutput(
+            prompt=prompt, prompt_token_ids=ids, text=c.text, token_ids=c.token_ids, finish_reason=f.reason.value,
+            stop_reason=f.matched_stop, seed=f.seed,
+            timings=Timings(f.queue_seconds, f.time_to_first_token_seconds, f.total_seconds),
+        )
+
+    # ---- graph cache and lifetime -------------------------------------------------------------
+
+    def graph_cache_state(self) -> Any:
+        """The graph cache's state (cache_manager.CacheSnapshot), as the admin RPC reports it: mode,
+        device, budget and used bytes, capture sizes and each bucket's state and counters."""
+        self._check_open()
+        return self._graphs.snapshot()
+
+    def close(self) -> None:
+        """Stop the engine, save the graph statistics and release the device. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        from service.engine.builder import close_engine
+
+        close_engine(self._engine, self._graphs)
+        self._engine = self._graphs = None  # the model, the KV cache and the graphs go with the last references
+        import gc
+
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM is closed; create a new one")
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,167 @@
+"""The in-process Python API (`from service import LLM, SamplingParams`) on the built-in model (CPU).
+
+It runs the server's engine, so for the same prompts and parameters it must produce what a real
+gRPC server produces.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Iterator
+
+import pytest
+
+from service import LLM, SamplingParams
+from service.chat import ChatError
+from service.config import ConfigError, load_config
+from service.proto import inference_pb2
+from tests.support.server import ServerThread, generate, greedy
+
+PROMPTS = ["Explain CUDA graphs", "The quick brown fox", "Once upon a time", "graphs replay kernels"]
+CONVERSATION = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is a graph?"}]
+
+
+@pytest.fixture(scope="module")
+def llm(model_cache_dir) -> Iterator[LLM]:  # noqa: ANN001
+    """The same model, device and limits as the session's gRPC server (tests/conftest.py)."""
+    extra = load_config(shlex.split(os.environ.get("GRAPHSERVE_TEST_ARGS", "")), {})  # as ServerThread adds them
+    with LLM(model="builtin:tiny", model_cache_dir=model_cache_dir, max_running_seqs=16, max_seq_len=512,
+             default_max_tokens=32, device=extra.device, dtype=extra.dtype) as llm:
+        yield llm
+
+
+def chat_request(messages: list[dict[str, str]]) -> inference_pb2.ChatMessages:
+    return inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(**m) for m in messages])
+
+
+def test_generate_greedy_equals_grpc_generate(llm: LLM, server: ServerThread) -> None:
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    stub = server.stub()
+    assert [o.prompt for o in outputs] == PROMPTS
+    for prompt, out in zip(PROMPTS, outputs):
+        chunks, finished = generate(stub, **greedy(prompt, 16))
+        assert out.token_ids == [t for c in chunks for t in c.token_ids]
+        assert out.text == "".join(c.text for c in chunks)
+        assert len(out.prompt_token_ids) == finished.usage.prompt_tokens
+        assert out.finish_reason == "length" and len(out.token_ids) == 16
+        assert out.timings.total_seconds >= out.timings.time_to_first_token_seconds > 0
+
+
+def test_chat_over_grpc_equals_llm_chat(llm: LLM, server: ServerThread) -> None:
+    out = llm.chat(CONVERSATION, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert out.prompt.startswith("<|begin_of_text|><|system|>\nAnswer briefly.") and out.prompt.endswith("<|assistant|>\n")
+    chunks, finished = generate(server.stub(), messages=chat_request(CONVERSATION),
+                                sampling=inference_pb2.SamplingParams(temperature=0.0),
+                                stopping=inference_pb2.StoppingCriteria(max_tokens=12, ignore_eos=True))
+    assert [t for c in chunks for t in c.token_ids] == out.token_ids
+    assert finished.usage.prompt_tokens == len(out.prompt_token_ids)
+
+
+def test_sampling_with_a_seed_reproduces_whatever_shares_the_batch(llm: LLM, server: ServerThread) -> None:
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=20, ignore_eos=True)
+    alone = llm.generate("Explain CUDA graphs", seeded)[0]
+    others = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    batched = llm.generate(PROMPTS, [seeded, others, others, others])[0]
+    assert batched.token_ids == alone.token_ids and alone.seed == 7
+    other_seed = llm.generate("Explain CUDA graphs", SamplingParams(temperature=0.8, top_p=0.95, seed=8, max_tokens=20,
+                                                                     ignore_eos=True))[0]
+    assert other_seed.token_ids != alone.token_ids
+    chunks, _ = generate(server.stub(), text="Explain CUDA graphs",
+                         sampling=inference_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=7),
+                         stopping=inference_pb2.StoppingCriteria(max_tokens=20, ignore_eos=True))
+    assert [t for c in chunks for t in c.token_ids] == alone.token_ids
+
+
+def test_token_id_prompts_and_one_sampling_params_per_prompt(llm: LLM) -> None:
+    ids = llm.tokenizer.encode("The quick brown fox")
+    outputs = llm.generate([ids, "Once upon a time"], [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                                                      SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)])
+    assert [len(o.token_ids) for o in outputs] == [3, 5]
+    assert outputs[0].prompt is None and outputs[0].prompt_token_ids == ids
+    by_text = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert by_text.token_ids == outputs[0].token_ids
+    assert llm.generate([]) == []
+
+
+def test_stop_string_ends_the_text_before_it(llm: LLM) -> None:
+    full = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    stop = full.text[5:8]
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[: full.text.index(stop)]
+
+
+def test_many_prompts_show_a_progress_bar(llm: LLM, capsys) -> None:
+    outputs = llm.generate(["a b c"] * 10, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert len(outputs) == 10 and len({tuple(o.token_ids) for o in outputs}) == 1
+    assert "Generating" in capsys.readouterr().err
+    llm.generate(["a b c"] * 10, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert "Generating" not in capsys.readouterr().err
+
+
+def test_chat_takes_a_list_of_conversations(llm: LLM) -> None:
+    second = [{"role": "user", "content": "And a kernel?"}]
+    both = llm.chat([CONVERSATION, second], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert [o.token_ids for o in both] == [llm.chat(c, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids
+                                           for c in (CONVERSATION, second)]
+    with pytest.raises(ChatError, match=r"messages\[0\].role is 'robot'"):
+        llm.chat([{"role": "robot", "content": "beep"}])
+
+
+def test_bad_prompts_and_params_are_clear_errors(llm: LLM) -> None:
+    with pytest.raises(ValueError, match=r"the context of 512 tokens \(max_seq_len\): ask for at most"):
+        llm.generate("hello", SamplingParams(max_tokens=600))
+    with pytest.raises(ValueError, match=r"token id 5000 is outside the vocabulary \[0, 768\)"):
+        llm.generate([[1, 5000]])
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        llm.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()])
+    with pytest.raises(ValueError, match="SamplingParams.temperature must be a finite number >= 0"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="SamplingParams.top_p must be in"):
+        SamplingParams(top_p=0)
+
+
+def test_graph_cache_state_is_the_admin_view(llm: LLM) -> None:
+    state = llm.graph_cache_state()
+    assert state.mode == "none"  # CPU: eager, as the server
+    assert state.max_batch == 16 and list(state.capture_sizes) == [1, 2, 4, 8, 16]
+    assert [b.size for b in state.buckets] == [1, 2, 4, 8, 16]
+
+
+def test_the_seeds_snippets_run_as_written(model_cache_dir, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("XDG_CACHE_HOME", str(model_cache_dir.parent))  # where builtin models are generated
+    model = "builtin:tiny"
+    # Tensor parallelism does not exist yet: the seed's first line says so clearly.
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size=4: tensor parallelism is not available yet"):
+        LLM(model=model, tensor_parallel_size=4, cudagraph_mode="FULL", cudagraph_capture_sizes=[64, 128, 256])
+    llm = LLM(model=model, tensor_parallel_size=1, cudagraph_mode="FULL", cudagraph_capture_sizes=[64, 128, 256])
+    sampling_params = SamplingParams(temperature=0.8, max_tokens=50)
+    output = llm.generate("Explain CUDA graphs", sampling_params)
+    assert len(output) == 1 and output[0].prompt == "Explain CUDA graphs"
+    assert output[0].finish_reason in ("length", "eos") and 1 <= len(output[0].token_ids) <= 50
+    assert list(llm.graph_cache_state().capture_sizes) == [64, 128, 256]
+    llm.close()
+    with pytest.raises(RuntimeError, match="this LLM is closed"):
+        llm.generate("Explain CUDA graphs", sampling_params)
+    llm.close()  # idempotent
+    # LoRA adapters do not exist yet either.
+    with pytest.raises(NotImplementedError, match="lora_weights='my/lora': LoRA adapters are not available yet"):
+        LLM(model=model, lora_weights="my/lora", cudagraph_mode="FULL_AND_PIECEWISE")
+
+
+def test_lora_adapter_names_are_refused_until_adapters_exist(llm: LLM) -> None:
+    with pytest.raises(NotImplementedError, match=r"lora_adapter_names=\['my/lora'\]: LoRA adapters are not available"):
+        llm.generate("Summarise the following text", SamplingParams(max_tokens=20), lora_adapter_names=["my/lora"])
+
+
+def test_keywords_are_checked_before_loading() -> None:
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) 'max_num_seq'; valid keywords: model, "
+                                        r"tensor_parallel_size, .*max_running_seqs"):
+        LLM(model="builtin:tiny", max_num_seq=8)
+    with pytest.raises(ConfigError, match="cudagraph_mode must be none or full, not 'sometimes'"):
+        LLM(model="builtin:tiny", cudagraph_mode="Sometimes")
+    with pytest.raises(ConfigError, match=r"cudagraph_capture_sizes: capture size 64 is outside \[1, max_batch=32\]"):
+        LLM(model="builtin:tiny", max_running_seqs=32, cudagraph_capture_sizes=[8, 64])
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
+        LLM(model="builtin:tiny", tensor_parallel_size=0)
