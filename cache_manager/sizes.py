@@ -106,7 +106,7 @@ def validate_capture_sizes(sizes: tuple[int, ...] | list[int], max_batch: int) -
         if isinstance(s, bool) or not isinstance(s, int):
             raise ValueError(f"capture size {s!r} is not an integer")
         if not 1 <= s <= max_batch:
-            raise ValueError(f"capture size {s} is outside [1, max_batch={max_batch}]")
+            raise ValueError(f"capture size {s} is outside [1, {max_batch}] (the largest step a graph serves)")
     return tuple(sorted(set(sizes)))
 
 

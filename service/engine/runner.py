@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from cache_manager import Fingerprint, GraphCache, GraphCacheConfig
+from cache_manager import Fingerprint, GraphBackend, GraphCache, GraphCacheConfig
+from cache_manager.sizes import FULL, PIECEWISE
 from service.engine.decode_step import ModelDecodeStep
+from service.engine.piecewise_step import PiecewiseStep
 from service.engine.sampler import SamplingBatch, sample
 from service.engine.scheduler import PrefillChunk
 from service.engine.sequence import Sequence
@@ -28,7 +30,9 @@ from service.model.step_batch import ChunkSpec, build_step_batch
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, max_running: int, max_seq_len: int, graph_config: GraphCacheConfig) -> None:
+    def __init__(self, loaded: LoadedModel, max_running: int, max_seq_len: int, graph_config: GraphCacheConfig,
+                 graph_backend: GraphBackend | None = None) -> None:
+        """graph_backend: None for the CUDA one on a GPU (tests give a fake one to run graphs' logic on a CPU)."""
         self.loaded = loaded
         self.device = loaded.device
         self.kv = KVCache(loaded.spec, max_running, max_seq_len, loaded.device, loaded.dtype)
@@ -43,7 +47,13 @@ class ModelRunner:
             capture_sizes=graph_config.sizes,
             max_batch=max_running,
         )
-        self.graphs = GraphCache(self.decode_step, graph_config, self.device, fingerprint)
+        # Any step with a prompt chunk (and every step in mode piecewise) runs as pieces split at
+        # attention; the graph cache replays them per token-count bucket when the mode has PIECEWISE.
+        self.piecewise_step = (
+            PiecewiseStep(self.pieces, self.kv, graph_config.max_tokens, self.device) if graph_config.max_tokens else None
+        )
+        self.graphs = GraphCache(self.decode_step, graph_config, self.device, fingerprint, graph_backend,
+                                 piecewise_step=self.piecewise_step)
         # Sampled tokens come back through pinned buffers; waiting on an event (which releases the
         # GIL) instead of a blocking copy lets other threads run while the GPU works.
         on_cuda = self.device.type == "cuda"
@@ -81,7 +91,10 @@ class ModelRunner:
         running decodes and the prompt chunks. A decode whose input token is still pending (sampled
         by the previous launch, not yet read by the host) takes it from that launch's device tokens."""
         assert decodes or prefills, "an empty step"
-        tokens = self.mixed(decodes, prefills) if prefills else self.decode(decodes)
+        # Dispatch: uniform decode -> FULL graphs (or eager decode kernels); anything else, and
+        # uniform decode when the mode keeps only PIECEWISE graphs -> the pieces.
+        as_pieces = bool(prefills) or (self.graphs.serves(PIECEWISE) and not self.graphs.serves(FULL))
+        tokens = self.mixed(decodes, prefills) if as_pieces else self.decode(decodes)
         sampling = decodes + [c.seq for c in prefills if c.completes_prompt]
         self._previous = {seq.key: row for row, seq in enumerate(sampling)}, tokens
         if self._tokens_ready is None:
@@ -121,7 +134,12 @@ class ModelRunner:
             d = len(decodes)
             from_previous = previous_tokens[batch.pending_rows.clamp(min=0)]
             batch.input_ids[:d] = torch.where(batch.pending_rows >= 0, from_previous, batch.input_ids[:d])
-        logits = self.pieces.forward(batch)
+        if self.piecewise_step is not None and self.graphs.serves(PIECEWISE):
+            self.piecewise_step.write(batch)
+            hidden = self.graphs.run(batch.size, PIECEWISE)  # replayed pieces, or eager above the largest
+            logits = self.loaded.model.logits(hidden[batch.sample_rows])
+        else:
+            logits = self.pieces.forward(batch)
         sampling = decodes + [c.seq for c in chunks if c.completes_prompt]
         if not sampling:  # every chunk leaves part of its prompt for a later step
             return torch.zeros(0, dtype=torch.long, device=self.device)
