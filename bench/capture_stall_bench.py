@@ -35,6 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench.common import percentile, print_table, write_result
 from bench.decode_bench import load, make_step
 from cache_manager import Fingerprint, GraphCache, GraphCacheConfig, default_capture_sizes
+from service.server.gil import shorten_switch_interval
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -126,6 +127,7 @@ def old_path_parts(step: Any, size: int, device: torch.device) -> dict[str, floa
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    shorten_switch_interval()  # as the engine process does: a waiting thread gets the GIL within 0.5 ms
     s = load(args)
     step = make_step(s, args.max_batch, args.context)
     # The serving process freezes its long-lived objects after load (ModelRunner.warmup); so do we.

@@ -172,7 +172,7 @@ class CudaGraphBackend:
       nothing until every graph of it is gone.
     """
 
-    def __init__(self, device: torch.device, warmup_iters: int = 2) -> None:
+    def __init__(self, device: torch.device, warmup_iters: int = 1) -> None:
         assert device.type == "cuda", device
         # An explicit index: the capture thread binds to it (a bare "cuda" means the current device here).
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())

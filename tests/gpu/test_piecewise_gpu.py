@@ -25,7 +25,7 @@ def cases() -> list[tuple[list[tuple[int, int]], list[ChunkSpec]]]:
         ([(9, 0), (17, 1), (40, 2)], []),
         ([], [ChunkSpec(3, 0, 37), ChunkSpec(4, 0, 5)]),
         ([(12, 0)], [ChunkSpec(5, 20, 30), ChunkSpec(6, 0, 64, sample=False)]),
-        ([(50, 1), (33, 2)], [ChunkSpec(7, 64, 100)]),
+        ([(50, 1), (33, 2)], [ChunkSpec(7, 20, 100)]),
     ]
 
 
