@@ -255,15 +255,17 @@ class GraphCache:
             },
         )
 
-    def save(self) -> None:
-        """Write the cumulative stats now (no-op without a stats file); never raises."""
-        self.stats.save(self._clock())
+    def save(self) -> bool:
+        """Write the cumulative stats now and wait for it (bounded); never raises. False when they
+        could not be written (True without a stats file: nothing to save)."""
+        return self.stats.store is None or self.stats.save(self._clock())
 
-    def close(self) -> None:
-        """Save the stats and release every graph."""
-        self.save()
+    def close(self) -> bool:
+        """Save the stats and release every graph; returns save()'s result."""
+        saved = self.save()
         self.residency.release_all()
         self._warm_queue.clear()
+        return saved
 
     def snapshot(self) -> CacheSnapshot:
         with self._lock:

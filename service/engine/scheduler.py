@@ -59,7 +59,7 @@ class Scheduler:
         return self._waiting_prompt_tokens
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._aborted)
+        return bool(self._waiting or self._aborted or any(not s.paused for s in self._running.values()))
 
     # ---- mutations -----------------------------------------------------------------------
 
@@ -86,6 +86,12 @@ class Scheduler:
             seq.status = SequenceStatus.FINISHED
             self._aborted.append(seq)
         return seq
+
+    def pause(self, key: str, paused: bool) -> None:
+        """A paused sequence keeps its slot but is not decoded until it is resumed."""
+        seq = self._by_key.get(key)
+        if seq is not None:
+            seq.paused = paused
 
     def take_aborted(self) -> list[Sequence]:
         aborted, self._aborted = self._aborted, []
@@ -145,4 +151,4 @@ class Scheduler:
 
 
 def _decodes(seq: Sequence) -> bool:
-    return bool(seq.completion_token_ids or seq.num_pending) and not seq.exhausted
+    return bool(seq.completion_token_ids or seq.num_pending) and not seq.exhausted and not seq.paused

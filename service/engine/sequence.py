@@ -28,6 +28,8 @@ class Sequence:
     # Tokens sampled on the device by a step still in flight (0 or 1): the engine launches step t+1
     # before it reads step t's tokens, so positions and sampling counters count them already.
     num_pending: int = 0
+    # Back-pressure: its client has not read what was generated; it keeps its slot but is not scheduled.
+    paused: bool = False
 
     def __post_init__(self) -> None:
         if not self.key:

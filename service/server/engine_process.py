@@ -33,10 +33,12 @@ from service.server.engine_worker import (
     EVENTS,
     FINISH,
     LOAD_FAILED,
+    PAUSE,
     READY,
     RESULT,
     STATUS,
     STOP,
+    STOPPED,
     SUBMIT,
     WorkerReady,
     WorkerSpec,
@@ -78,6 +80,7 @@ class EngineProcess:
         self._stopping = False
         self.error: BaseException | None = None
         self.last_progress = time.monotonic()
+        self.stats_saved = False  # the engine process said so as it stopped
 
     # ---- start --------------------------------------------------------------------------------
 
@@ -125,9 +128,10 @@ class EngineProcess:
 
     @property
     def num_waiting(self) -> int:
-        """The engine's queue plus the submits it has not received yet."""
+        """The engine's queue plus the submits it has not received yet, less the free slots that
+        those will take: a burst to an idle server fills the slots first, then the queue."""
         s = self._status
-        return s.num_waiting + max(0, self._submitted - s.received)
+        return max(0, s.num_waiting + max(0, self._submitted - s.received) - s.num_free_slots)
 
     @property
     def waiting_prompt_tokens(self) -> int:
@@ -135,7 +139,9 @@ class EngineProcess:
         return s.waiting_prompt_tokens + max(0, self._submitted_tokens - s.received_tokens)
 
     def has_pending_work(self) -> bool:
-        return bool(self._sinks or self._calls or self._status.has_work)
+        """Work the engine should be making progress on: streams paused for back-pressure are not."""
+        s = self._status
+        return bool(self._calls or s.has_work or self._submitted > s.received)
 
     def submit(self, request: GenerationRequest, sink: Sink) -> str:
         with self._lock:
@@ -152,6 +158,11 @@ class EngineProcess:
         with self._lock:
             if self._ready and self.error is None:
                 self._send((ABORT, key))
+
+    def pause(self, key: str, paused: bool) -> None:
+        with self._lock:
+            if self._ready and self.error is None:
+                self._send((PAUSE, key, paused))
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run fn on a thread of this process, one call at a time; fn reaches the engine through
@@ -184,9 +195,11 @@ class EngineProcess:
         """The engine's metric families (engine_metrics.EngineMetrics), for a scrape (off the event loop)."""
         return self.remote("metrics", timeout=_METRICS_TIMEOUT_S)
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 10.0) -> bool:
         """Stop the engine process: running requests end with an EngineError, the graph cache saves
-        its stats and frees its graphs. Kills the process if it does not exit within `timeout`."""
+        its stats and frees its graphs. Kills the process if it does not exit within `timeout`.
+        Returns whether it stopped cleanly with its stats saved (True for one stopped while loading:
+        nothing to save)."""
         with self._lock:
             self._stopping = True
             if self.process.is_alive() and self._ready:
@@ -194,17 +207,24 @@ class EngineProcess:
                     self._send((STOP,))
                 except OSError:
                     pass
-        if self.process.pid is not None:
-            if not self._ready:  # still loading: nothing to save, do not wait for the load
-                self.process.kill()
-            self.process.join(timeout)
-            if self.process.is_alive():
-                log.warning("engine_process_kill", reason=f"did not stop within {timeout} s")
-                self.process.kill()
-                self.process.join(5)
-        if self._ready:
-            self._exited.wait(5)  # the loop has read the last events
+        if self.process.pid is None:
+            return True
+        if not self._ready:  # still loading: nothing to save, do not wait for the load
+            self.process.kill()
+            self.process.join(5)
+            self._ops.shutdown(wait=False, cancel_futures=True)
+            return True
+        self.process.join(timeout)
+        killed = self.process.is_alive()
+        if killed:
+            log.warning("engine_process_kill", reason=f"did not stop within {timeout:g} s (--engine-stop-timeout)")
+            self.process.kill()
+            self.process.join(5)
+        self._exited.wait(5)  # the loop has read the last events
         self._ops.shutdown(wait=False, cancel_futures=True)
+        if not killed and not self.stats_saved:
+            log.warning("engine_stats_not_saved")
+        return not killed and self.stats_saved
 
     def _on_loop(self) -> bool:
         try:
@@ -232,6 +252,8 @@ class EngineProcess:
                     self._on_status(message[2])
                 elif tag == STATUS:
                     self._on_status(message[1])
+                elif tag == STOPPED:
+                    self.stats_saved = message[1]
                 elif tag == RESULT:
                     _, call_id, ok, value = message
                     with self._lock:

@@ -31,9 +31,9 @@ from service.server.gil import shorten_switch_interval  # torch-free, like every
 from service.telemetry.engine_metrics import EngineMetrics
 
 # Parent -> worker
-SUBMIT, ABORT, CALL, STOP = "submit", "abort", "call", "stop"
+SUBMIT, ABORT, PAUSE, CALL, STOP = "submit", "abort", "pause", "call", "stop"
 # Worker -> parent
-READY, LOAD_FAILED, EVENTS, STATUS, RESULT = "ready", "load_failed", "events", "status", "result"
+READY, LOAD_FAILED, EVENTS, STATUS, RESULT, STOPPED = "ready", "load_failed", "events", "status", "result", "stopped"
 # Event kinds inside an EVENTS message: (kind, key, payload)
 DELTA, FINISH, ERROR = "d", "f", "e"
 
@@ -205,6 +205,8 @@ class _Worker:
                                         True)
             elif tag == ABORT:
                 self.engine.abort(message[1])
+            elif tag == PAUSE:
+                self.engine.pause(message[1], message[2])
             elif tag == CALL:
                 self.call(*message[1:])
             elif tag == STOP:
@@ -231,6 +233,8 @@ class _Worker:
         stream end could otherwise scrape the counts of the step before."""
         e = self.engine
         self.metrics.set_queue(e.num_running, e.num_waiting)
+        stats = self.graphs.stats
+        self.metrics.set_stats_saves(stats.save_failures, stats.save_stalled)
         return self.metrics.families()
 
     def _graph_op(self, name: str, args: tuple) -> Any:
@@ -262,12 +266,13 @@ class _Worker:
             except (OSError, EOFError, ValueError):
                 return
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> bool:
+        """Stop the engine and save the stats; returns whether the stats were saved."""
         self.engine.stop()
         if not self.engine.thread_alive:
-            self.graphs.close()
-        else:  # a step that would not stop still uses the device: save the stats only
-            self.graphs.save()
+            return self.graphs.close()
+        # A step that would not stop still uses the device: save the stats only.
+        return self.graphs.save()
 
 
 def resolve_device(name: str) -> Any:
@@ -331,9 +336,10 @@ def worker_main(conn: Any, spec: WorkerSpec) -> None:
         worker.serve()
     finally:
         stop.set()
-        worker.shutdown()
+        saved = worker.shutdown()
         try:
             worker.send((STATUS,), with_status=True)
+            worker.send((STOPPED, saved))
         except (OSError, EOFError, ValueError):
             pass
         worker.replies.shutdown(wait=False)

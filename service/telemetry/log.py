@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
 import sys
+import time
+from collections.abc import Callable
 
 import structlog
 
@@ -24,3 +27,23 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+class LogThrottle:
+    """At most one log line per interval for an event a remote peer can trigger at will (failed
+    logins, undecodable requests): `due()` says whether to log now and how many were skipped."""
+
+    def __init__(self, interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last = -math.inf
+        self._skipped = 0
+
+    def due(self) -> int | None:
+        """None: skip this one (counted); otherwise the number skipped since the last line."""
+        now = self._clock()
+        if now - self._last < self.interval_s:
+            self._skipped += 1
+            return None
+        skipped, self._last, self._skipped = self._skipped, now, 0
+        return skipped
