@@ -351,5 +351,8 @@ class RemoteGraphs:
 
 def read_tokenizer(path: str) -> Any:
     from service.model.loader import read_tokenizer as read
+    from service.telemetry.log import route_library_logs
 
-    return read(pathlib.Path(path))
+    tokenizer = read(pathlib.Path(path))
+    route_library_logs()
+    return tokenizer

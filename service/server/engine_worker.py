@@ -148,6 +148,7 @@ class _Worker:
         from service.engine.scheduler import Scheduler
         from service.model.loader import load_model
         from service.server.faults import wrap_decode
+        from service.telemetry.log import route_library_logs
 
         c, faults = self.spec.config, self.spec.faults
         device = resolve_device(c.device)
@@ -155,6 +156,7 @@ class _Worker:
         if faults.load_delay_s:  # a slow load, as a big checkpoint would be (tests only)
             time.sleep(faults.load_delay_s)
         loaded = load_model(c.model, device, dtype, c.model_cache_dir)
+        route_library_logs()
         max_seq_len = min(c.max_seq_len, loaded.spec.max_position_embeddings)
         mode = CudaGraphMode.parse(c.cudagraph_mode) if device.type == "cuda" else CudaGraphMode.NONE
         graph_config = GraphCacheConfig(

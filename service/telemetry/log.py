@@ -27,6 +27,31 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+    # Libraries log through the standard library (and `warnings`): into the same structured stream.
+    logging.captureWarnings(True)
+    root = logging.getLogger()
+    root.handlers = [_ToStructlog()]
+    root.setLevel(logging.WARNING)
+
+
+class _ToStructlog(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            structlog.get_logger("graphserve.library").log(record.levelno, "library_log", logger=record.name,
+                                                           message=record.getMessage())
+        except Exception:  # noqa: BLE001 - logging must never raise into the caller
+            self.handleError(record)
+
+
+def route_library_logs() -> None:
+    """transformers writes to stderr through a handler of its own (plain text inside a JSON log):
+    after it is imported, send its records to the standard library, hence to structlog."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
 
 
 class LogThrottle:
