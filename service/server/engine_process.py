@@ -70,7 +70,8 @@ class EngineProcess:
         self._keys = itertools.count()
         self._submitted = 0
         self._submitted_tokens = 0
-        self._status = WorkerStatus(0, 0, 0, 0, 0, 0, False, time.monotonic(), None)
+        # Until the engine's first status: idle, every slot free.
+        self._status = WorkerStatus(0, 0, 0, spec.config.max_running_seqs, 0, 0, False, time.monotonic(), None)
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._ops = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphserve-engine-call")
