@@ -217,7 +217,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         """Send one message; a client that accepts none of it (HTTP/2 window closed) for the stall
         timeout loses the stream."""
         try:
-            await asyncio.wait_for(context.write(message), self.admission.stream_stall_timeout)
+            async with asyncio.timeout(self.admission.stream_stall_timeout):  # a timer, not a task per message
+                await context.write(message)
         except TimeoutError:
             raise _Stalled from None
 

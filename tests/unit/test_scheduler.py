@@ -103,6 +103,26 @@ def test_abort_running_sequence_frees_slot_at_next_schedule() -> None:
     assert running.slot is None and running.status is SequenceStatus.FINISHED
 
 
+def test_a_paused_sequence_keeps_its_slot_and_is_not_decoded_until_resumed() -> None:
+    sched = Scheduler(max_running=2, max_prefill_tokens=100)
+    reader, unread = make_seq("reader"), make_seq("unread")
+    sched.add(reader)
+    sched.add(unread)
+    sched.schedule()
+    reader.completion_token_ids.append(1)
+    unread.completion_token_ids.append(1)
+    sched.pause("unread", True)
+    assert ids(sched.schedule().decodes) == ["reader"] and unread.slot is not None
+    sched.finish(reader)
+    assert not sched.has_work()  # only a paused sequence is left: the engine may sleep
+    sched.pause("unread", False)
+    assert sched.has_work() and ids(sched.schedule().decodes) == ["unread"]
+    sched.pause("unread", True)
+    sched.abort("unread")
+    sched.schedule()
+    assert sched.take_aborted() == [unread] and sched.num_free_slots == 2
+
+
 def test_finish_frees_slot_for_reuse_lowest_first() -> None:
     sched = Scheduler(max_running=3, max_prefill_tokens=100)
     seqs = [make_seq(f"r{i}") for i in range(3)]
