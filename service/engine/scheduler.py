@@ -39,6 +39,7 @@ class Scheduler:
         self._by_key: dict[str, Sequence] = {}  # every waiting or running sequence, by Sequence.key
         self._aborted: list[Sequence] = []
         self._waiting_prompt_tokens = 0
+        self._num_paused = 0  # running sequences paused for back-pressure
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -59,7 +60,7 @@ class Scheduler:
         return self._waiting_prompt_tokens
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._aborted or any(not s.paused for s in self._running.values()))
+        return bool(self._waiting or self._aborted or len(self._running) > self._num_paused)
 
     # ---- mutations -----------------------------------------------------------------------
 
@@ -90,8 +91,11 @@ class Scheduler:
     def pause(self, key: str, paused: bool) -> None:
         """A paused sequence keeps its slot but is not decoded until it is resumed."""
         seq = self._by_key.get(key)
-        if seq is not None:
-            seq.paused = paused
+        if seq is None or seq.paused == paused:
+            return
+        seq.paused = paused
+        if seq.status is SequenceStatus.RUNNING:
+            self._num_paused += 1 if paused else -1
 
     def take_aborted(self) -> list[Sequence]:
         aborted, self._aborted = self._aborted, []
@@ -127,6 +131,7 @@ class Scheduler:
             seq.slot = heapq.heappop(self._free_slots)
             seq.status = SequenceStatus.RUNNING
             seq.scheduled_at = now
+            self._num_paused += seq.paused  # paused while it waited
             self._running[seq.slot] = seq
             budget_used += seq.num_prompt_tokens
             batch.prefills.append(seq)
@@ -138,6 +143,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         assert seq.slot is not None
         del self._running[seq.slot]
+        self._num_paused -= seq.paused
         heapq.heappush(self._free_slots, seq.slot)
         del self._by_key[seq.key]
         seq.slot = None
@@ -148,6 +154,7 @@ class Scheduler:
         assert not set(self._free_slots) & set(self._running), "a slot is both free and used"
         assert len(set(self._free_slots)) == len(self._free_slots), "a slot is free twice"
         assert all(seq.slot == slot for slot, seq in self._running.items())
+        assert self._num_paused == sum(seq.paused for seq in self._running.values())
 
 
 def _decodes(seq: Sequence) -> bool:

@@ -137,7 +137,7 @@ def test_finish_frees_slot_for_reuse_lowest_first() -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["add", "schedule", "finish", "abort"]),
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "schedule", "finish", "abort", "pause"]),
                               st.integers(0, 30), st.integers(1, 20)), max_size=60),
        max_running=st.integers(1, 4), budget=st.integers(1, 30))
 def test_random_operations_keep_slots_consistent(ops: list[tuple[str, int, int]], max_running: int,
@@ -160,6 +160,7 @@ def test_random_operations_keep_slots_consistent(ops: list[tuple[str, int, int]]
                 running.pop(seq.request_id, None)
             assert not set(batch.prefills) & set(batch.decodes)
             assert all(not s.aborted for s in batch.prefills + batch.decodes)
+            assert all(not s.paused for s in batch.decodes)
             assert sum(s.num_prompt_tokens for s in batch.prefills) <= budget or len(batch.prefills) == 1
             for seq in batch.decodes + batch.prefills:
                 seq.completion_token_ids.append(1)  # what the step's sampler would do
@@ -178,6 +179,10 @@ def test_random_operations_keep_slots_consistent(ops: list[tuple[str, int, int]]
                 ended.append(seq.request_id)
         elif op == "abort" and added:
             sched.abort(added[pick % len(added)])
+        elif op == "pause" and added:
+            sched.pause(added[pick % len(added)], prompt_len % 2 == 0)
+    for request_id in added:  # the clients read what they were sent
+        sched.pause(request_id, False)
     while sched.has_work():  # drain: every running sequence finishes, the queue empties
         batch = sched.schedule()
         ended.extend(s.request_id for s in sched.take_aborted())
