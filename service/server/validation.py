@@ -101,11 +101,10 @@ def encode_capped(tokenizer: Any, text: str, max_tokens: int) -> list[int]:
 
 
 def _cut(text: str, end: int) -> int:
-    """Where to end a prefix of about `end` characters: before the last whitespace in its second half."""
-    for i in range(end, end // 2, -1):
-        if text[i].isspace():
-            return i
-    return end
+    """Where to end a prefix of about `end` characters: before the last space, newline or tab in its
+    second half, else at `end`."""
+    cut = max(text.rfind(ch, end // 2, end + 1) for ch in " \n\t")
+    return cut if cut > 0 else end
 
 
 def request_id_of(request: inference_pb2.GenerateRequest) -> str:
