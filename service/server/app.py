@@ -221,9 +221,10 @@ class App:
             except TimeoutError:
                 log.warning("drain_timeout", aborted=len(self.servicer.active))
                 engine_deadline = time.monotonic() + c.engine_stop_timeout
-                if self.engine is not None:
+                responsive = self.engine is not None and self.engine.responsive
+                if responsive:  # a hung engine reads no aborts: sending them could block the loop
                     self.servicer.abort_all()
-                if not await self._streams_idle_within(c.engine_stop_timeout / 2):
+                if not responsive or not await self._streams_idle_within(c.engine_stop_timeout / 2):
                     # The engine does not answer the aborts: end the streams here, as aborted.
                     log.warning("engine_not_answering", streams_ended=self.servicer.end_all_locally())
                     await self._streams_idle_within(1.0)

@@ -49,6 +49,8 @@ from service.server.engine_worker import (
 log = structlog.get_logger("graphserve.engine_process")
 
 _CALL_TIMEOUT_S = 60.0
+# The engine process sends its status every 0.2 s: silence this long means it is hung (or stopped).
+_SILENT_S = 2.0
 # A scrape reads the engine's metrics, then the graph snapshot (5 s): both within Prometheus's
 # default scrape timeout of 10 s.
 _METRICS_TIMEOUT_S = 2.0
@@ -82,6 +84,7 @@ class EngineProcess:
         self.error: BaseException | None = None
         self.last_progress = time.monotonic()
         self.stats_saved = False  # the engine process said so as it stopped
+        self._last_message_at = time.monotonic()
 
     # ---- start --------------------------------------------------------------------------------
 
@@ -138,6 +141,11 @@ class EngineProcess:
     def waiting_prompt_tokens(self) -> int:
         s = self._status
         return s.waiting_prompt_tokens + max(0, self._submitted_tokens - s.received_tokens)
+
+    @property
+    def responsive(self) -> bool:
+        """The engine process spoke recently (a hung one would not read what is sent to it either)."""
+        return time.monotonic() - self._last_message_at < _SILENT_S
 
     def has_pending_work(self) -> bool:
         """Work the engine should be making progress on: streams paused for back-pressure are not."""
@@ -203,11 +211,18 @@ class EngineProcess:
         nothing to save)."""
         with self._lock:
             self._stopping = True
-            if self.process.is_alive() and self._ready:
+            ready = self._ready
+
+        def send_stop() -> None:
+            # On a thread of its own: to a hung engine with a full pipe the send blocks until the kill.
+            with self._lock:
                 try:
                     self._send((STOP,))
                 except OSError:
                     pass
+
+        if ready and self.process.is_alive():
+            threading.Thread(target=send_stop, name="graphserve-engine-stop", daemon=True).start()
         if self.process.pid is None:
             return True
         if not self._ready:  # still loading: nothing to save, do not wait for the load
@@ -247,6 +262,7 @@ class EngineProcess:
         try:
             while self._conn.poll():
                 message = self._conn.recv()
+                self._last_message_at = time.monotonic()
                 tag = message[0]
                 if tag == EVENTS:
                     self._on_events(message[1])
