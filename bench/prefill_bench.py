@@ -58,8 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     backend = CudaGraphBackend(device)
     hf = hf_model(s) if args.transformers else None
     vocab = model.spec.vocab_size
-    rows: list[dict[str, Any]] = []
-    for prompts, tokens in args.case_list:
+    def case(prompts: int, tokens: int) -> dict[str, Any]:
         total = prompts * tokens
         ids = torch.randint(0, vocab, (total,)).tolist()
         batch = build_step_batch([], [], [ChunkSpec(i, 0, tokens) for i in range(prompts)], ids, kv.max_seq_len,
@@ -83,8 +82,10 @@ def main(argv: list[str] | None = None) -> None:
                 hf_ids = torch.tensor(ids, device=device).view(prompts, tokens)
                 row["transformers_ms"] = time_ms(lambda: hf(hf_ids, use_cache=False), device, args.iters, 3)
         row["speedup"] = row["eager_ms"] / row["piecewise_ms"]
-        rows.append(row)
         print_table([row], list(row))
+        return row
+
+    rows = [case(prompts, tokens) for prompts, tokens in args.case_list]
     columns = ["prompts", "tokens", "eager_ms", "piecewise_ms", "speedup", "transformers_ms", "capture_ms",
                "graph_mib", "max_rel_err"]
     print_table(rows, columns, title=f"prefill step, {args.model} {args.dtype}")

@@ -21,8 +21,8 @@ import argparse
 import asyncio
 import gc
 import pathlib
-import shlex
 import random
+import shlex
 import sys
 import threading
 import time

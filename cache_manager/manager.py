@@ -357,17 +357,20 @@ class GraphCache:
             },
         )
 
-    def save(self) -> None:
-        """Write the cumulative stats now (no-op without a stats file); never raises."""
-        self.stats.save(self._clock())
+    def save(self) -> bool:
+        """Write the cumulative stats now and wait for it (bounded); never raises. False when they
+        could not be written (True without a stats file: nothing to save)."""
+        return self.stats.store is None or self.stats.save(self._clock())
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float = 30.0) -> bool:
         """Save the stats, stop the capture thread (queued captures are not started) and release every
-        graph. A capture that does not end within `timeout` leaves its graphs to process exit."""
-        self.save()
+        graph; returns save()'s result. A capture that does not end within `timeout` leaves its graphs
+        to process exit."""
+        saved = self.save()
         self._warm_queue.clear()
         if not self.residency.close(timeout):
             log.warning("graph_capture_thread_hung", timeout_s=timeout)
+        return saved
 
     def snapshot(self) -> CacheSnapshot:
         with self._lock:

@@ -13,6 +13,9 @@ from cache_manager.store import StatsStore
 
 log = structlog.get_logger("cache_manager")
 
+# At shutdown, how long the final save may take before the process exits without it.
+SHUTDOWN_SAVE_TIMEOUT_S = 5.0
+
 
 class StatsRecorder:
     """Since-start counters (`session`) on top of the counters of earlier runs (`loaded`).
@@ -39,6 +42,11 @@ class StatsRecorder:
         self.loaded = store.load() if store else StatsTables()
         self.session = StatsTables()
         self.last_save_time: float | None = None
+        self.save_failures = 0  # saves that failed (or never finished), for metrics
+        self.save_stalled = False  # a save has been running for longer than the save interval
+        self._saving: threading.Thread | None = None
+        self._save_started = 0.0
+        self._last_ok = False
         self._dirty = False
         self._last_save_attempt = clock()
         self._last_totals = clock()
@@ -131,16 +139,63 @@ class StatsRecorder:
             self._replays = self._eager = 0
             self._last_totals = now
         if self._dirty and now - self._last_save_attempt >= self.save_interval_s:
-            self.save(now)
+            self.save_in_background(now)
 
-    def save(self, now: float) -> bool:
-        """Write the cumulative counters now; False (and a warning, from the store) on failure."""
+    def save_in_background(self, now: float) -> None:
+        """Take the counters now and write them on a save thread, never on the caller's (the engine
+        thread): a slow or hung stats volume must not stop generation. While a save is still running
+        the next one is skipped; one that runs past the save interval is logged once as stalled."""
+        if self.store is None:
+            return
+        self._last_save_attempt = now
+        running = self._saving
+        if running is not None and running.is_alive():
+            if not self.save_stalled and now - self._save_started > self.save_interval_s:
+                self.save_stalled = True
+                log.warning("graph_stats_save_stalled", path=str(self.store.path),
+                            seconds=round(now - self._save_started, 1))
+            return
+        self._saving = self._start_save(now)
+
+    def join(self, timeout: float) -> bool:
+        """Wait for a background save to finish; False if one is still running."""
+        running = self._saving
+        if running is not None:
+            running.join(timeout)
+        return running is None or not running.is_alive()
+
+    def save(self, now: float, timeout: float = SHUTDOWN_SAVE_TIMEOUT_S) -> bool:
+        """Write the cumulative counters now and wait up to `timeout` (at shutdown); False (and a
+        warning) on failure, or when the write did not finish in time."""
         if self.store is None:
             return False
         self._last_save_attempt = now
-        if not self.store.save(self.persisted()):
+        if not self.join(timeout):
+            log.warning("graph_stats_save_failed", path=str(self.store.path), error="an earlier save still hangs")
             return False
+        self._saving = thread = self._start_save(now)
+        thread.join(timeout)
+        if thread.is_alive():
+            log.warning("graph_stats_save_failed", path=str(self.store.path), error=f"not done within {timeout} s")
+            return False
+        return self._last_ok
+
+    def _start_save(self, now: float) -> threading.Thread:
         with self._lock:
-            self._dirty = False
-            self.last_save_time = now
-        return True
+            tables = self.loaded.merged(self.session)
+            self._dirty = False  # changes from here on make it dirty again
+        self._save_started = now
+        thread = threading.Thread(target=self._write, args=(tables, now), name="graph-stats-save", daemon=True)
+        thread.start()
+        return thread
+
+    def _write(self, tables: StatsTables, now: float) -> None:
+        ok = self.store.save(tables)  # never raises; warns on failure
+        with self._lock:
+            self._last_ok = ok
+            self.save_stalled = False
+            if ok:
+                self.last_save_time = now
+            else:
+                self.save_failures += 1
+                self._dirty = True

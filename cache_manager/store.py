@@ -49,6 +49,9 @@ class StatsStore:
         self.fingerprint = fingerprint
 
     def load(self) -> StatsTables:
+        if self.path.exists() and not self.path.is_file():  # a FIFO or device would block the read
+            self._set_aside("bad", "not a regular file")
+            return StatsTables()
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:

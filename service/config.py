@@ -49,6 +49,7 @@ class ServeConfig:
     admin_token: str | None = None  # from GRAPHSERVE_ADMIN_TOKEN or the token file; never logged
     metrics_port: int = 9464
     drain_timeout: float = 30.0
+    engine_stop_timeout: float = 10.0  # after the drain: the engine's own stop, then it is killed
     watchdog_timeout: float = 60.0
     log_format: str = "auto"  # auto | json | console
     log_level: str = "info"
@@ -61,6 +62,9 @@ class ServeConfig:
     max_waiting_requests: int = 256
     max_waiting_tokens: int = 1 << 20
     max_concurrent_streams: int = 1024
+    max_streams_per_connection: int = 100  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS
+    max_stream_backlog_tokens: int = 128  # undelivered tokens per stream before it is paused
+    stream_stall_timeout: float = 30.0  # seconds a client may accept no data before its stream is aborted
     max_receive_message_bytes: int = 4 << 20
     # Transport security
     tls_cert: Path | None = None
@@ -99,7 +103,8 @@ class ServeConfig:
         positive = (
             "max_running_seqs", "max_seq_len", "max_num_batched_tokens", "default_max_tokens", "max_tokens_limit",
             "max_prompt_bytes", "max_stop_string_bytes", "max_waiting_requests", "max_waiting_tokens",
-            "max_concurrent_streams", "max_receive_message_bytes",
+            "max_concurrent_streams", "max_receive_message_bytes", "max_streams_per_connection",
+            "max_stream_backlog_tokens",
         )
         for name in positive:
             need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -113,6 +118,8 @@ class ServeConfig:
         need(self.default_max_tokens <= self.max_tokens_limit, "--default-max-tokens must be <= --max-tokens-limit")
         need(self.drain_timeout >= 0, "--drain-timeout must be >= 0 seconds")
         need(self.watchdog_timeout > 0, "--watchdog-timeout must be > 0 seconds")
+        need(self.engine_stop_timeout > 0, "--engine-stop-timeout must be > 0 seconds")
+        need(self.stream_stall_timeout > 0, "--stream-stall-timeout must be > 0 seconds")
         need(
             (self.tls_cert is None) == (self.tls_key is None), "--tls-cert and --tls-key must be given together"
         )
@@ -195,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--admin-token-file", type=Path, default=None, help="or GRAPHSERVE_ADMIN_TOKEN")
     g.add_argument("--metrics-port", type=int, default=d.metrics_port, help="0 disables /metrics")
     g.add_argument("--drain-timeout", type=float, default=d.drain_timeout, help="seconds")
+    g.add_argument("--engine-stop-timeout", type=float, default=d.engine_stop_timeout,
+                   help="seconds the engine gets to stop after the drain before it is killed")
     g.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout, help="seconds")
     g.add_argument("--log-format", default=d.log_format, choices=["auto", "json", "console"])
     g.add_argument("--log-level", default=d.log_level)
@@ -202,8 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name in (
         "max_tokens_limit", "max_prompt_bytes", "max_stop_strings", "max_stop_string_bytes", "max_stop_token_ids",
         "max_waiting_requests", "max_waiting_tokens", "max_concurrent_streams", "max_receive_message_bytes",
+        "max_streams_per_connection", "max_stream_backlog_tokens",
     ):
         g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    g.add_argument("--stream-stall-timeout", type=float, default=d.stream_stall_timeout,
+                   help="seconds a client may accept no data before its stream is aborted")
     g = p.add_argument_group("transport security")
     g.add_argument("--tls-cert", type=Path, default=None)
     g.add_argument("--tls-key", type=Path, default=None)
@@ -233,14 +245,21 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
     parser = build_parser()
     ns = parser.parse_args(_env_argv(parser, environ) + list(argv or []))
     values = {f.name: getattr(ns, f.name) for f in fields(ServeConfig) if hasattr(ns, f.name)}
-    token = environ.get(ENV_PREFIX + "ADMIN_TOKEN")
+    # Trimmed like the file: a Kubernetes Secret exposed as a variable often ends in a newline.
+    token = environ.get(ENV_PREFIX + "ADMIN_TOKEN", "").strip()
+    source = ENV_PREFIX + "ADMIN_TOKEN"
     if values.get("admin_token_file") is not None:
         path = Path(values["admin_token_file"])
         if not path.is_file():
             raise ConfigError(f"--admin-token-file: no such file: {path}")
         token = path.read_text().strip()
+        source = f"--admin-token-file {path}"
         if not token:
             raise ConfigError(f"--admin-token-file {path} is empty")
+    if token and not all("!" <= ch <= "~" for ch in token):
+        # gRPC metadata values are visible ASCII: no client could ever send this token.
+        raise ConfigError(f"{source}: the admin token must be visible ASCII characters (no spaces, control or "
+                          "non-ASCII characters), or no client can send it as gRPC metadata")
     values["admin_token"] = token or None
     config = ServeConfig(**values)
     config.validate()

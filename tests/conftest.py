@@ -1,5 +1,6 @@
 import pytest
 
+from tests.support.process import ServerProcess
 from tests.support.server import ServerThread
 
 
@@ -15,3 +16,19 @@ def server(model_cache_dir) -> ServerThread:  # noqa: ANN001
                         "--max-seq-len", "512", "--default-max-tokens", "32"]).start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture
+def process_factory(tmp_path, model_cache_dir):  # noqa: ANN001, ANN201
+    """Starts real `graphserve serve` processes (logs under tmp_path); kills what is left at the end."""
+    started: list[ServerProcess] = []
+
+    def start(*argv: str, env: dict[str, str] | None = None) -> ServerProcess:
+        proc = ServerProcess(["--model-cache-dir", str(model_cache_dir), *argv], env=env,
+                             log_path=tmp_path / f"server-{len(started)}.log")
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.close()

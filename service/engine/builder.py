@@ -88,11 +88,10 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
     return engine
 
 
-def close_engine(engine: Engine, graphs: GraphCache) -> None:
+def close_engine(engine: Engine, graphs: GraphCache) -> bool:
     """Stop the engine; free the graphs once its thread is gone (a step that would not stop still
-    uses the device, so then only the stats are saved)."""
+    uses the device, so then only the stats are saved). Returns whether the stats were saved."""
     engine.stop()
     if not engine.thread_alive:
-        graphs.close()
-    else:
-        graphs.save()
+        return graphs.close()
+    return graphs.save()

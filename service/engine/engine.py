@@ -98,6 +98,7 @@ class Engine:
         self._keys = itertools.count()
         self._inbox: list[tuple[str, GenerationRequest, Sink]] = []
         self._aborts: list[str] = []
+        self._pauses: list[tuple[str, bool]] = []
         self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
         self._outputs: dict[str, tuple[RequestOutput, Sink]] = {}
         self._step_events: list[tuple[Sink, RequestEvent]] = []  # built this step, not yet published
@@ -160,6 +161,12 @@ class Engine:
             self._aborts.append(key)
             self._cond.notify()
 
+    def pause(self, key: str, paused: bool) -> None:
+        """Back-pressure: stop (or resume) decoding a request whose client has not read its tokens."""
+        with self._cond:
+            self._pauses.append((key, paused))
+            self._cond.notify()
+
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run fn on the engine thread between two steps (e.g. an admin operation on the graph cache)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -184,7 +191,7 @@ class Engine:
         try:
             while True:
                 with self._cond:
-                    while not (self._stopping or self._inbox or self._aborts or self._calls
+                    while not (self._stopping or self._inbox or self._aborts or self._pauses or self._calls
                                or self.scheduler.has_work() or self._in_flight):
                         self.last_progress = time.monotonic()  # idle is not stuck
                         self._cond.wait(timeout=0.5)
@@ -195,6 +202,7 @@ class Engine:
                         break
                     inbox, self._inbox = self._inbox, []
                     aborts, self._aborts = self._aborts, []
+                    pauses, self._pauses = self._pauses, []
                     calls, self._calls = self._calls, []
                 if calls:
                     self._drain()  # operator calls see a quiet device and every token read
@@ -206,6 +214,8 @@ class Engine:
                     self.scheduler.add(seq)
                 for key in aborts:
                     self.scheduler.abort(key)
+                for key, paused in pauses:
+                    self.scheduler.pause(key, paused)
                 self.step()
                 if self.between_steps is not None:
                     self.between_steps()

@@ -84,6 +84,7 @@ class Scheduler:
         self._by_key: dict[str, Sequence] = {}  # every waiting or running sequence, by Sequence.key
         self._aborted: list[Sequence] = []
         self._waiting_prompt_tokens = 0
+        self._num_paused = 0  # running sequences paused for back-pressure
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -104,7 +105,7 @@ class Scheduler:
         return self._waiting_prompt_tokens
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._aborted)
+        return bool(self._waiting or self._aborted or len(self._running) > self._num_paused)
 
     # ---- mutations -----------------------------------------------------------------------
 
@@ -133,6 +134,15 @@ class Scheduler:
             seq.status = SequenceStatus.FINISHED
             self._aborted.append(seq)
         return seq
+
+    def pause(self, key: str, paused: bool) -> None:
+        """A paused sequence keeps its slot but is not decoded until it is resumed."""
+        seq = self._by_key.get(key)
+        if seq is None or seq.paused == paused:
+            return
+        seq.paused = paused
+        if seq.status is SequenceStatus.RUNNING:
+            self._num_paused += 1 if paused else -1
 
     def take_aborted(self) -> list[Sequence]:
         aborted, self._aborted = self._aborted, []
@@ -169,6 +179,7 @@ class Scheduler:
             seq.slot = heapq.heappop(self._free_slots)
             seq.status = SequenceStatus.RUNNING
             seq.scheduled_at = now
+            self._num_paused += seq.paused  # paused while it waited
             self._running[seq.slot] = seq
             self._prefilling.append(seq)
             budget -= self._add_chunk(batch, seq, budget)
@@ -192,6 +203,7 @@ class Scheduler:
         if seq.num_unprefilled_tokens:
             self._prefilling.remove(seq)
         del self._running[seq.slot]
+        self._num_paused -= seq.paused
         heapq.heappush(self._free_slots, seq.slot)
         del self._by_key[seq.key]
         seq.slot = None
@@ -203,7 +215,8 @@ class Scheduler:
         assert len(set(self._free_slots)) == len(self._free_slots), "a slot is free twice"
         assert all(seq.slot == slot for slot, seq in self._running.items())
         assert all(self._running.get(seq.slot) is seq for seq in self._prefilling)
+        assert self._num_paused == sum(seq.paused for seq in self._running.values())
 
 
 def _decodes(seq: Sequence) -> bool:
-    return bool(seq.completion_token_ids or seq.num_pending) and not seq.exhausted
+    return bool(seq.completion_token_ids or seq.num_pending) and not seq.exhausted and not seq.paused

@@ -31,6 +31,8 @@ class Sequence:
     # Prompt tokens already scheduled into the KV cache (by steps launched so far): the prefill's
     # progress. A prompt longer than a step's token budget is prefilled in chunks over several steps.
     num_prefilled_tokens: int = 0
+    # Back-pressure: its client has not read what was generated; it keeps its slot but is not scheduled.
+    paused: bool = False
 
     def __post_init__(self) -> None:
         if not self.key:

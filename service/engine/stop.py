@@ -14,9 +14,6 @@ class StopStringMatcher:
 
     def __init__(self, stop: tuple[str, ...]) -> None:
         self._stops = tuple(s for s in stop if s)  # an empty stop would match everywhere: ignore it
-        # Every proper prefix of a stop: a suffix of the text in this set must be held back.
-        self._prefixes = {s[:i] for s in self._stops for i in range(1, len(s))}
-        self._max_hold = max((len(s) - 1 for s in self._stops), default=0)
         self._held = ""
         self._matched: str | None = None
 
@@ -53,7 +50,14 @@ class StopStringMatcher:
         return held
 
     def _held_suffix_length(self, buffer: str) -> int:
-        for length in range(min(self._max_hold, len(buffer)), 0, -1):
-            if buffer[len(buffer) - length:] in self._prefixes:
-                return length
-        return 0
+        """The longest suffix of buffer that is a proper prefix of a stop (it must be held back).
+        Memory stays proportional to the stops: candidates are the positions of a stop's first character."""
+        n, longest = len(buffer), 0
+        for stop in self._stops:
+            i = buffer.find(stop[0], max(0, n - len(stop) + 1))
+            while i != -1 and n - i > longest:
+                if stop.startswith(buffer[i:]):
+                    longest = n - i
+                    break
+                i = buffer.find(stop[0], i + 1)
+        return longest

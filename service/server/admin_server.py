@@ -16,8 +16,10 @@ from service.config import ServeConfig
 from service.proto import admin_pb2, admin_pb2_grpc
 from service.server.admin_servicer import GraphCacheAdminServicer
 from service.server.auth import BearerTokenInterceptor
+from service.server.decoding import RequestDecodingInterceptor
 from service.server.engine_process import EngineProcess, RemoteGraphs
 from service.server.transport import add_port
+from service.telemetry.metrics import Metrics
 
 log = structlog.get_logger("graphserve.admin")
 
@@ -34,7 +36,7 @@ def _is_loopback(host: str) -> bool:
 
 
 async def start_admin_server(
-    config: ServeConfig, engine: EngineProcess, graphs: RemoteGraphs
+    config: ServeConfig, engine: EngineProcess, graphs: RemoteGraphs, metrics: Metrics | None = None,
 ) -> tuple[grpc.aio.Server | None, int | None]:
     """Start the admin server; returns (server, bound port), or (None, None) when no token is configured.
 
@@ -48,7 +50,9 @@ async def start_admin_server(
         log.warning("admin_plaintext", host=config.admin_host,
                     hint="the admin token travels unencrypted; use --tls-cert/--tls-key or a loopback --admin-host")
     server = grpc.aio.server(
-        interceptors=[BearerTokenInterceptor(config.admin_token)], options=[("grpc.so_reuseport", 0)]
+        interceptors=[BearerTokenInterceptor(config.admin_token, metrics.auth_failed if metrics else None),
+                      RequestDecodingInterceptor(metrics.undecodable if metrics else None)],
+        options=[("grpc.so_reuseport", 0)],
     )
     admin_pb2_grpc.add_GraphCacheAdminServicer_to_server(GraphCacheAdminServicer(engine, graphs), server)
     reflection.enable_server_reflection((ADMIN_SERVICE, reflection.SERVICE_NAME), server)

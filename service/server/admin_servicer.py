@@ -32,6 +32,8 @@ log = structlog.get_logger("graphserve.admin")
 
 # Above this a budget is a typo, not a plan (no device has a pebibyte of memory).
 MAX_BUDGET_BYTES = 1 << 50
+# Values listed in one error message, at most.
+_SHOWN_VALUES = 8
 
 _STATES = {
     BucketState.NOT_CAPTURED: admin_pb2.BUCKET_STATE_NOT_CAPTURED,
@@ -124,11 +126,11 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
         allowed = self.graphs.config.sizes if kind == "full" else self.graphs.config.piecewise_sizes
         if not unique:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"give at least one size; allowed: {list(allowed)}")
+                                f"give at least one size; allowed: {_few(allowed)}")
         bad = [s for s in unique if s not in allowed]
         if bad:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"sizes {bad} are not {kind} capture sizes; allowed: {list(allowed)}")
+                                f"sizes {_few(bad)} are not {kind} capture sizes; allowed: {_few(allowed)}")
         return unique, kind
 
     async def _read(self, context: grpc.aio.ServicerContext, fn: Callable[[], Any]) -> Any:
@@ -170,6 +172,15 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"{op}: the engine is not running ({exc})")
             log.exception("admin_operation_failed", op=op)
             await context.abort(grpc.StatusCode.INTERNAL, f"{op} failed: {type(exc).__name__}: {exc}")
+
+
+def _few(values: Iterable[int], shown: int = _SHOWN_VALUES) -> str:
+    """A list for an error message, capped: the first few values and how many more (a status message
+    that lists thousands overflows the client's metadata limit)."""
+    values = list(values)
+    if len(values) <= shown:
+        return str(values)
+    return f"[{', '.join(map(str, values[:shown]))}, ... and {len(values) - shown} more]"
 
 
 def _bucket_entry(b: BucketEntry) -> admin_pb2.BucketEntry:

@@ -3,7 +3,9 @@
 Start-up order: the gRPC port opens at once with health NOT_SERVING (Kubernetes probes get an
 answer while the model loads); the model loads off the event loop; one eager step runs; then
 health turns SERVING. Shutdown: health NOT_SERVING, new calls UNAVAILABLE, in-flight streams get
-up to --drain-timeout to finish, the rest are aborted, the stats are saved, exit 0.
+up to --drain-timeout to finish, the rest are aborted (finish_reason abort, ended here if the engine
+does not answer), the engine gets --engine-stop-timeout to stop and save the stats, else it is
+killed; exit 0 only when it stopped cleanly with its stats saved.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from service.config import ServeConfig
 from service.model.spec import ModelLoadError
 from service.proto import inference_pb2, inference_pb2_grpc
 from service.server.admin_server import start_admin_server
+from service.server.decoding import RequestDecodingInterceptor
 from service.server.engine_process import EngineProcess, EngineStartError, RemoteGraphs, read_tokenizer
 from service.server.engine_worker import WorkerReady, WorkerSpec
 from service.server.faults import Faults
@@ -79,7 +82,8 @@ class App:
         self.metrics = Metrics()
         self.metrics_port: int | None = None
         self.servicer = InferenceServicer(
-            AdmissionLimits(config.max_waiting_requests, config.max_waiting_tokens, config.max_concurrent_streams),
+            AdmissionLimits(config.max_waiting_requests, config.max_waiting_tokens, config.max_concurrent_streams,
+                            config.stream_stall_timeout, config.max_stream_backlog_tokens),
             metrics=self.metrics,
         )
         self.engine: EngineProcess | None = None
@@ -100,8 +104,11 @@ class App:
         options = [
             ("grpc.max_receive_message_length", c.max_receive_message_bytes),
             ("grpc.so_reuseport", 0),
+            # Per connection, below the global cap: one connection cannot take every stream slot.
+            ("grpc.max_concurrent_streams", min(c.max_streams_per_connection, c.max_concurrent_streams)),
         ]
-        self.server = grpc.aio.server(options=options)
+        self.server = grpc.aio.server(options=options,
+                                      interceptors=[RequestDecodingInterceptor(self.metrics.undecodable)])
         inference_pb2_grpc.add_InferenceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -128,7 +135,7 @@ class App:
         self.graphs = RemoteGraphs(self.engine, ready)
         self.metrics.set_engine_source(self.engine.metric_families)
         self.metrics.set_graph_source(self.graphs.snapshot)
-        self.admin_server, self.admin_port = await start_admin_server(c, self.engine, self.graphs)
+        self.admin_server, self.admin_port = await start_admin_server(c, self.engine, self.graphs, self.metrics)
         limits = Limits.from_config(dataclasses.replace(c, max_seq_len=ready.max_seq_len), vocab_size=spec.vocab_size)
         self.servicer.attach(self.engine, self.tokenizer, limits, self._model_info(ready))
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -201,26 +208,40 @@ class App:
                 )
 
     async def shutdown(self) -> None:
-        log.info("draining", timeout_s=self.config.drain_timeout, open_streams=len(self.servicer.active))
+        """Bounded: --drain-timeout for the streams, then --engine-stop-timeout for the engine (the
+        aborts it has not answered, its own stop and stats save), then it is killed."""
+        c = self.config
+        log.info("draining", timeout_s=c.drain_timeout, open_streams=len(self.servicer.active))
         self.servicer.draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        engine_deadline = None
         if self.servicer.active:
             try:
-                await asyncio.wait_for(self.servicer.streams_idle.wait(), self.config.drain_timeout)
+                await asyncio.wait_for(self.servicer.streams_idle.wait(), c.drain_timeout)
             except TimeoutError:
                 log.warning("drain_timeout", aborted=len(self.servicer.active))
-                for key in list(self.servicer.active.values()):
-                    if self.engine is not None and key is not None:
-                        self.engine.abort(key)
-                try:
-                    await asyncio.wait_for(self.servicer.streams_idle.wait(), 5.0)
-                except TimeoutError:
-                    pass
+                engine_deadline = time.monotonic() + c.engine_stop_timeout
+                responsive = self.engine is not None and self.engine.responsive
+                if responsive:  # a hung engine reads no aborts: sending them could block the loop
+                    self.servicer.abort_all()
+                if not responsive or not await self._streams_idle_within(c.engine_stop_timeout / 2):
+                    # The engine does not answer the aborts: end the streams here, as aborted.
+                    log.warning("engine_not_answering", streams_ended=self.servicer.end_all_locally())
+                    await self._streams_idle_within(1.0)
         if self.admin_server is not None:
             await self.admin_server.stop(grace=1.0)
         if self.engine is not None:  # the engine process saves the stats and frees the graphs
-            await asyncio.to_thread(self.engine.stop)
+            timeout = c.engine_stop_timeout if engine_deadline is None else max(1.0, engine_deadline - time.monotonic())
+            if not await asyncio.to_thread(self.engine.stop, timeout) and self.exit_code == 0:
+                self.exit_code = 1  # killed, or the stats were not saved: the log above says which
         if self.server is not None:
             await self.server.stop(grace=1.0)
         self.metrics.close()
         log.info("stopped", exit_code=self.exit_code)
+
+    async def _streams_idle_within(self, seconds: float) -> bool:
+        try:
+            await asyncio.wait_for(self.servicer.streams_idle.wait(), seconds)
+            return True
+        except TimeoutError:
+            return False

@@ -13,6 +13,8 @@ from typing import Any
 import grpc
 import structlog
 
+from service.telemetry.log import LogThrottle
+
 log = structlog.get_logger("graphserve.admin")
 
 UNAUTHENTICATED_MESSAGE = "missing or invalid admin token: send 'authorization: Bearer <token>' metadata"
@@ -50,10 +52,12 @@ def _rejecting(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Lets a call through only with `authorization: Bearer <token>` metadata matching `token`."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, on_failure: Callable[[], None] | None = None) -> None:
         if not token:
             raise ValueError("an admin token is required")
         self._token = token.encode()
+        self._on_failure = on_failure  # e.g. a counter metric
+        self._log_throttle = LogThrottle()  # an unauthenticated peer can call as fast as it likes
 
     def authorized(self, metadata: Any) -> bool:
         presented = _presented_token(metadata)
@@ -68,5 +72,12 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or self.authorized(handler_call_details.invocation_metadata):
             return handler
-        log.warning("admin_unauthenticated", method=handler_call_details.method)
+        self._failed(handler_call_details.method)
         return _rejecting(handler)
+
+    def _failed(self, method: str) -> None:
+        if self._on_failure is not None:
+            self._on_failure()
+        skipped = self._log_throttle.due()
+        if skipped is not None:
+            log.warning("admin_unauthenticated", method=method, not_logged_since_last=skipped)

@@ -33,10 +33,12 @@ from service.server.engine_worker import (
     EVENTS,
     FINISH,
     LOAD_FAILED,
+    PAUSE,
     READY,
     RESULT,
     STATUS,
     STOP,
+    STOPPED,
     SUBMIT,
     WorkerReady,
     WorkerSpec,
@@ -47,6 +49,8 @@ from service.server.engine_worker import (
 log = structlog.get_logger("graphserve.engine_process")
 
 _CALL_TIMEOUT_S = 60.0
+# The engine process sends its status every 0.2 s: silence this long means it is hung (or stopped).
+_SILENT_S = 2.0
 # A scrape reads the engine's metrics, then the graph snapshot (5 s): both within Prometheus's
 # default scrape timeout of 10 s.
 _METRICS_TIMEOUT_S = 2.0
@@ -68,7 +72,8 @@ class EngineProcess:
         self._keys = itertools.count()
         self._submitted = 0
         self._submitted_tokens = 0
-        self._status = WorkerStatus(0, 0, 0, 0, 0, 0, False, time.monotonic(), None)
+        # Until the engine's first status: idle, every slot free.
+        self._status = WorkerStatus(0, 0, 0, spec.config.max_running_seqs, 0, 0, False, time.monotonic(), None)
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._ops = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphserve-engine-call")
@@ -78,6 +83,8 @@ class EngineProcess:
         self._stopping = False
         self.error: BaseException | None = None
         self.last_progress = time.monotonic()
+        self.stats_saved = False  # the engine process said so as it stopped
+        self._last_message_at = time.monotonic()
 
     # ---- start --------------------------------------------------------------------------------
 
@@ -125,17 +132,25 @@ class EngineProcess:
 
     @property
     def num_waiting(self) -> int:
-        """The engine's queue plus the submits it has not received yet."""
+        """The engine's queue plus the submits it has not received yet, less the free slots that
+        those will take: a burst to an idle server fills the slots first, then the queue."""
         s = self._status
-        return s.num_waiting + max(0, self._submitted - s.received)
+        return max(0, s.num_waiting + max(0, self._submitted - s.received) - s.num_free_slots)
 
     @property
     def waiting_prompt_tokens(self) -> int:
         s = self._status
         return s.waiting_prompt_tokens + max(0, self._submitted_tokens - s.received_tokens)
 
+    @property
+    def responsive(self) -> bool:
+        """The engine process spoke recently (a hung one would not read what is sent to it either)."""
+        return time.monotonic() - self._last_message_at < _SILENT_S
+
     def has_pending_work(self) -> bool:
-        return bool(self._sinks or self._calls or self._status.has_work)
+        """Work the engine should be making progress on: streams paused for back-pressure are not."""
+        s = self._status
+        return bool(self._calls or s.has_work or self._submitted > s.received)
 
     def submit(self, request: GenerationRequest, sink: Sink) -> str:
         with self._lock:
@@ -152,6 +167,11 @@ class EngineProcess:
         with self._lock:
             if self._ready and self.error is None:
                 self._send((ABORT, key))
+
+    def pause(self, key: str, paused: bool) -> None:
+        with self._lock:
+            if self._ready and self.error is None:
+                self._send((PAUSE, key, paused))
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run fn on a thread of this process, one call at a time; fn reaches the engine through
@@ -184,27 +204,43 @@ class EngineProcess:
         """The engine's metric families (engine_metrics.EngineMetrics), for a scrape (off the event loop)."""
         return self.remote("metrics", timeout=_METRICS_TIMEOUT_S)
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 10.0) -> bool:
         """Stop the engine process: running requests end with an EngineError, the graph cache saves
-        its stats and frees its graphs. Kills the process if it does not exit within `timeout`."""
+        its stats and frees its graphs. Kills the process if it does not exit within `timeout`.
+        Returns whether it stopped cleanly with its stats saved (True for one stopped while loading:
+        nothing to save)."""
         with self._lock:
             self._stopping = True
-            if self.process.is_alive() and self._ready:
+            ready = self._ready
+
+        def send_stop() -> None:
+            # On a thread of its own: to a hung engine with a full pipe the send blocks until the kill.
+            with self._lock:
                 try:
                     self._send((STOP,))
                 except OSError:
                     pass
-        if self.process.pid is not None:
-            if not self._ready:  # still loading: nothing to save, do not wait for the load
-                self.process.kill()
-            self.process.join(timeout)
-            if self.process.is_alive():
-                log.warning("engine_process_kill", reason=f"did not stop within {timeout} s")
-                self.process.kill()
-                self.process.join(5)
-        if self._ready:
-            self._exited.wait(5)  # the loop has read the last events
+
+        if ready and self.process.is_alive():
+            threading.Thread(target=send_stop, name="graphserve-engine-stop", daemon=True).start()
+        if self.process.pid is None:
+            return True
+        if not self._ready:  # still loading: nothing to save, do not wait for the load
+            self.process.kill()
+            self.process.join(5)
+            self._ops.shutdown(wait=False, cancel_futures=True)
+            return True
+        self.process.join(timeout)
+        killed = self.process.is_alive()
+        if killed:
+            log.warning("engine_process_kill", reason=f"did not stop within {timeout:g} s (--engine-stop-timeout)")
+            self.process.kill()
+            self.process.join(5)
+        self._exited.wait(5)  # the loop has read the last events
         self._ops.shutdown(wait=False, cancel_futures=True)
+        if not killed and not self.stats_saved:
+            log.warning("engine_stats_not_saved")
+        return not killed and self.stats_saved
 
     def _on_loop(self) -> bool:
         try:
@@ -226,12 +262,15 @@ class EngineProcess:
         try:
             while self._conn.poll():
                 message = self._conn.recv()
+                self._last_message_at = time.monotonic()
                 tag = message[0]
                 if tag == EVENTS:
                     self._on_events(message[1])
                     self._on_status(message[2])
                 elif tag == STATUS:
                     self._on_status(message[1])
+                elif tag == STOPPED:
+                    self.stats_saved = message[1]
                 elif tag == RESULT:
                     _, call_id, ok, value = message
                     with self._lock:
@@ -329,5 +368,8 @@ class RemoteGraphs:
 
 def read_tokenizer(path: str) -> Any:
     from service.model.loader import read_tokenizer as read
+    from service.telemetry.log import route_library_logs
 
-    return read(pathlib.Path(path))
+    tokenizer = read(pathlib.Path(path))
+    route_library_logs()
+    return tokenizer

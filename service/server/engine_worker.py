@@ -31,9 +31,9 @@ from service.server.gil import shorten_switch_interval  # torch-free, like every
 from service.telemetry.engine_metrics import EngineMetrics
 
 # Parent -> worker
-SUBMIT, ABORT, CALL, STOP = "submit", "abort", "call", "stop"
+SUBMIT, ABORT, PAUSE, CALL, STOP = "submit", "abort", "pause", "call", "stop"
 # Worker -> parent
-READY, LOAD_FAILED, EVENTS, STATUS, RESULT = "ready", "load_failed", "events", "status", "result"
+READY, LOAD_FAILED, EVENTS, STATUS, RESULT, STOPPED = "ready", "load_failed", "events", "status", "result", "stopped"
 # Event kinds inside an EVENTS message: (kind, key, payload)
 DELTA, FINISH, ERROR = "d", "f", "e"
 
@@ -143,11 +143,13 @@ class _Worker:
     def load(self) -> WorkerReady:
         from service.engine.builder import load_runner, new_engine
         from service.server.faults import wrap_decode
+        from service.telemetry.log import route_library_logs
 
         c, faults = self.spec.config, self.spec.faults
         if faults.load_delay_s:  # a slow load, as a big checkpoint would be (tests only)
             time.sleep(faults.load_delay_s)
         lr = load_runner(c)
+        route_library_logs()  # transformers is imported now: its log lines go through structlog
         if faults.decode_raise_after is not None:
             wrap_decode(lr.runner, faults.decode_raise_after)
         self.graphs = graphs = lr.graphs
@@ -180,6 +182,8 @@ class _Worker:
                                         True)
             elif tag == ABORT:
                 self.engine.abort(message[1])
+            elif tag == PAUSE:
+                self.engine.pause(message[1], message[2])
             elif tag == CALL:
                 self.call(*message[1:])
             elif tag == STOP:
@@ -206,6 +210,8 @@ class _Worker:
         stream end could otherwise scrape the counts of the step before."""
         e = self.engine
         self.metrics.set_queue(e.num_running, e.num_waiting)
+        stats = self.graphs.stats
+        self.metrics.set_stats_saves(stats.save_failures, stats.save_stalled)
         return self.metrics.families()
 
     def _graph_op(self, name: str, args: tuple) -> Any:
@@ -248,10 +254,11 @@ class _Worker:
             except (OSError, EOFError, ValueError):
                 return
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> bool:
+        """Stop the engine and save the stats; returns whether the stats were saved."""
         from service.engine.builder import close_engine
 
-        close_engine(self.engine, self.graphs)
+        return close_engine(self.engine, self.graphs)
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
@@ -297,9 +304,10 @@ def worker_main(conn: Any, spec: WorkerSpec) -> None:
         worker.serve()
     finally:
         stop.set()
-        worker.shutdown()
+        saved = worker.shutdown()
         try:
             worker.send((STATUS,), with_status=True)
+            worker.send((STOPPED, saved))
         except (OSError, EOFError, ValueError):
             pass
         worker.replies.shutdown(wait=False)

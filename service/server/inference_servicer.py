@@ -8,7 +8,7 @@ behind gets the tokens that piled up merged into one message instead of one mess
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,10 +46,62 @@ class AdmissionLimits:
     max_waiting_requests: int
     max_waiting_tokens: int
     max_concurrent_streams: int
+    stream_stall_timeout: float = 30.0  # seconds a client may accept no data before its stream is aborted
+    max_stream_backlog_tokens: int = 128  # undelivered tokens per stream before its sequence is paused
+
+
+class _Stalled(Exception):
+    """The client accepted no data for stream_stall_timeout seconds."""
+
+
+class _Stream:
+    """One open Generate stream: its queue of engine events, and the back-pressure on its sequence.
+
+    `put` runs on the event loop (the engine process's events are delivered there). When more than
+    `max_backlog` tokens wait in the queue (the client reads slower than the engine generates, or not
+    at all), the sequence is paused in the engine: it keeps its KV slot but is not scheduled, so an
+    unread stream costs neither device steps nor memory beyond the bound. It resumes once the queue
+    is drained.
+    """
+
+    def __init__(self, engine: Any, max_backlog: int, arrival: float) -> None:
+        self.engine = engine
+        self.max_backlog = max_backlog
+        self.arrival = arrival
+        self.queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
+        self.key: str | None = None
+        self.prompt_tokens = 0
+        self.sent_tokens = 0
+        self.backlog = 0
+        self.paused = False
+
+    def put(self, event: RequestEvent) -> None:
+        self.queue.put_nowait(event)
+        if isinstance(event, TokenDelta):
+            self.backlog += len(event.token_ids)
+            if self.backlog > self.max_backlog and not self.paused and self.key is not None:
+                self.paused = True
+                self.engine.pause(self.key, True)
+
+    def taken(self, delta: TokenDelta) -> None:
+        self.backlog -= len(delta.token_ids)
+        self.sent_tokens += len(delta.token_ids)
+        if self.paused and self.queue.empty() and self.key is not None:
+            self.paused = False
+            self.engine.pause(self.key, False)
+
+    def local_abort(self) -> None:
+        """End the stream with finish_reason abort without the engine (it does not answer)."""
+        self.queue.put_nowait(Finish(FinishReason.ABORT, self.prompt_tokens, self.sent_tokens + self.backlog,
+                                     total_seconds=max(0.0, time.monotonic() - self.arrival)))
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    """Serves Generate once `attach` gave it an engine; before that (model loading) calls get UNAVAILABLE."""
+    """Serves Generate once `attach` gave it an engine; before that (model loading) calls get UNAVAILABLE.
+
+    Request ids are scoped to the client's connection: an id is refused as a duplicate only while
+    the same connection streams it, so no client can probe which ids another client uses.
+    """
 
     def __init__(self, admission: AdmissionLimits, metrics: Any = None) -> None:
         self.engine: Engine | None = None
@@ -59,12 +111,25 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.admission = admission
         self.metrics = metrics
         self.draining = False
-        self.active: dict[str, str | None] = {}  # open streams: request id -> engine key once submitted
+        self.active: dict[tuple[str, str], _Stream] = {}  # open streams: (peer, request id) -> stream
         self.streams_idle = asyncio.Event()
         self.streams_idle.set()
 
     def attach(self, engine: Engine, tokenizer: Any, limits: Limits, model_info: inference_pb2.ModelInfo) -> None:
         self.engine, self.tokenizer, self.limits, self.model_info = engine, tokenizer, limits, model_info
+
+    def abort_all(self) -> None:
+        """Ask the engine to abort every open stream (end of the drain)."""
+        for stream in list(self.active.values()):
+            if stream.key is not None:
+                self.engine.abort(stream.key)
+
+    def end_all_locally(self) -> int:
+        """End every open stream with finish_reason abort here, for an engine that does not answer."""
+        streams = list(self.active.values())
+        for stream in streams:
+            stream.local_abort()
+        return len(streams)
 
     async def GetModelInfo(self, request: inference_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
                            ) -> inference_pb2.ModelInfo:
@@ -72,8 +137,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "loading", "the model is still loading; retry shortly")
         return self.model_info
 
-    async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-                       ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         if self.engine is None:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "loading", "the model is still loading; retry shortly")
         if self.draining:
@@ -87,14 +151,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             request_id = request_id_of(request)
         except InvalidRequest as exc:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
-        if request_id in self.active:
+        scope = (context.peer(), request_id)
+        if scope in self.active:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "duplicate_request_id",
                                f"request_id {request_id!r} is already streaming: use a unique id or leave it empty")
         # Counted from here, before any await: admission and drain see the stream while it tokenizes.
-        self.active[request_id] = None
+        stream = self.active[scope] = _Stream(self.engine, self.admission.max_stream_backlog_tokens, time.monotonic())
         self.streams_idle.clear()
-        key: str | None = None
-        finished = False
+        finished = stalled = False
         try:
             try:
                 check_prompt_size(request, self.limits)
@@ -102,30 +166,30 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     prompt = await asyncio.to_thread(prompt_ids, request, self.tokenizer, self.limits)
                 else:
                     prompt = prompt_ids(request, self.tokenizer, self.limits)
-                gen = to_generation_request(request, request_id, prompt, self.limits)
+                gen = to_generation_request(request, request_id, prompt, self.limits, arrival_time=stream.arrival)
             except InvalidRequest as exc:
                 await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
             if self.draining:
                 await self._reject(context, grpc.StatusCode.UNAVAILABLE, "draining",
                                    "the server is shutting down; retry on another replica")
-            queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
+            stream.prompt_tokens = len(prompt)
             try:
-                key = self.engine.submit(gen, queue.put_nowait)
+                stream.key = self.engine.submit(gen, stream.put)
             except EngineStopped:
                 await self._reject(context, grpc.StatusCode.UNAVAILABLE, "engine_down",
                                    "the engine is not running; retry on another replica")
-            self.active[request_id] = key
             while True:
-                event = await queue.get()
+                event = await stream.queue.get()
                 if isinstance(event, TokenDelta):
-                    event = _merge_ready(event, queue)
+                    event = _merge_ready(event, stream.queue)
                 if isinstance(event, TokenDelta):
-                    yield _chunk(request_id, event)
+                    stream.taken(event)
+                    await self._write(context, _chunk(request_id, event))
                 elif isinstance(event, Finish):
                     finished = True
                     if event.final_delta is not None:
-                        yield _chunk(request_id, event.final_delta)
-                    yield _finished(request_id, event)
+                        await self._write(context, _chunk(request_id, event.final_delta))
+                    await self._write(context, _finished(request_id, event))
                     log.info("request_finished", request_id=request_id, reason=event.reason.value,
                              prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                              queue_s=round(event.queue_seconds, 4), ttft_s=round(event.time_to_first_token_seconds, 4),
@@ -134,14 +198,30 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 elif isinstance(event, EngineError):
                     finished = True
                     await context.abort(grpc.StatusCode.UNAVAILABLE, event.message)
+        except _Stalled:
+            finished, stalled = False, True
+            log.warning("stream_stalled", request_id=request_id, seconds=self.admission.stream_stall_timeout)
         finally:
-            if key is not None and not finished:
-                # Cancelled, deadline exceeded or disconnected: free the slot at the next step.
-                self.engine.abort(key)
+            if stream.key is not None and not finished:
+                # Cancelled, deadline exceeded, disconnected or stalled: free the slot at the next step.
+                self.engine.abort(stream.key)
                 log.info("request_cancelled", request_id=request_id)
-            del self.active[request_id]
+            del self.active[scope]
             if not self.active:
                 self.streams_idle.set()
+        if stalled:  # after the slot is freed: the status may never reach a client that reads nothing
+            await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "stream_stalled",
+                               f"the client accepted no data for {self.admission.stream_stall_timeout:g} s "
+                               "(--stream-stall-timeout): the stream was aborted")
+
+    async def _write(self, context: grpc.aio.ServicerContext, message: inference_pb2.GenerateResponse) -> None:
+        """Send one message; a client that accepts none of it (HTTP/2 window closed) for the stall
+        timeout loses the stream."""
+        try:
+            async with asyncio.timeout(self.admission.stream_stall_timeout):  # a timer, not a task per message
+                await context.write(message)
+        except TimeoutError:
+            raise _Stalled from None
 
     async def _admit(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """Overload checks, before any tokenization: a rejected request costs almost nothing."""

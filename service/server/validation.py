@@ -19,6 +19,8 @@ from service.proto import inference_pb2
 
 MAX_REQUEST_ID_BYTES = 256
 MAX_STREAM_INTERVAL = 1024
+# The first prefix a long prompt is tokenized in: this many characters per token of context.
+_CHARS_PER_TOKEN_GUESS = 4
 
 
 class InvalidRequest(ValueError):
@@ -97,9 +99,33 @@ def prompt_ids(request: inference_pb2.GenerateRequest, tokenizer: Any, limits: L
             return chat_prompt_ids(tokenizer, list(request.messages.messages), model="this model")
         except ChatError as exc:
             raise InvalidRequest(str(exc)) from None
-    ids = tokenizer.encode(request.text, add_special_tokens=True)
+    ids = encode_capped(tokenizer, request.text, limits.max_seq_len - 1)
     _need(len(ids) > 0, "prompt.text encodes to no tokens")
     return ids
+
+
+def encode_capped(tokenizer: Any, text: str, max_tokens: int) -> list[int]:
+    """The token ids of `text`, or InvalidRequest as soon as a prefix has more than `max_tokens`.
+
+    Tokenizes prefixes of growing length (cut before whitespace, where tokenizers split words anyway),
+    so a megabyte of text costs memory in proportion to the context, not to the bytes sent: the
+    tokenizer's per-token buffers are the expensive part, several hundred bytes a token.
+    """
+    window = _CHARS_PER_TOKEN_GUESS * (max_tokens + 1)
+    while len(text) > window:
+        ids = tokenizer.encode(text[:_cut(text, window)], add_special_tokens=True)
+        _need(len(ids) <= max_tokens,
+              f"prompt.text has more than {max_tokens} tokens; the context holds {max_tokens + 1} (--max-seq-len): "
+              "shorten it")
+        window *= 2
+    return tokenizer.encode(text, add_special_tokens=True)
+
+
+def _cut(text: str, end: int) -> int:
+    """Where to end a prefix of about `end` characters: before the last space, newline or tab in its
+    second half, else at `end`."""
+    cut = max(text.rfind(ch, end // 2, end + 1) for ch in " \n\t")
+    return cut if cut > 0 else end
 
 
 def request_id_of(request: inference_pb2.GenerateRequest) -> str:

@@ -56,8 +56,16 @@ class EngineMetrics:
             buckets=STALL_BUCKETS, registry=r)
         self.prompt_tokens = Counter("graphserve_prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.generated_tokens = Counter("graphserve_generated_tokens", "Completion tokens sampled.", registry=r)
+        self.stats_save_failures = Gauge("graphserve_graph_stats_save_failures",
+                                         "Stats-file saves that failed since start.", registry=r)
+        self.stats_save_stalled = Gauge("graphserve_graph_stats_save_stalled",
+                                        "1 while a stats-file save has run longer than the save interval.", registry=r)
         # sequence key -> (time of its latest token, completion tokens seen); engine thread only.
         self._last_token: dict[str, tuple[float, int]] = {}
+
+    def set_stats_saves(self, failures: int, stalled: bool) -> None:
+        self.stats_save_failures.set(failures)
+        self.stats_save_stalled.set(1 if stalled else 0)
 
     def families(self) -> list[Metric]:
         """Every metric family with its current samples (they pickle: the gRPC process exports them)."""

@@ -133,6 +133,8 @@ class Metrics:
         r.register(self.engine)
         self.rejections = Counter("graphserve_requests_rejected", "Requests refused before the engine, by reason.",
                                   ["reason"], registry=r)
+        self.auth_failures = Counter("graphserve_admin_auth_failures",
+                                     "Admin calls refused for a missing or wrong token.", registry=r)
         self.graphs = GraphCacheCollector()
         r.register(self.graphs)
         self._server: WSGIServer | None = None
@@ -142,6 +144,12 @@ class Metrics:
 
     def rejected(self, reason: str) -> None:
         self.rejections.labels(reason).inc()
+
+    def undecodable(self) -> None:
+        self.rejected("undecodable")
+
+    def auth_failed(self) -> None:
+        self.auth_failures.inc()
 
     # ---- sources read on each scrape (HTTP thread) ---------------------------------------------
 

@@ -12,7 +12,7 @@ from cache_manager import BucketState, CudaGraphMode, GraphCache, GraphCacheConf
 from service.engine.piecewise_step import PiecewiseStep
 from service.model.pieces import PiecewiseForward
 from service.model.step_batch import ChunkSpec, build_step_batch
-from tests.gpu.test_graph_cache import DEVICE, MAX_BATCH, MAX_SEQ, fingerprint, model, new_kv, rel_err  # noqa: F401
+from tests.gpu.test_graph_cache import DEVICE, MAX_BATCH, fingerprint, model, new_kv, rel_err  # noqa: F401
 from tests.support.server import generate, greedy, running_server
 
 pytestmark = pytest.mark.gpu
@@ -70,7 +70,7 @@ def test_piecewise_replay_equals_eager_for_mixed_steps(model):  # noqa: F811
         cache.close()
 
 
-def new_step_stub(model, kv):  # noqa: ANN001, ANN201
+def new_step_stub(model, kv):  # noqa: ANN001, ANN201, F811
     from service.engine.decode_step import ModelDecodeStep
 
     return ModelDecodeStep(model, kv, MAX_BATCH, DEVICE)

@@ -1,4 +1,6 @@
-"""The admin port and graphctl against a real server on loopback (CPU: graphs are off, mode none)."""
+"""The admin port and graphctl against a real server on loopback. On CPU graphs are off (mode none);
+with GRAPHSERVE_TEST_ARGS="--device cuda ..." they are on (mode full): the tests assert what holds on
+either, and the one that needs a server without graphs says so."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from cache_manager import Fingerprint, GraphCache, GraphCacheConfig
 from cache_manager.testing import CountingStep, FakeGraphBackend
 from service import graphctl
-from service.config import ServeConfig
+from service.config import ConfigError, ServeConfig, load_config
 from service.engine.engine import Engine
 from service.engine.scheduler import Scheduler
 from service.proto import admin_pb2, admin_pb2_grpc
@@ -62,7 +64,7 @@ def admin(model_cache_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     # Capturing the server's logs keeps them out of graphctl's stdout (same process) and lets a test
     # check that the token never reaches them.
     with structlog.testing.capture_logs() as logs, \
-            running_server(argv, environ={"GRAPHSERVE_ADMIN_TOKEN": TOKEN}) as server:
+            running_server(argv, environ={"GRAPHSERVE_ADMIN_TOKEN": TOKEN + "\n"}) as server:
         yield Admin(server, server.app.admin_port, str(token_file), logs)
 
 
@@ -78,18 +80,24 @@ def requested(stats: dict, view: str = "since_start") -> dict[int, int]:
 
 
 def device_of(admin: Admin) -> str:
-    """cpu here; cuda when GRAPHSERVE_TEST_ARGS runs these tests eagerly on a GPU."""
+    """cpu here; cuda when GRAPHSERVE_TEST_ARGS runs these tests on a GPU."""
     return admin.server.app.model.device
 
 
-def test_state_json_shows_mode_none_on_cpu(admin: Admin, capsys) -> None:
+def mode_of(admin: Admin) -> str:
+    """none on CPU; full on a GPU unless --cudagraph-mode none."""
+    return admin.server.app.model.graph_mode
+
+
+def test_state_json_shows_the_mode_and_every_bucket(admin: Admin, capsys) -> None:
     state = admin.ctl_json(capsys, "state")
-    assert state["mode"] == "none"
+    assert state["mode"] == mode_of(admin)
     assert state["device"] == device_of(admin)
     assert state["capture_sizes"] == SIZES
     assert [b["size"] for b in state["buckets"]] == SIZES
-    assert {b["state"] for b in state["buckets"]} == {"BUCKET_STATE_NOT_CAPTURED"}
-    assert state["used_bytes"] == "0"
+    if mode_of(admin) == "none":  # nothing is ever captured
+        assert {b["state"] for b in state["buckets"]} == {"BUCKET_STATE_NOT_CAPTURED"}
+        assert int(state.get("used_bytes", 0)) == 0
 
 
 def test_requested_size_histogram_grows_with_generate_calls(admin: Admin, capsys) -> None:
@@ -101,20 +109,25 @@ def test_requested_size_histogram_grows_with_generate_calls(admin: Admin, capsys
     assert after.get(1, 0) >= before.get(1, 0) + 3 * 5  # 6 tokens: one prefill, then 5 decode steps of 1 row
     assert requested(stats, "persisted").get(1, 0) >= after[1]
     eager = {r["reason"]: int(r["count"]) for r in stats["since_start"]["eager_fallbacks"]}
-    assert eager["mode_none"] >= 15
+    if mode_of(admin) == "none":
+        assert eager["mode_none"] >= 15
     assert stats["stats_file"].endswith("stats.json")
 
 
 def test_table_names_every_bucket(admin: Admin, capsys) -> None:
     code, out, err = admin.ctl(capsys, "state")
     assert code == 0, err
-    assert out.startswith(f"graph cache: mode none on {device_of(admin)}")
+    assert out.startswith(f"graph cache: mode {mode_of(admin)} on {device_of(admin)}")
     rows = [line.split() for line in out.splitlines()[2:]]
-    assert [r[0] for r in rows] == ["full"] * len(SIZES) and [int(r[1]) for r in rows] == SIZES
-    assert all(r[2] == "not_captured" for r in rows)
+    full = [r for r in rows if r[0] == "full"]
+    assert [int(r[1]) for r in full] == SIZES
+    if mode_of(admin) == "none":
+        assert all(r[2] == "not_captured" for r in rows)
     code, out, err = admin.ctl(capsys, "stats")
     assert code == 0, err
-    assert "requested sizes" in out and "mode_none" in out
+    assert "requested sizes" in out
+    if mode_of(admin) == "none":
+        assert "mode_none" in out
 
 
 def test_global_flags_go_before_or_after_the_command(admin: Admin, capsys) -> None:
@@ -129,7 +142,7 @@ def test_global_flags_go_before_or_after_the_command(admin: Admin, capsys) -> No
     mixed = run(*target, "state", *token, "--json")
     assert before[0] == after[0] == mixed[0] == 0
     assert json.loads(before[1])["capture_sizes"] == json.loads(after[1])["capture_sizes"] == SIZES
-    assert json.loads(mixed[1])["mode"] == "none"
+    assert json.loads(mixed[1])["mode"] == mode_of(admin)
     code, out = run("stats", *target, *token)  # after the command, without --json: the table
     assert code == 0 and out.startswith("stats file: ")
 
@@ -159,7 +172,33 @@ def test_token_from_environment(admin: Admin, capsys, monkeypatch) -> None:
     monkeypatch.setenv("GRAPHSERVE_ADMIN_TARGET", admin.target)
     capsys.readouterr()
     assert graphctl.main(["--json", "state"]) == 0
-    assert json.loads(capsys.readouterr().out)["mode"] == "none"
+    assert json.loads(capsys.readouterr().out)["mode"] == mode_of(admin)
+
+
+def test_token_variable_with_a_trailing_newline_is_trimmed(admin: Admin) -> None:
+    # The fixture's server got GRAPHSERVE_ADMIN_TOKEN with a newline, as a Kubernetes Secret gives it.
+    state = admin.stub.GetCacheState(admin_pb2.GetCacheStateRequest(), metadata=admin.auth(), timeout=10)
+    assert state.capture_sizes == SIZES
+
+
+@pytest.mark.parametrize("token", ["two words", "caf\u00e9", "tab\there"])
+def test_a_token_that_cannot_be_sent_as_metadata_is_refused_at_start(token: str) -> None:
+    with pytest.raises(ConfigError, match="GRAPHSERVE_ADMIN_TOKEN: the admin token must be visible ASCII"):
+        load_config([], {"GRAPHSERVE_ADMIN_TOKEN": token})
+
+
+def test_failed_logins_are_counted_and_their_log_lines_throttled(admin: Admin) -> None:
+    def failures() -> float:
+        return admin.server.app.metrics.registry.get_sample_value("graphserve_admin_auth_failures_total") or 0.0
+
+    before, logged_before = failures(), sum(e["event"] == "admin_unauthenticated" for e in admin.logs)
+    for _ in range(50):
+        with pytest.raises(grpc.RpcError) as info:
+            admin.stub.GetCacheState(admin_pb2.GetCacheStateRequest(), metadata=admin.auth("guess"), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert failures() == before + 50
+    logged = sum(e["event"] == "admin_unauthenticated" for e in admin.logs) - logged_before
+    assert logged <= 2, f"{logged} log lines for 50 failed logins"
 
 
 def test_reflection_needs_the_token_too(admin: Admin) -> None:
@@ -173,7 +212,9 @@ def test_reflection_needs_the_token_too(admin: Admin) -> None:
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_capture_and_evict_on_cpu_are_failed_precondition(admin: Admin, capsys) -> None:
+def test_capture_and_evict_without_graphs_are_failed_precondition(admin: Admin, capsys) -> None:
+    if mode_of(admin) != "none":
+        pytest.skip("needs a server without CUDA graphs (mode none: CPU, or --cudagraph-mode none)")
     for method in (admin.stub.Capture, admin.stub.Evict):
         with pytest.raises(grpc.RpcError) as info:
             method(admin_pb2.SizesRequest(sizes=[8]), metadata=admin.auth(), timeout=10)
@@ -198,6 +239,16 @@ def test_size_outside_the_allowed_list_is_invalid_argument(admin: Admin, capsys)
     assert "allowed: [1, 2, 4, 8, 16]" in one_line_error(err)
     code, _, err = admin.ctl(capsys, "capture", "0")
     assert code == graphctl.EXIT_USAGE and "Traceback" not in err
+
+
+def test_thousands_of_bad_sizes_are_listed_capped(admin: Admin) -> None:
+    bad = list(range(1000, 6000))
+    for method in (admin.stub.Capture, admin.stub.Evict):
+        with pytest.raises(grpc.RpcError) as info:
+            method(admin_pb2.SizesRequest(sizes=bad), metadata=admin.auth(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = info.value.details()
+        assert "[1000, 1001, 1002" in details and "and 4992 more" in details and len(details) < 300
 
 
 def test_budget_zero_or_absurd_is_invalid_argument(admin: Admin, capsys) -> None:

@@ -13,26 +13,10 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from service.proto import inference_pb2, inference_pb2_grpc
-from tests.support.process import ServerProcess
 from tests.support.server import generate, greedy
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-@pytest.fixture
-def process_factory(tmp_path, model_cache_dir):  # noqa: ANN001, ANN201
-    started: list[ServerProcess] = []
-
-    def start(*argv: str, env: dict[str, str] | None = None) -> ServerProcess:
-        proc = ServerProcess(["--model-cache-dir", str(model_cache_dir), *argv], env=env,
-                             log_path=tmp_path / f"server-{len(started)}.log")
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        proc.close()
 
 
 def test_health_is_not_serving_while_loading_then_serving(process_factory) -> None:
@@ -50,6 +34,7 @@ def test_sigterm_while_the_model_loads_exits_at_once(process_factory) -> None:
     proc.terminate()
     assert proc.wait(30) == 0
     assert time.monotonic() - started < 15, "shutdown waited for the model load"
+    assert "engine_process_kill" not in proc.log_text()  # nothing failed to stop: it was loading
 
 
 def test_sigterm_finishes_the_stream_refuses_new_calls_saves_stats_and_exits_0(process_factory, tmp_path) -> None:

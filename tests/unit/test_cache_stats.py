@@ -151,7 +151,8 @@ def test_cache_saves_every_interval_and_at_close_with_cumulative_counts(tmp_path
     cache.maybe_save()
     assert not path.exists()  # interval not passed yet
     clock.t += 6
-    cache.maybe_save()
+    cache.maybe_save()  # on a save thread: the engine thread never waits for the disk
+    assert cache.stats.join(10)
     assert json.loads(path.read_text())["stats"]["buckets"]["full:4"]["replays"] == 1
     cache.run(3)
     cache.close()

@@ -165,8 +165,28 @@ def test_finish_frees_slot_for_reuse_lowest_first() -> None:
     assert [c.seq.slot for c in sched.schedule().prefills] == [1, 2]
 
 
+def test_a_paused_sequence_keeps_its_slot_and_is_not_decoded_until_resumed() -> None:
+    sched = Scheduler(max_running=2, max_num_batched_tokens=100)
+    reader, unread = make_seq("reader"), make_seq("unread")
+    sched.add(reader)
+    sched.add(unread)
+    sched.schedule()
+    reader.completion_token_ids.append(1)
+    unread.completion_token_ids.append(1)
+    sched.pause("unread", True)
+    assert ids(sched.schedule().decodes) == ["reader"] and unread.slot is not None
+    sched.finish(reader)
+    assert not sched.has_work()  # only a paused sequence is left: the engine may sleep
+    sched.pause("unread", False)
+    assert sched.has_work() and ids(sched.schedule().decodes) == ["unread"]
+    sched.pause("unread", True)
+    sched.abort("unread")
+    sched.schedule()
+    assert sched.take_aborted() == [unread] and sched.num_free_slots == 2
+
+
 @settings(max_examples=150, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["add", "schedule", "finish", "abort"]),
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "schedule", "finish", "abort", "pause"]),
                               st.integers(0, 30), st.integers(1, 20)), max_size=60),
        max_running=st.integers(1, 4), extra_budget=st.integers(0, 26))
 def test_random_operations_keep_slots_consistent(ops: list[tuple[str, int, int]], max_running: int,
@@ -187,8 +207,8 @@ def test_random_operations_keep_slots_consistent(ops: list[tuple[str, int, int]]
             ended.append(seq.request_id)
             running.pop(seq.request_id, None)
         assert batch.num_tokens <= budget
-        decoding = [s for s in running.values() if not s.aborted and not s.exhausted]
-        assert sorted(ids(batch.decodes)) == sorted(ids(decoding))  # never held back
+        decoding = [s for s in running.values() if not s.aborted and not s.exhausted and not s.paused]
+        assert sorted(ids(batch.decodes)) == sorted(ids(decoding))  # never held back, unless paused
         assert all(not c.seq.aborted for c in batch.prefills) and all(not s.aborted for s in batch.decodes)
         for c in batch.prefills:
             rid = c.seq.request_id
@@ -221,6 +241,10 @@ def test_random_operations_keep_slots_consistent(ops: list[tuple[str, int, int]]
                 ended.append(seq.request_id)
         elif op == "abort" and added:
             sched.abort(added[pick % len(added)])
+        elif op == "pause" and added:
+            sched.pause(added[pick % len(added)], prompt_len % 2 == 0)
+    for request_id in added:  # the clients read what they were sent
+        sched.pause(request_id, False)
     while sched.has_work():  # drain: every sequence finishes once its prompt is done
         step()
         for seq in [s for s in running.values() if not s.aborted]:

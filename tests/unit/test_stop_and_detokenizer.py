@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import tracemalloc
 
 import pytest
 from hypothesis import given, settings
@@ -68,6 +69,20 @@ def test_multibyte_characters_in_stops_and_text() -> None:
     assert (emitted, matched) == (["日本", "", ""], "語🙂")
     emitted, matched = run_stop(("語🙂",), ["日本", "語", "!"])
     assert ("".join(emitted), matched) == ("日本語!", None)
+
+
+def test_sixteen_long_stops_cost_memory_in_proportion_to_their_length() -> None:
+    stops = tuple(f"{i:02d}" + "x" * 254 for i in range(16))  # the defaults' worst case: 16 x 256 bytes
+    tracemalloc.start()
+    try:
+        matcher = StopStringMatcher(stops)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak <= 50_000, f"{peak} bytes for {sum(map(len, stops))} bytes of stop strings"
+    text, matched = matcher.feed("ab07" + "x" * 100)
+    assert (text, matched) == ("ab", None)  # "07xxx..." may still become a stop: held back
+    assert matcher.feed("x" * 154) == ("", stops[7])
 
 
 def test_without_stops_everything_passes_through() -> None:
