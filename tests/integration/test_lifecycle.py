@@ -69,7 +69,7 @@ def test_sigterm_finishes_the_stream_refuses_new_calls_saves_stats_and_exits_0(p
     thread.join(120)
     assert result["finished"].finish_reason == inference_pb2.FINISH_REASON_LENGTH
     assert len(result["tokens"]) == 400
-    assert proc.wait(60) == 0
+    assert proc.wait(60) == 0, proc.log_text()[-3000:]
     saved = json.loads(stats.read_text())
     assert saved  # written at shutdown; its contents are the graph cache's own tests' business
 
