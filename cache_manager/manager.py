@@ -115,6 +115,11 @@ class GraphCache:
         self._warm_queue: deque[BatchDescriptor] = deque()
         if self.graphs_enabled and config.warm_start:
             self._warm_queue.extend(k for k in self.stats.hot_buckets() if k in self._buckets)
+            if not self._warm_queue:
+                # A cold start: the largest size of each kind first, so that while traffic asks for
+                # its own sizes, their steps pad into a graph instead of running eagerly (an eager
+                # step beside a capture shares the interpreter with it and slows most).
+                self._warm_queue.extend(BatchDescriptor(k, self._tables[k].largest) for k in self.mode.kinds)
         self._warming: BatchDescriptor | None = None  # the warm-start capture in flight
 
     # ---- serving ------------------------------------------------------------------------------

@@ -241,6 +241,19 @@ def test_warm_start_captures_hottest_first_one_per_call_within_budget(tmp_path):
     assert full_sizes(off.snapshot().warm_queue) == () and off.warm_step() is False
 
 
+def test_a_cold_start_captures_the_largest_size_first_and_traffic_pads_into_it(tmp_path):
+    cache, step, fake, _ = make(stats_file=tmp_path / "none-yet.json")
+    assert full_sizes(cache.snapshot().warm_queue) == (8,)
+    assert cache.warm_step() is True
+    cache.wait_idle()
+    expected = write(step, 3)
+    assert torch.equal(cache.run(3), expected)  # 4 is captured beside it; the step replays 8, padded
+    assert (3, 8) in step.padding_calls and bucket(cache, 8).since_start.replays == 1
+    assert bucket(cache, 4).since_start.eager_fallbacks == {}
+    cache.wait_idle()
+    assert fake.captured == [8, 4]
+
+
 def test_operator_capture_evict_and_set_budget():
     cache, step, _fake, _ = make(budget=20_000)
     res = cache.capture([4, 8])
