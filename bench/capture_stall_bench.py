@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench.common import percentile, print_table, write_result
+from bench.common import add_model_arguments, percentile, print_table, write_result
 from bench.decode_bench import load, make_step
 from cache_manager import Fingerprint, GraphCache, GraphCacheConfig, default_capture_sizes
 from service.server.gil import shorten_switch_interval
@@ -40,11 +40,7 @@ from service.server.gil import shorten_switch_interval
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="builtin:llama-1b")
-    p.add_argument("--cache-dir", type=pathlib.Path, default=None)
-    p.add_argument("--device", default="cuda", choices=["cuda"])
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--random-init", action="store_true")
+    add_model_arguments(p)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--batch", type=int, default=64, help="rows of the steady loop (baseline, operator)")
     p.add_argument("--max-batch", type=int, default=128)

@@ -184,3 +184,12 @@ def percentile(values: list[float], q: float) -> float | None:
     k = (len(s) - 1) * q / 100.0
     lo, hi = int(k), min(int(k) + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def add_model_arguments(p: Any, device: str = "cuda") -> None:
+    """--model, --cache-dir, --device, --dtype and --random-init, as the GPU benchmarks take them."""
+    p.add_argument("--model", default="builtin:llama-1b", help="builtin:<name> or a local HF directory")
+    p.add_argument("--cache-dir", type=Path, default=None, help="where built-in models are generated")
+    p.add_argument("--device", default=device, choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--random-init", action="store_true", help="built-in shape, random weights made on the device")

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, time_ms, write_result
+from bench.common import add_model_arguments, print_table, time_ms, write_result
 from bench.decode_bench import hf_model, load
 from cache_manager import CudaGraphBackend
 from service.engine.piecewise_step import PiecewiseStep
@@ -32,11 +32,7 @@ from service.model.step_batch import ChunkSpec, build_step_batch
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="builtin:llama-1b")
-    p.add_argument("--cache-dir", type=pathlib.Path, default=None)
-    p.add_argument("--device", default="cuda", choices=["cuda"])
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--random-init", action="store_true")
+    add_model_arguments(p)
     p.add_argument("--cases", default="1x128,16x128,1x2048,1x16,4x512", help="PROMPTSxTOKENS,...")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-transformers", dest="transformers", action="store_false")

@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--capture-sizes", default=None,
                    help="comma-separated token counts; full graphs use those <= --max-running-seqs, piecewise "
                         "those <= --max-num-batched-tokens (default: 1,2,4,8,16,24,...,max-running-seqs for full; "
-                        "1,2,4,...,512 for piecewise)")
+                        "1,2,4,...,2048 for piecewise)")
     g.add_argument("--graph-memory-budget", default=None, help="bytes (8GiB) or a fraction of device memory")
     g.add_argument("--stats-file", type=Path, default=None, help="capture-size statistics, kept across restarts")
     g.add_argument("--warm-start", dest="warm_start", action="store_true", default=d.warm_start)

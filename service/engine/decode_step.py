@@ -64,11 +64,7 @@ class ModelDecodeStep:
 
     def set_padding_rows(self, start: int, stop: int) -> None:
         """Rows [start, stop) write only into the scratch KV slot, at position 0."""
-        if stop <= start:
-            return
-        self.input_ids[start:stop].zero_()
-        self.positions[start:stop].zero_()
-        self.slot_ids[start:stop].fill_(self.kv.scratch_slot)
+        pad_rows(self.input_ids, self.positions, self.slot_ids, self.kv.scratch_slot, start, stop)
 
     def run(self, batch_size: int) -> torch.Tensor:
         """Float32 logits [batch_size, vocab] for rows [0, batch_size) of the static inputs."""
@@ -84,3 +80,14 @@ class ModelDecodeStep:
     def input_addresses(self) -> tuple[int, ...]:
         """Data pointers of the static inputs, for the debug check that they never move."""
         return (self.input_ids.data_ptr(), self.positions.data_ptr(), self.slot_ids.data_ptr())
+
+
+def pad_rows(
+    input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor, scratch_slot: int, start: int, stop: int
+) -> None:
+    """Static input rows [start, stop) read token 0 at position 0 and write only the scratch KV slot."""
+    if stop <= start:
+        return
+    input_ids[start:stop].zero_()
+    positions[start:stop].zero_()
+    slot_ids[start:stop].fill_(scratch_slot)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from service.engine.decode_step import pad_rows
 from service.model.kv_cache import KVCache
 from service.model.pieces import PieceState, PiecewiseForward
 from service.model.step_batch import AttentionMetadata, StepBatch
@@ -65,11 +66,7 @@ class PiecewiseStep:
 
     def set_padding_rows(self, start: int, stop: int) -> None:
         """Rows [start, stop) read token 0 at position 0 and write only the scratch KV slot."""
-        if stop <= start:
-            return
-        self.input_ids[start:stop].zero_()
-        self.positions[start:stop].zero_()
-        self.slot_ids[start:stop].fill_(self.kv.scratch_slot)
+        pad_rows(self.input_ids, self.positions, self.slot_ids, self.kv.scratch_slot, start, stop)
 
     def run(self, size: int) -> torch.Tensor:
         """Eager: the final normed hidden states [size, hidden] of rows [0, size) of the static inputs."""
