@@ -59,8 +59,10 @@ class GraphCache:
         clock: Callable[[], float] = time.time,
         notify: Callable[[], None] | None = None,
         on_capture_stall: Callable[[float], None] | None = None,
+        lora: bool = False,
     ) -> None:
         self.step = step
+        self.lora = lora  # every graph of this cache is keyed with BatchDescriptor.lora = lora
         self.config = config
         self.device = torch.device(device)
         self.fingerprint = fingerprint
@@ -129,7 +131,7 @@ class GraphCache:
     def descriptor(self, n: int) -> BatchDescriptor | None:
         """The key of the graph that would serve n rows (None: eager above the largest size)."""
         bucket = self._table.bucket_for(n)
-        return None if bucket is None else BatchDescriptor(self.mode, bucket)
+        return None if bucket is None else BatchDescriptor(self.mode, bucket, self.lora)
 
     def run(self, n: int) -> torch.Tensor:
         if not 1 <= n <= self.step.max_batch:

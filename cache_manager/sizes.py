@@ -32,6 +32,7 @@ class BatchDescriptor:
 
     mode: CudaGraphMode
     padded_size: int
+    lora: bool = False  # captured with the LoRA products (any adapter row); base batches never run them
 
 
 def default_capture_sizes(max_batch: int) -> tuple[int, ...]:

@@ -31,6 +31,8 @@ class Sequence:
     # Prompt tokens already scheduled into the KV cache (by steps launched so far): the prefill's
     # progress. A prompt longer than a step's token budget is prefilled in chunks over several steps.
     num_prefilled_tokens: int = 0
+    # The device slot of the request's LoRA adapter while it runs (0: the base model).
+    lora_slot: int = 0
 
     def __post_init__(self) -> None:
         if not self.key:
