@@ -32,6 +32,13 @@ class AdapterInUse(AdapterError):
     pass
 
 
+class AdaptersOff(AdapterError):
+    """The server was started without adapter slots."""
+
+    def __init__(self, what: str = "this server") -> None:
+        super().__init__(f"{what} serves no adapters; start it with --max-loras N (or --lora-modules)")
+
+
 class SlotWriter(Protocol):
     """The device side (service.model.lora.LoraSlots)."""
 

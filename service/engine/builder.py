@@ -14,7 +14,7 @@ import torch
 
 from cache_manager import CudaGraphMode, GraphCache, GraphCacheConfig, parse_capture_sizes
 from service.config import ServeConfig
-from service.engine.adapters import AdapterRegistry
+from service.engine.adapters import AdapterRegistry, AdaptersOff
 from service.engine.engine import Engine, EngineObserver, Publish, deliver
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
@@ -44,7 +44,7 @@ class LoadedRunner:
     def read_adapter(self, name: str, path: str | Path) -> LoraAdapter:
         """Reads and checks an adapter's files (any thread: no device work). LoraError if they do not fit."""
         if self.adapters is None:
-            raise LoraError(f"adapter {name!r}: this server serves no adapters; start it with --max-loras N")
+            raise AdaptersOff()
         if not name or not name.isprintable() or len(name) > 128:
             raise LoraError(f"adapter name {name!r} must be 1 to 128 printable characters")
         return read_adapter(name, path, self.loaded.spec, self.runner.lora.max_rank,

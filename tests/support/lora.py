@@ -37,14 +37,14 @@ def make_adapter(model_dir: pathlib.Path, out: pathlib.Path, seed: int, r: int =
 
 def peft_greedy(model_dir: pathlib.Path, adapter_dir: pathlib.Path | None, prompt_ids: list[int],
                 max_tokens: int) -> list[int]:
-    """peft's (or, without an adapter, transformers') greedy completion tokens, float32 on CPU."""
+    """peft's (or, without an adapter, transformers') greedy completion tokens, float32 on CPU, EOS not special."""
     import peft
 
     model = hf_model(model_dir)
     if adapter_dir is not None:
         model = peft.PeftModel.from_pretrained(model, adapter_dir).eval()
     ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+    with torch.no_grad():  # a plain greedy loop: generate()'s min_new_tokens would mask EOS, ignore_eos does not
+        for _ in range(max_tokens):
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt_ids):].tolist()
