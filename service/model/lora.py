@@ -75,12 +75,13 @@ def _target_of(module_path: str) -> str | None:
     return leaf if leaf in TARGETS else None
 
 
-def _targets(config: dict, config_file: pathlib.Path) -> set[str]:
+def _targets(config: dict, config_file: pathlib.Path, num_layers: int) -> set[str]:
     spec = config.get("target_modules")
     if isinstance(spec, str):  # PEFT: a regex matched against the full module name
         pattern = re.compile(spec)
-        found = {t for t in TARGETS if pattern.fullmatch(f"model.layers.0.self_attn.{t}")
-                 or pattern.fullmatch(f"model.layers.0.mlp.{t}")}
+        names = [f"model.layers.{i}.{owner}.{t}" for i in range(num_layers) for owner in ("self_attn", "mlp")
+                 for t in TARGETS]
+        found = {n.rsplit(".", 1)[-1] for n in names if pattern.fullmatch(n)}
     elif isinstance(spec, list) and all(isinstance(t, str) for t in spec):
         unknown = sorted({t.rsplit(".", 1)[-1] for t in spec} - set(TARGETS))
         if unknown:
@@ -132,7 +133,7 @@ def read_adapter(name: str, path: str | pathlib.Path, spec: ModelSpec, max_rank:
     for key in ("use_dora", "modules_to_save"):
         if config.get(key):
             raise LoraError(f"{config_file}: {key} is not supported")
-    targets = _targets(config, config_file)
+    targets = _targets(config, config_file, spec.num_layers)
     rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     rslora = bool(config.get("use_rslora", False))
     dims = shapes(spec)

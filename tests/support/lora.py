@@ -18,7 +18,7 @@ def hf_model(model_dir: pathlib.Path):  # noqa: ANN201 - a transformers model
 
 
 def make_adapter(model_dir: pathlib.Path, out: pathlib.Path, seed: int, r: int = 8, alpha: int = 16,
-                 targets: list[str] | None = None, use_rslora: bool = False, scale_b: float = 1.0) -> pathlib.Path:
+                 targets: list[str] | str | None = None, use_rslora: bool = False, scale_b: float = 1.0) -> pathlib.Path:
     """A PEFT LoRA adapter of the model in model_dir with random non-zero A and B (fixed seed), saved to out."""
     import peft
 
