@@ -210,3 +210,28 @@ def test_cache_state_has_separate_lora_entries(lora: Lora, capsys: pytest.Captur
     assert [b.size for b in state.lora_buckets] == [b.size for b in state.buckets]
     code, out, _ = lora.ctl(capsys, "state")
     assert code == 0 and "LoRA graphs (batches with any adapter row)" in out
+
+
+def test_metrics_count_requests_and_tokens_per_adapter(lora: Lora) -> None:
+    from tests.integration.test_metrics_endpoint import scrape
+
+    before = scrape(lora.server.app.metrics_port)
+    lora.generate(PROMPTS[3], "poet")
+    lora.generate(PROMPTS[3])
+    after = scrape(lora.server.app.metrics_port)
+
+    def delta(name: str, adapter: str) -> float:
+        key = (name, (("adapter", adapter),))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("graphserve_adapter_requests_total", "poet") == 1
+    assert delta("graphserve_adapter_generated_tokens_total", "poet") == MAX_TOKENS
+    assert delta("graphserve_adapter_requests_total", "base") == 1
+
+
+def test_adapter_labels_are_bounded() -> None:
+    from service.telemetry.engine_metrics import MAX_ADAPTER_LABELS, EngineMetrics
+
+    metrics = EngineMetrics()
+    labels = {metrics.adapter_label(f"a{i}") for i in range(MAX_ADAPTER_LABELS + 10)}
+    assert len(labels) == MAX_ADAPTER_LABELS + 1 and "other" in labels and metrics.adapter_label("") == "base"
