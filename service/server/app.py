@@ -128,6 +128,8 @@ class App:
         self.graphs = RemoteGraphs(self.engine, ready)
         self.metrics.set_engine_source(self.engine.metric_families)
         self.metrics.set_graph_source(self.graphs.snapshot)
+        if ready.max_loras:
+            self.metrics.set_lora_graph_source(self.graphs.lora_snapshot)
         self.admin_server, self.admin_port = await start_admin_server(c, self.engine, self.graphs)
         limits = Limits.from_config(dataclasses.replace(c, max_seq_len=ready.max_seq_len), vocab_size=spec.vocab_size)
         self.servicer.attach(self.engine, self.tokenizer, limits, self._model_info(ready))

@@ -56,20 +56,22 @@ class GraphCacheCollector(Collector):
     bucket table too would count those steps twice.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = "graphserve_graph") -> None:
         self.source: GraphSource | None = None
+        # "graphserve_lora_graph": the same families for the graphs of batches with LoRA adapter rows.
+        self.prefix = prefix
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         if snap is None:
             return
-        replays = CounterMetricFamily("graphserve_graph_replays", "Decode steps served by replaying a captured graph.",
+        replays = CounterMetricFamily(f"{self.prefix}_replays", "Decode steps served by replaying a captured graph.",
                                       labels=["bucket"])
-        padded = CounterMetricFamily("graphserve_graph_padded_rows", "Padding rows run by replays (wasted rows).",
+        padded = CounterMetricFamily(f"{self.prefix}_padded_rows", "Padding rows run by replays (wasted rows).",
                                      labels=["bucket"])
-        capture_s = GaugeMetricFamily("graphserve_graph_capture_seconds",
+        capture_s = GaugeMetricFamily(f"{self.prefix}_capture_seconds",
                                       "Duration of the latest capture of each bucket.", labels=["bucket"])
-        bucket_bytes = GaugeMetricFamily("graphserve_graph_bucket_bytes",
+        bucket_bytes = GaugeMetricFamily(f"{self.prefix}_bucket_bytes",
                                          "Measured memory of each bucket's latest capture.", labels=["bucket"])
         states: dict[str, int] = {}
         captures = evictions = failures = 0
@@ -91,22 +93,22 @@ class GraphCacheCollector(Collector):
         for r in snap.requested_detail:
             for reason, count in r.eager_fallbacks.items():
                 eager[reason] = eager.get(reason, 0) + count
-        fallbacks = CounterMetricFamily("graphserve_graph_eager_fallbacks",
+        fallbacks = CounterMetricFamily(f"{self.prefix}_eager_fallbacks",
                                         "Decode steps run eagerly, by reason.", labels=["reason"])
         for reason, count in sorted(eager.items()):
             fallbacks.add_metric([reason], count)
-        buckets = GaugeMetricFamily("graphserve_graph_buckets", "Allowed graph sizes by state.", labels=["state"])
+        buckets = GaugeMetricFamily(f"{self.prefix}_buckets", "Allowed graph sizes by state.", labels=["state"])
         for state, count in sorted(states.items()):
             buckets.add_metric([state], count)
         yield replays
         yield padded
         yield fallbacks
-        yield CounterMetricFamily("graphserve_graph_captures", "Graphs captured.", value=captures)
-        yield CounterMetricFamily("graphserve_graph_evictions", "Graphs evicted.", value=evictions)
-        yield CounterMetricFamily("graphserve_graph_capture_failures", "Captures that failed.", value=failures)
-        yield GaugeMetricFamily("graphserve_graph_memory_bytes", "Memory held by captured graphs.",
+        yield CounterMetricFamily(f"{self.prefix}_captures", "Graphs captured.", value=captures)
+        yield CounterMetricFamily(f"{self.prefix}_evictions", "Graphs evicted.", value=evictions)
+        yield CounterMetricFamily(f"{self.prefix}_capture_failures", "Captures that failed.", value=failures)
+        yield GaugeMetricFamily(f"{self.prefix}_memory_bytes", "Memory held by captured graphs.",
                                 value=snap.used_bytes)
-        yield GaugeMetricFamily("graphserve_graph_memory_budget_bytes", "Memory budget for captured graphs.",
+        yield GaugeMetricFamily(f"{self.prefix}_memory_budget_bytes", "Memory budget for captured graphs.",
                                 value=snap.budget_bytes)
         yield capture_s
         yield bucket_bytes
@@ -134,6 +136,8 @@ class Metrics:
                                   ["reason"], registry=r)
         self.graphs = GraphCacheCollector()
         r.register(self.graphs)
+        self.lora_graphs = GraphCacheCollector("graphserve_lora_graph")
+        r.register(self.lora_graphs)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -151,6 +155,10 @@ class Metrics:
     def set_graph_source(self, source: GraphSource) -> None:
         """`source` returns a recent graph-cache snapshot or None."""
         self.graphs.source = source
+
+    def set_lora_graph_source(self, source: GraphSource) -> None:
+        """`source` returns the snapshot of the LoRA graphs (batches with adapter rows), or None."""
+        self.lora_graphs.source = source
 
     # ---- HTTP /metrics -------------------------------------------------------------------------
 

@@ -227,6 +227,9 @@ def test_metrics_count_requests_and_tokens_per_adapter(lora: Lora) -> None:
     assert delta("graphserve_adapter_requests_total", "poet") == 1
     assert delta("graphserve_adapter_generated_tokens_total", "poet") == MAX_TOKENS
     assert delta("graphserve_adapter_requests_total", "base") == 1
+    # The LoRA graphs have their own families beside the base graphs' (CPU: every size not captured).
+    assert after[("graphserve_lora_graph_buckets", (("state", "not_captured"),))] == 4
+    assert after[("graphserve_graph_buckets", (("state", "not_captured"),))] == 4
 
 
 def test_adapter_labels_are_bounded() -> None:
