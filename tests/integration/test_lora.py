@@ -238,3 +238,18 @@ def test_adapter_labels_are_bounded() -> None:
     metrics = EngineMetrics()
     labels = {metrics.adapter_label(f"a{i}") for i in range(MAX_ADAPTER_LABELS + 10)}
     assert len(labels) == MAX_ADAPTER_LABELS + 1 and "other" in labels and metrics.adapter_label("") == "base"
+
+
+def test_a_bad_adapter_at_start_fails_the_start_naming_the_file(model_cache_dir, tmp_path: pathlib.Path) -> None:
+    from service.model.spec import ModelLoadError
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}))
+    server = ServerThread(["--model-cache-dir", str(model_cache_dir), "--max-running-seqs", "4", "--max-seq-len", "128",
+                           "--lora-modules", f"bad={bad}"])
+    try:
+        with pytest.raises(ModelLoadError, match=r"--lora-modules bad=.*adapter_model.safetensors is missing"):
+            server.start()
+    finally:
+        server.stop()

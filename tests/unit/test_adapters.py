@@ -154,3 +154,19 @@ def test_reader_checks_patterns_and_pairs(model_dir: pathlib.Path, tmp_path: pat
               path / "adapter_model.safetensors")
     with pytest.raises(LoraError, match=r"model.layers.0.self_attn.q_proj has lora_A but not its pair"):
         read_adapter("a", path, spec, 8)
+
+
+def test_lora_flags(tmp_path: pathlib.Path) -> None:
+    from service.config import ConfigError, ServeConfig, load_config
+
+    (tmp_path / "a").mkdir()
+    c = load_config(["--lora-modules", f"sql={tmp_path / 'a'}, chat={tmp_path / 'a'}"], {})
+    assert c.lora_module_paths() == [("sql", tmp_path / "a"), ("chat", tmp_path / "a")]
+    assert c.lora_slots == 4 and ServeConfig().lora_slots == 0
+    assert load_config(["--max-loras", "2"], {}).lora_slots == 2
+    for value, message in [("sql", "'sql' is not NAME=PATH"), (f"a={tmp_path / 'a'},a={tmp_path / 'a'}", "'a' is given twice"),
+                           (f"b={tmp_path / 'nope'}", "no such directory")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(["--lora-modules", value], {})
+    with pytest.raises(ConfigError, match="--max-lora-rank must be >= 1"):
+        load_config(["--max-lora-rank", "0"], {})
