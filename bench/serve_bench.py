@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import gc
 import pathlib
+import shlex
 import random
 import sys
 import threading
@@ -69,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--client-procs", type=int, default=1, help="client processes sharing the streams")
     p.add_argument("--server-log", type=pathlib.Path, default=None, help="where the started server logs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-args", default="",
+                   help="more flags for the started server, e.g. '--cudagraph-mode full --stats-file s.json'")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.max_running_seqs = args.max_running_seqs or args.concurrency
@@ -207,6 +210,7 @@ def start_server(args: argparse.Namespace) -> Any:
         argv.append("--no-overlap-steps")
     if args.cache_dir is not None:
         argv += ["--model-cache-dir", str(args.cache_dir)]
+    argv += shlex.split(args.server_args)
     server = ServerProcess(argv, log_path=args.server_log)
     try:
         server.wait_for_health(1, timeout=600)  # SERVING

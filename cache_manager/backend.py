@@ -111,6 +111,37 @@ def pool_bytes(device: torch.device, pool: tuple) -> int:
     )
 
 
+class PiecewiseGraph:
+    """The pieces of one token bucket: CUDA graphs sharing one private pool, replayed in order with
+    the step's eager attention between them (`between[i]` after graph i)."""
+
+    def __init__(self, graphs: list[torch.cuda.CUDAGraph], between: list, pool: tuple, output: torch.Tensor,
+                 size: int, nbytes: int, capture_ms: float) -> None:
+        self.graphs: list[torch.cuda.CUDAGraph] | None = graphs
+        self.between = between
+        self.pool = pool  # alive as long as the graphs (see CudaGraph)
+        self.output: torch.Tensor | None = output
+        self.size = size
+        self.nbytes = nbytes
+        self.capture_ms = capture_ms
+
+    def replay(self) -> torch.Tensor:
+        assert self.graphs is not None and self.output is not None, "replay of a released graph"
+        for i, graph in enumerate(self.graphs):
+            graph.replay()
+            if i < len(self.between):
+                self.between[i]()
+        return self.output
+
+    def drop(self) -> None:
+        for graph in self.graphs or ():
+            graph.reset()
+        self.graphs = None
+        self.between = []
+        self.output = None
+        self.pool = None
+
+
 class _NoAutomaticGc:
     """Automatic collection off while recording: a collection walks every object and could free a
     tensor the capture is about to record. Nothing is collected on entry (gc.freeze() after load
@@ -153,34 +184,43 @@ class CudaGraphBackend:
     def bind_thread(self) -> None:
         torch.cuda.set_device(self.device)
 
-    def capture(self, step: DecodeStep, size: int) -> CudaGraph:
+    def capture(self, step: DecodeStep, size: int) -> CudaGraph | PiecewiseGraph:
+        """A step with `segments` (PIECEWISE) is recorded piece by piece into one pool, attention
+        left out; any other step as one graph."""
         device = self.device
         stream = _side_stream(device)
         with torch.inference_mode(), torch.cuda.stream(stream):
             for _ in range(self.warmup_iters):
                 step.run_scratch(size)
             stream.synchronize()  # waits for this stream only; the engine's stream runs on
-            graph = torch.cuda.CUDAGraph()
             pool = torch.cuda.graph_pool_handle()
             free0 = torch.cuda.mem_get_info(device)[0]  # no device sync: the engine keeps running
             start = time.perf_counter()
+            segments = step.segments(size) if hasattr(step, "segments") else None
+            graphs: list[torch.cuda.CUDAGraph] = []
             try:
                 with _NoAutomaticGc():
-                    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-                    try:
-                        output = step.run(size)
-                    finally:
-                        graph.capture_end()
+                    for record in segments.pieces if segments is not None else [lambda: step.run(size)]:
+                        graph = torch.cuda.CUDAGraph()
+                        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                        try:
+                            output = record()
+                        finally:
+                            graph.capture_end()
+                        graphs.append(graph)
             except BaseException:
-                # The traceback keeps this frame alive: drop the half-captured graph and its pool now so
-                # the failure cleanup can return their memory.
-                graph = pool = None
+                # The traceback keeps this frame alive: drop the half-captured graphs and their pool now
+                # so the failure cleanup can return their memory.
+                graph = pool = segments = None
+                graphs.clear()
                 raise
             capture_ms = (time.perf_counter() - start) * 1000.0
         # The pool holds the graph's tensors; the driver's free-memory drop also sees the instantiated
         # graph (and, rarely, a segment the engine allocated meanwhile: an over-estimate is safe).
         nbytes = max(pool_bytes(device, pool), free0 - torch.cuda.mem_get_info(device)[0])
-        return CudaGraph(graph, pool, output, size, nbytes, capture_ms)
+        if segments is not None:
+            return PiecewiseGraph(graphs, segments.between, pool, segments.output(), size, nbytes, capture_ms)
+        return CudaGraph(graphs[0], pool, output, size, nbytes, capture_ms)
 
     def fence(self) -> object:
         event = torch.cuda.Event()
@@ -188,7 +228,7 @@ class CudaGraphBackend:
         return event
 
     def release(self, graph: CapturedGraph, after: object = None) -> int:
-        assert isinstance(graph, CudaGraph)
+        assert isinstance(graph, (CudaGraph, PiecewiseGraph))
         if after is not None:
             after.synchronize()  # the last replay (and the reads of its output) finished
         pool = graph.pool

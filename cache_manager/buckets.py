@@ -6,15 +6,17 @@ from dataclasses import dataclass
 
 from cache_manager.backend import CapturedGraph
 from cache_manager.budget import decay
+from cache_manager.sizes import BatchDescriptor
 from cache_manager.snapshot import BucketCounters, BucketEntry, BucketState
 from cache_manager.stats import Counters
 
 
 @dataclass
 class Bucket:
-    """One allowed size. Holds the only reference to its graph, so dropping it frees the pool."""
+    """One allowed size of one graph kind. Holds the only reference to its graph, so dropping it
+    frees the pool."""
 
-    size: int
+    key: BatchDescriptor
     state: BucketState = BucketState.NOT_CAPTURED
     graph: CapturedGraph | None = None
     addresses: tuple[int, ...] = ()  # step input addresses at capture, for the debug check
@@ -22,6 +24,10 @@ class Bucket:
     heat_time: float = 0.0
     backoff_s: float = 0.0  # current back-off; doubles on each consecutive failure
     retry_at: float | None = None
+
+    @property
+    def size(self) -> int:
+        return self.key.padded_size
 
     def bump(self, now: float, half_life_s: float) -> None:
         self.heat = self.heat_at(now, half_life_s) + 1.0
@@ -51,6 +57,7 @@ class Bucket:
         live = self.graph
         return BucketEntry(
             size=self.size,
+            kind=self.key.mode.value,
             state=self.state,
             bytes=live.nbytes if live is not None else (persisted.bytes if persisted else 0),
             capture_ms=live.capture_ms if live is not None else (persisted.capture_ms if persisted else 0.0),

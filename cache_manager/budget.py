@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 _UNITS = {
@@ -112,7 +113,7 @@ def estimate_bytes(size: int, measured: dict[int, int]) -> int:
 class Candidate:
     """A captured graph that eviction may consider."""
 
-    size: int
+    size: Hashable  # its key (a BatchDescriptor in the cache)
     bytes: int
     heat: float  # decayed recent replays
     last_use: float
@@ -130,7 +131,7 @@ def decay(heat: float, elapsed_s: float, half_life_s: float) -> float:
 
 def choose_victims(
     candidates: list[Candidate], need_bytes: int, max_score: float = math.inf
-) -> list[int] | None:
+) -> list[Hashable] | None:
     """Sizes to evict, in policy order, that together free at least `need_bytes`; None if impossible.
 
     Only candidates with score <= max_score are eligible (see the module docstring). Nothing is

@@ -24,6 +24,7 @@ from typing import Any
 import structlog
 
 from cache_manager.backend import CapturedGraph, GraphBackend
+from cache_manager.sizes import BatchDescriptor
 from cache_manager.step import DecodeStep
 
 log = structlog.get_logger("cache_manager")
@@ -31,7 +32,8 @@ log = structlog.get_logger("cache_manager")
 
 @dataclass
 class CaptureJob:
-    size: int
+    key: BatchDescriptor
+    step: DecodeStep  # the step whose graph is recorded (FULL: the decode step; PIECEWISE: the pieces)
     evict: str  # what the commit may evict to fit the measured bytes: "none", "policy" or "force"
     estimate: int  # bytes reserved in the budget until the commit
     protect: frozenset[int] = frozenset()  # never evicted for this capture
@@ -47,6 +49,7 @@ class CaptureJob:
 @dataclass
 class ReleaseJob:
     graph: CapturedGraph
+    key: str
     reason: str
     after: Any = None  # the backend's fence: the graph's last replay is queued before it
     freed: int = 0  # measured when released
@@ -59,9 +62,8 @@ Job = CaptureJob | ReleaseJob
 class Capturer:
     """One background thread that runs capture and release jobs for the cache, in submission order."""
 
-    def __init__(self, backend: GraphBackend, step: DecodeStep, notify: Callable[[], None] | None = None) -> None:
+    def __init__(self, backend: GraphBackend, notify: Callable[[], None] | None = None) -> None:
         self.backend = backend
-        self.step = step
         self.notify = notify
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._done: collections.deque[Job] = collections.deque()
@@ -126,7 +128,7 @@ class Capturer:
             try:
                 if bind_error is not None:
                     raise RuntimeError(f"the capture thread could not use the device: {bind_error!r}")
-                job.graph = self.backend.capture(self.step, job.size)
+                job.graph = self.backend.capture(job.step, job.key.padded_size)
             except Exception as exc:  # noqa: BLE001 - any failure backs the bucket off; serving goes on
                 job.error = exc
                 try:
@@ -137,5 +139,5 @@ class Capturer:
         try:
             job.freed = self.backend.release(job.graph, job.after)
         except Exception:  # noqa: BLE001 - the graph is dropped either way; its bytes count as unreclaimed
-            log.warning("graph_release_failed", bucket=job.graph.size, exc_info=True)
+            log.warning("graph_release_failed", bucket=job.key, exc_info=True)
             job.freed = 0

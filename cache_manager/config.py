@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cache_manager.budget import parse_memory_budget
-from cache_manager.sizes import CudaGraphMode, default_capture_sizes, validate_capture_sizes
+from cache_manager.sizes import CudaGraphMode, default_capture_sizes, default_piecewise_sizes, validate_capture_sizes
 
 DEFAULT_BUDGET_FRACTION = 0.1
 
@@ -18,7 +18,10 @@ class GraphCacheConfig:
     memory_budget: bytes (int), a fraction of device memory (float in (0, 1]) or a string accepted
     by `parse_memory_budget`; None means 0.1 of the device's total memory (about 14 GiB on an H200,
     room for dozens of decode graphs of a 1B model while leaving the KV cache its share).
-    capture_sizes None means `default_capture_sizes(max_batch)`.
+    capture_sizes: the allowed sizes, as token counts (a uniform-decode batch of n rows is n tokens).
+    FULL graphs use those up to max_batch, PIECEWISE graphs those up to max_tokens. None means
+    `default_capture_sizes(max_batch)` for FULL and `default_piecewise_sizes(max_tokens)` for PIECEWISE.
+    max_tokens: the largest step in tokens (0: no piecewise graphs).
     """
 
     mode: CudaGraphMode | str
@@ -33,17 +36,26 @@ class GraphCacheConfig:
     max_failure_backoff_s: float = 3600.0
     heat_half_life_s: float = 300.0  # decay of "recent replays" in the eviction score
     replay_log_interval_s: float = 60.0  # period of the graph_replay_totals log event
+    max_tokens: int = 0
+    piecewise_sizes: tuple[int, ...] = field(default=(), init=False)  # derived: PIECEWISE token counts
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", CudaGraphMode.parse(self.mode))
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        sizes = (
-            default_capture_sizes(self.max_batch)
-            if self.capture_sizes is None
-            else validate_capture_sizes(tuple(self.capture_sizes), self.max_batch)
-        )
-        object.__setattr__(self, "capture_sizes", sizes)
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.capture_sizes is None:
+            full = default_capture_sizes(self.max_batch)
+            piecewise = default_piecewise_sizes(self.max_tokens) if self.max_tokens else ()
+        else:
+            given = validate_capture_sizes(tuple(self.capture_sizes), max(self.max_batch, self.max_tokens))
+            full = tuple(s for s in given if s <= self.max_batch)
+            piecewise = tuple(s for s in given if s <= self.max_tokens)
+            if not full:
+                raise ValueError(f"capture sizes {list(given)} hold none for a decode batch (<= {self.max_batch})")
+        object.__setattr__(self, "capture_sizes", full)
+        object.__setattr__(self, "piecewise_sizes", piecewise)
         if isinstance(self.memory_budget, str):
             parse_memory_budget(self.memory_budget)  # raises with a clear message
         elif self.memory_budget is not None and (
@@ -58,5 +70,6 @@ class GraphCacheConfig:
 
     @property
     def sizes(self) -> tuple[int, ...]:
+        """The FULL graphs' batch sizes."""
         assert self.capture_sizes is not None
         return self.capture_sizes

@@ -19,7 +19,7 @@ from cache_manager.config import DEFAULT_BUDGET_FRACTION, GraphCacheConfig
 from cache_manager.ops import GraphsUnavailableError, OpOutcome, OpResult
 from cache_manager.recorder import StatsRecorder
 from cache_manager.residency import Residency
-from cache_manager.sizes import BatchDescriptor, CudaGraphMode, PaddingTable
+from cache_manager.sizes import FULL, PIECEWISE, BatchDescriptor, CudaGraphMode, PaddingTable
 from cache_manager.snapshot import CacheSnapshot, RequestedSize
 from cache_manager.stats import StatsTables
 from cache_manager.step import DecodeStep
@@ -56,29 +56,35 @@ class GraphCache:
         fingerprint: Fingerprint,
         backend: GraphBackend | None = None,
         *,
+        piecewise_step: DecodeStep | None = None,
         clock: Callable[[], float] = time.time,
         notify: Callable[[], None] | None = None,
         on_capture_stall: Callable[[float], None] | None = None,
-        lora: bool = False,
     ) -> None:
         self.step = step
-        self.lora = lora  # every graph of this cache is keyed with BatchDescriptor.lora = lora
         self.config = config
         self.device = torch.device(device)
         self.fingerprint = fingerprint
         self._clock = clock
         self._lock = threading.RLock()
-        self._table = PaddingTable(config.sizes)
-        assert self._table.largest <= step.max_batch, "static inputs must hold the largest capture size"
+        self.steps: dict[CudaGraphMode, DecodeStep] = {FULL: step}
+        self._tables = {FULL: PaddingTable(config.sizes)}
+        if piecewise_step is not None and config.piecewise_sizes:
+            self.steps[PIECEWISE] = piecewise_step
+            self._tables[PIECEWISE] = PaddingTable(config.piecewise_sizes)
+        for kind, table in self._tables.items():
+            assert table.largest <= self.steps[kind].max_batch, f"{kind.value} static inputs must hold its largest size"
         self.disabled_reason: str | None = None
         if config.mode is CudaGraphMode.NONE:
             self.disabled_reason = "mode none"
         elif backend is None and self.device.type != "cuda":
             self.disabled_reason = f"device {self.device.type} has no CUDA graphs"
-        self.mode = CudaGraphMode.NONE if self.disabled_reason else CudaGraphMode.FULL
+        elif config.mode.has_piecewise and PIECEWISE not in self.steps:
+            self.disabled_reason = f"mode {config.mode.value} needs a piecewise step and piecewise sizes"
+        self.mode = CudaGraphMode.NONE if self.disabled_reason else config.mode
         self.backend: GraphBackend | None = None
         budget_bytes = 0
-        if self.mode is CudaGraphMode.FULL:
+        if self.graphs_enabled:
             self.backend = backend if backend is not None else CudaGraphBackend(self.device)
             budget_bytes = resolve_budget(
                 config.memory_budget, self.backend.total_memory(), DEFAULT_BUDGET_FRACTION
@@ -88,9 +94,10 @@ class GraphCache:
             store, config.save_interval_s, config.replay_log_interval_s, clock, self._lock
         )
         self.residency = Residency(
-            step,
+            self.steps,
             self.backend,
-            config.sizes,
+            # Mode none lists (and counts) the FULL sizes all the same: what graphs would serve.
+            {kind: table.sizes for kind, table in self._tables.items() if kind in (config.mode.kinds or (FULL,))},
             budget_bytes,
             self.stats,
             clock,
@@ -105,10 +112,10 @@ class GraphCache:
         self.notify = notify
         self.on_capture_stall = on_capture_stall
         self._buckets = self.residency.buckets
-        self._warm_queue: deque[int] = deque()
-        if self.mode is CudaGraphMode.FULL and config.warm_start:
-            self._warm_queue.extend(s for s in self.stats.hot_buckets() if s in self._buckets)
-        self._warming: int | None = None  # the warm-start capture in flight
+        self._warm_queue: deque[BatchDescriptor] = deque()
+        if self.graphs_enabled and config.warm_start:
+            self._warm_queue.extend(k for k in self.stats.hot_buckets() if k in self._buckets)
+        self._warming: BatchDescriptor | None = None  # the warm-start capture in flight
 
     # ---- serving ------------------------------------------------------------------------------
 
@@ -122,66 +129,76 @@ class GraphCache:
 
     @property
     def graphs_enabled(self) -> bool:
-        return self.mode is CudaGraphMode.FULL
+        return self.mode is not CudaGraphMode.NONE
+
+    def serves(self, kind: CudaGraphMode) -> bool:
+        """Whether steps of this kind (FULL: uniform decode; PIECEWISE: any step) can replay graphs."""
+        return kind in self.mode.kinds
 
     @property
     def captures_pending(self) -> int:
         return len(self.residency.pending)
 
-    def descriptor(self, n: int) -> BatchDescriptor | None:
-        """The key of the graph that would serve n rows (None: eager above the largest size)."""
-        bucket = self._table.bucket_for(n)
-        return None if bucket is None else BatchDescriptor(self.mode, bucket, self.lora)
+    def descriptor(self, n: int, kind: CudaGraphMode = FULL) -> BatchDescriptor | None:
+        """The key of the graph that would serve n rows (FULL) or tokens (PIECEWISE); None: eager
+        above the largest size."""
+        bucket = self._tables[kind].bucket_for(n)
+        return None if bucket is None else BatchDescriptor(kind, bucket)
 
-    def run(self, n: int) -> torch.Tensor:
-        if not 1 <= n <= self.step.max_batch:
-            raise ValueError(f"batch size {n} is outside [1, max_batch={self.step.max_batch}]")
+    def run(self, n: int, kind: CudaGraphMode = FULL) -> torch.Tensor:
+        """Run the step of this kind over rows (FULL) or tokens (PIECEWISE) [0, n) of its static
+        inputs: replayed from the smallest captured size >= n, or eager."""
+        step = self.steps[kind]
+        if not 1 <= n <= step.max_batch:
+            raise ValueError(f"{kind.value} step size {n} is outside [1, {step.max_batch}]")
         now = self._clock()
-        if not self.graphs_enabled:
-            return self._eager(n, None, "mode_none", now)
+        requested = BatchDescriptor(kind, n)
+        if not self.serves(kind):
+            return self._eager(requested, None, "mode_none", now)
         self.poll()
-        bucket = self._table.bucket_for(n)
-        if bucket is None:
-            return self._eager(n, None, "above_max", now)
-        target, reason = self._select(n, bucket, now)
+        key = self.descriptor(n, kind)
+        if key is None:
+            return self._eager(requested, None, "above_max", now)
+        target, reason = self._select(key, now)
         if target is None:
-            return self._eager(n, bucket, reason, now)
+            return self._eager(requested, key, reason, now)
         b = self._buckets[target]
-        if self.config.debug_check_addresses and self.step.input_addresses() != b.addresses:
+        if self.config.debug_check_addresses and step.input_addresses() != b.addresses:
             raise RuntimeError(
-                f"static inputs moved since bucket {target} was captured: "
-                f"{b.addresses} -> {self.step.input_addresses()}"
+                f"static inputs moved since {target} was captured: {b.addresses} -> {step.input_addresses()}"
             )
-        if n < target:
-            self.step.set_padding_rows(n, target)
+        if n < target.padded_size:
+            step.set_padding_rows(n, target.padded_size)
         assert b.graph is not None
         out = b.graph.replay()
         self.residency.last_replayed = target
-        self.stats.replay(n, target, now)
+        self.stats.replay(requested, target, now)
         return out[:n]
 
-    def _select(self, n: int, bucket: int, now: float) -> tuple[int | None, str]:
-        """(bucket to replay, "") or (None, eager reason). May submit a capture, evicting by policy;
-        meanwhile the step pads to a larger captured graph if there is one."""
-        b = self._buckets[bucket]
+    def _select(self, key: BatchDescriptor, now: float) -> tuple[BatchDescriptor | None, str]:
+        """(graph to replay, "") or (None, eager reason). May submit a capture, evicting by policy;
+        meanwhile the step pads to a larger captured graph of its kind if there is one."""
+        b = self._buckets[key]
         b.bump(now, self.config.heat_half_life_s)
         if b.graph is not None:
-            return bucket, ""
+            return key, ""
         if b.in_backoff(now):
             reason = "failed"
-        elif bucket in self.residency.pending:
+        elif key in self.residency.pending:
             reason = "capturing"
         else:
             in_use = self.residency.last_replayed
-            protect = {bucket} | ({in_use} if in_use is not None else set())
-            outcome, _ = self.residency.request_capture(bucket, protect, evict="policy")
+            protect = {key} | ({in_use} if in_use is not None else set())
+            outcome, _ = self.residency.request_capture(key, protect, evict="policy")
             reason = "capturing" if outcome is None else "budget"
-        larger = self.residency.larger_captured(bucket)
+        larger = self.residency.larger_captured(key)
         return (larger, "") if larger is not None else (None, reason)
 
-    def _eager(self, n: int, bucket: int | None, reason: str, now: float) -> torch.Tensor:
-        self.stats.eager(n, bucket, reason, now)
-        return self.step.run(n)
+    def _eager(
+        self, requested: BatchDescriptor, bucket: BatchDescriptor | None, reason: str, now: float
+    ) -> torch.Tensor:
+        self.stats.eager(requested, bucket, reason, now)
+        return self.steps[requested.mode].run(requested.padded_size)
 
     # ---- results from the capture thread --------------------------------------------------------
 
@@ -194,10 +211,10 @@ class GraphCache:
         for job in done:
             if isinstance(job, CaptureJob):
                 result = self.residency.commit(job, self.residency.last_replayed)
-                if job.size == self._warming:
+                if job.key == self._warming:
                     self._warming = None
                     if result.outcome is OpOutcome.OVER_BUDGET:
-                        log.info("graph_warm_start_skipped", bucket=job.size, reason=result.message)
+                        log.info("graph_warm_start_skipped", bucket=str(job.key), reason=result.message)
             else:
                 result = self.residency.released(job)
             for waiter in job.waiters:
@@ -222,52 +239,58 @@ class GraphCache:
             return False
         now = self._clock()
         while self._warm_queue:
-            size = self._warm_queue.popleft()
-            b = self._buckets[size]
-            if b.graph is not None or b.in_backoff(now) or size in self.residency.pending:
+            key = self._warm_queue.popleft()
+            b = self._buckets[key]
+            if b.graph is not None or b.in_backoff(now) or key in self.residency.pending:
                 continue
-            outcome, message = self.residency.request_capture(size, set(), evict="none")
+            outcome, message = self.residency.request_capture(key, set(), evict="none")
             if outcome is OpOutcome.OVER_BUDGET:
-                log.info("graph_warm_start_skipped", bucket=size, reason=message)
+                log.info("graph_warm_start_skipped", bucket=str(key), reason=message)
                 continue
-            self._warming = size
+            self._warming = key
             return True
         return False
 
     # ---- operator operations ------------------------------------------------------------------
 
-    def _check_ops(self, sizes: Iterable[int]) -> list[int]:
+    def _check_ops(self, sizes: Iterable[int], kind: CudaGraphMode | str) -> tuple[list[int], CudaGraphMode]:
         if not self.graphs_enabled:
             raise GraphsUnavailableError(self.disabled_reason or "disabled")
+        kind = CudaGraphMode.parse(kind)
+        if kind not in self.mode.kinds:
+            kinds = ", ".join(k.value for k in self.mode.kinds)
+            raise ValueError(f"mode {self.mode.value} keeps no {kind.value} graphs; kinds here: {kinds}")
         sizes = list(sizes)
-        self._table.check_allowed(sizes)
-        return sizes
+        self._tables[kind].check_allowed(sizes)
+        return sizes, kind
 
-    def capture_async(self, sizes: Iterable[int]) -> Future:
+    def capture_async(self, sizes: Iterable[int], kind: CudaGraphMode | str = FULL) -> Future:
         """Capture the given allowed sizes through the capture thread (ignores failure back-off; may
         evict unprotected graphs). The future gets {size: OpResult} once every capture is committed."""
-        sizes = self._check_ops(sizes)
+        sizes, kind = self._check_ops(sizes, kind)
         results = _Results(sizes)
-        for s in sizes:
-            b = self._buckets[s]
+        keys = {s: BatchDescriptor(kind, s) for s in sizes}
+        for s, key in keys.items():
+            b = self._buckets[key]
             if b.graph is not None:
-                results.set(s, OpResult(OpOutcome.ALREADY_CAPTURED, f"{s} is already captured", b.graph.nbytes))
+                results.set(s, OpResult(OpOutcome.ALREADY_CAPTURED, f"{key} is already captured", b.graph.nbytes))
                 continue
-            protect = {t for t in sizes if t != s and self._buckets[t].graph is not None}
-            outcome, message = self.residency.request_capture(s, protect, "force", lambda r, s=s: results.set(s, r))
+            protect = {k for k in keys.values() if k != key and self._buckets[k].graph is not None}
+            outcome, message = self.residency.request_capture(key, protect, "force", lambda r, s=s: results.set(s, r))
             if outcome is not None:
                 results.set(s, OpResult(outcome, message))
         return results.future
 
-    def evict_async(self, sizes: Iterable[int]) -> Future:
+    def evict_async(self, sizes: Iterable[int], kind: CudaGraphMode | str = FULL) -> Future:
         """Evict the given sizes; the future gets {size: OpResult} once the device got the memory back."""
-        sizes = self._check_ops(sizes)
+        sizes, kind = self._check_ops(sizes, kind)
         results = _Results(sizes)
         for s in sizes:
-            if self._buckets[s].graph is None:
-                results.set(s, OpResult(OpOutcome.NOT_CAPTURED, f"{s} is not captured"))
+            key = BatchDescriptor(kind, s)
+            if self._buckets[key].graph is None:
+                results.set(s, OpResult(OpOutcome.NOT_CAPTURED, f"{key} is not captured"))
             else:
-                self.residency.evict(s, "operator", lambda r, s=s: results.set(s, r))
+                self.residency.evict(key, "operator", lambda r, s=s: results.set(s, r))
         return results.future
 
     def set_budget_async(self, value: str | float) -> Future:
@@ -277,22 +300,24 @@ class GraphCache:
         with self._lock:
             self.residency.budget_bytes = budget
         over = self.used_bytes - budget
-        victims: list[int] = []
+        victims: list[BatchDescriptor] = []
         if over > 0:
             victims = self.residency.victims(over, set(), math.inf, self._clock()) or [
-                s for s, b in self._buckets.items() if b.graph is not None
+                k for k, b in self._buckets.items() if b.graph is not None
             ]
-        results = _Results(victims)
-        for s in victims:
-            self.residency.evict(s, "budget", lambda r, s=s: results.set(
-                s, OpResult(OpOutcome.EVICTED, f"evicted {s} to fit {budget} bytes", r.bytes)))
+        # Results by size for FULL graphs (as the admin RPC reports sizes), by key for the others.
+        names = {k: k.padded_size if k.mode is FULL else str(k) for k in victims}
+        results = _Results(names.values())
+        for k in victims:
+            self.residency.evict(k, "budget", lambda r, k=k: results.set(
+                names[k], OpResult(OpOutcome.EVICTED, f"evicted {k} to fit {budget} bytes", r.bytes)))
         return results.future
 
-    def capture(self, sizes: Iterable[int]) -> dict[int, OpResult]:
-        return self._wait(self.capture_async(sizes))
+    def capture(self, sizes: Iterable[int], kind: CudaGraphMode | str = FULL) -> dict[int, OpResult]:
+        return self._wait(self.capture_async(sizes, kind))
 
-    def evict(self, sizes: Iterable[int]) -> dict[int, OpResult]:
-        return self._wait(self.evict_async(sizes))
+    def evict(self, sizes: Iterable[int], kind: CudaGraphMode | str = FULL) -> dict[int, OpResult]:
+        return self._wait(self.evict_async(sizes, kind))
 
     def set_budget(self, value: str | float) -> dict[int, OpResult]:
         return self._wait(self.set_budget_async(value))
@@ -313,7 +338,7 @@ class GraphCache:
     def reset_stats(self) -> None:
         """Zero all counters, since start and persisted; measurements of live graphs are kept."""
         self.stats.reset(
-            {s: (b.graph.nbytes, b.graph.capture_ms) for s, b in self._buckets.items() if b.graph is not None}
+            {k: (b.graph.nbytes, b.graph.capture_ms) for k, b in self._buckets.items() if b.graph is not None}
         )
 
     # ---- persistence, logs, state -------------------------------------------------------------
@@ -327,7 +352,7 @@ class GraphCache:
         self.stats.maybe_save(
             self._clock(),
             lambda: {
-                "captured": sorted(s for s, b in self._buckets.items() if b.graph is not None),
+                "captured": [str(k) for k, b in sorted(self._buckets.items()) if b.graph is not None],
                 "used_bytes": self.used_bytes,
             },
         )
@@ -349,7 +374,7 @@ class GraphCache:
             persisted = self.stats.persisted()
             session = self.stats.session
             entries = [
-                b.entry(session.buckets.get(s), persisted.buckets.get(s)) for s, b in self._buckets.items()
+                b.entry(session.buckets.get(k), persisted.buckets.get(k)) for k, b in sorted(self._buckets.items())
             ]
             return CacheSnapshot(
                 mode=self.mode.value,
@@ -359,13 +384,14 @@ class GraphCache:
                 budget_bytes=self.budget_bytes,
                 used_bytes=self.used_bytes,
                 capture_sizes=self.config.sizes,
+                piecewise_sizes=self._tables[PIECEWISE].sizes if PIECEWISE in self._tables else (),
                 max_batch=self.config.max_batch,
                 buckets=tuple(entries),
-                requested_since_start={n: c.requests for n, c in sorted(session.requested.items())},
-                requested_persisted={n: c.requests for n, c in sorted(persisted.requested.items())},
+                requested_since_start={k: c.requests for k, c in sorted(session.requested.items())},
+                requested_persisted={k: c.requests for k, c in sorted(persisted.requested.items())},
                 requested_detail=tuple(
-                    RequestedSize(n, c.requests, c.replays, dict(c.eager))
-                    for n, c in sorted(session.requested.items())
+                    RequestedSize(k.padded_size, k.mode.value, c.requests, c.replays, dict(c.eager))
+                    for k, c in sorted(session.requested.items())
                 ),
                 warm_queue=tuple(self._warm_queue),
                 stats_file=str(self.stats.store.path) if self.stats.store else None,

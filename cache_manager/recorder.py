@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import structlog
 
+from cache_manager.sizes import BatchDescriptor
 from cache_manager.stats import StatsTables
 from cache_manager.store import StatsStore
 
@@ -44,7 +45,7 @@ class StatsRecorder:
         self._replays = 0
         self._eager = 0
 
-    def replay(self, n: int, bucket: int, now: float) -> None:
+    def replay(self, n: BatchDescriptor, bucket: BatchDescriptor, now: float) -> None:
         with self._lock:
             rc = self.session.req(n)
             rc.requests += 1
@@ -52,12 +53,12 @@ class StatsRecorder:
             rc.last_use = now
             bc = self.session.bucket(bucket)
             bc.replays += 1
-            bc.padded_rows += bucket - n
+            bc.padded_rows += bucket.padded_size - n.padded_size
             bc.last_use = now
             self._replays += 1
             self._dirty = True
 
-    def eager(self, n: int, bucket: int | None, reason: str, now: float) -> None:
+    def eager(self, n: BatchDescriptor, bucket: BatchDescriptor | None, reason: str, now: float) -> None:
         with self._lock:
             rc = self.session.req(n)
             rc.requests += 1
@@ -70,7 +71,7 @@ class StatsRecorder:
             self._eager += 1
             self._dirty = True
 
-    def capture(self, bucket: int, nbytes: int, ms: float) -> None:
+    def capture(self, bucket: BatchDescriptor, nbytes: int, ms: float) -> None:
         with self._lock:
             bc = self.session.bucket(bucket)
             bc.captures += 1
@@ -78,27 +79,27 @@ class StatsRecorder:
             bc.capture_ms = ms
             self._dirty = True
 
-    def failure(self, bucket: int) -> None:
+    def failure(self, bucket: BatchDescriptor) -> None:
         with self._lock:
             self.session.bucket(bucket).failures += 1
             self._dirty = True
 
-    def eviction(self, bucket: int) -> None:
+    def eviction(self, bucket: BatchDescriptor) -> None:
         with self._lock:
             self.session.bucket(bucket).evictions += 1
             self._dirty = True
 
-    def measured_bytes(self) -> dict[int, int]:
-        """Latest measured bytes per bucket, this run's measurement over an earlier run's."""
-        out = {s: c.bytes for s, c in self.loaded.buckets.items() if c.bytes}
-        out.update({s: c.bytes for s, c in self.session.buckets.items() if c.bytes})
+    def measured_bytes(self, kind: object) -> dict[int, int]:
+        """Latest measured bytes per bucket size of one graph kind, this run's over an earlier run's."""
+        out = {k.padded_size: c.bytes for k, c in self.loaded.buckets.items() if c.bytes and k.mode == kind}
+        out.update({k.padded_size: c.bytes for k, c in self.session.buckets.items() if c.bytes and k.mode == kind})
         return out
 
-    def last_use(self, bucket: int) -> float:
+    def last_use(self, bucket: BatchDescriptor) -> float:
         c = self.session.buckets.get(bucket)
         return c.last_use if c is not None and c.last_use is not None else 0.0
 
-    def hot_buckets(self) -> list[int]:
+    def hot_buckets(self) -> list[BatchDescriptor]:
         """Buckets replayed in earlier runs, most replayed first (the warm-start order)."""
         hot = [(c.replays, s) for s, c in self.loaded.buckets.items() if c.replays > 0]
         return [s for _, s in sorted(hot, key=lambda t: (-t[0], t[1]))]
@@ -107,7 +108,7 @@ class StatsRecorder:
         with self._lock:
             return self.loaded.merged(self.session)
 
-    def reset(self, live: dict[int, tuple[int, float]]) -> None:
+    def reset(self, live: dict[BatchDescriptor, tuple[int, float]]) -> None:
         """Zero every counter, since start and persisted; keep the measurements of live graphs."""
         with self._lock:
             self.loaded = StatsTables()

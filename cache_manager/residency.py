@@ -15,6 +15,7 @@ from cache_manager.budget import Candidate, choose_victims, estimate_bytes
 from cache_manager.capturer import CaptureJob, Capturer, ReleaseJob
 from cache_manager.ops import OpOutcome, OpResult
 from cache_manager.recorder import StatsRecorder
+from cache_manager.sizes import BatchDescriptor, CudaGraphMode
 from cache_manager.snapshot import BucketState
 from cache_manager.step import DecodeStep
 
@@ -38,9 +39,9 @@ class Residency:
 
     def __init__(
         self,
-        step: DecodeStep,
+        steps: dict[CudaGraphMode, DecodeStep],
         backend: GraphBackend | None,
-        sizes: tuple[int, ...],
+        sizes: dict[CudaGraphMode, tuple[int, ...]],
         budget_bytes: int,
         stats: StatsRecorder,
         clock: Callable[[], float],
@@ -51,10 +52,10 @@ class Residency:
         notify: Callable[[], None] | None = None,
         on_stall: Callable[[float], None] | None = None,
     ) -> None:
-        self.step = step
+        self.steps = steps
         self.backend = backend
-        self.capturer = Capturer(backend, step, notify) if backend is not None else None
-        self.buckets = {s: Bucket(s) for s in sizes}
+        self.capturer = Capturer(backend, notify) if backend is not None else None
+        self.buckets = {key: Bucket(key) for key in (BatchDescriptor(k, s) for k, ss in sizes.items() for s in ss)}
         self.budget_bytes = budget_bytes
         self.stats = stats
         self._clock = clock
@@ -63,15 +64,16 @@ class Residency:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.on_stall = on_stall  # seconds the engine thread spent on one capture (metrics)
-        self.last_replayed: int | None = None  # its output may still be read by the caller: in use
+        self.last_replayed: BatchDescriptor | None = None  # its output may still be read: in use
         # Bytes that released graphs did not give back to the device (measured at release). They
         # still occupy device memory, so they count against the budget like a live graph.
         self.unreclaimed_bytes = 0
         self.releasing_bytes = 0  # evicted graphs not yet released by the capture thread
-        self.pending: dict[int, CaptureJob] = {}  # size -> capture submitted, not yet committed
+        self.pending: dict[BatchDescriptor, CaptureJob] = {}  # submitted, not yet committed
 
-    def larger_captured(self, size: int) -> int | None:
-        larger = [s for s, b in self.buckets.items() if s > size and b.graph is not None]
+    def larger_captured(self, key: BatchDescriptor) -> BatchDescriptor | None:
+        larger = [k for k, b in self.buckets.items()
+                  if k.mode == key.mode and k.padded_size > key.padded_size and b.graph is not None]
         return min(larger) if larger else None
 
     @property
@@ -85,7 +87,9 @@ class Residency:
         """Estimated bytes of the captures in flight: budget decisions count them as used."""
         return sum(job.estimate for job in self.pending.values())
 
-    def victims(self, need: int, protect: set[int], max_score: float, now: float) -> list[int] | None:
+    def victims(
+        self, need: int, protect: set[BatchDescriptor], max_score: float, now: float
+    ) -> list[BatchDescriptor] | None:
         cands = [
             Candidate(s, b.graph.nbytes, b.heat_at(now, self.half_life_s), self.stats.last_use(s))
             for s, b in self.buckets.items()
@@ -94,8 +98,8 @@ class Residency:
         return choose_victims(cands, need, max_score)
 
     def _victims_for(
-        self, b: Bucket, nbytes: int, need: int, protect: set[int], evict: str, now: float
-    ) -> list[int] | None:
+        self, b: Bucket, nbytes: int, need: int, protect: set[BatchDescriptor], evict: str, now: float
+    ) -> list[BatchDescriptor] | None:
         """Graphs to evict so that `b` (of about `nbytes`) fits, or None when the mode allows none."""
         if evict == "none":
             return None
@@ -106,9 +110,10 @@ class Residency:
     # ---- capture ------------------------------------------------------------------------------
 
     def request_capture(
-        self, size: int, protect: set[int], evict: str, waiter: Callable[[OpResult], None] | None = None
+        self, key: BatchDescriptor, protect: set[BatchDescriptor], evict: str,
+        waiter: Callable[[OpResult], None] | None = None,
     ) -> tuple[OpOutcome | None, str]:
-        """Submit a capture of `size` to the capture thread if its estimate fits the budget.
+        """Submit a capture of `key` to the capture thread if its estimate fits the budget.
 
         evict: "none" (warm start: only into free budget), "policy" (traffic: only graphs worth no
         more per byte than this one), "force" (operator: any graph not in `protect`). Returns
@@ -117,13 +122,13 @@ class Residency:
         """
         assert self.capturer is not None
         started = time.perf_counter()
-        if size in self.pending:
+        if key in self.pending:
             if waiter is not None:
-                self.pending[size].waiters.append(waiter)
+                self.pending[key].waiters.append(waiter)
             return None, ""
-        b = self.buckets[size]
+        b = self.buckets[key]
         now = self._clock()
-        estimate = estimate_bytes(size, self.stats.measured_bytes())
+        estimate = estimate_bytes(key.padded_size, self.stats.measured_bytes(key.mode))
         need = self.used_bytes + self.reserved_bytes + estimate - self.budget_bytes
         if need > 0:
             victims = self._victims_for(b, estimate, need, protect, evict, now)
@@ -134,85 +139,87 @@ class Residency:
                 )
             for v in victims:
                 self.evict(v, reason="budget")
-        job = CaptureJob(size, evict, estimate, frozenset(protect))
+        job = CaptureJob(key, self.steps[key.mode], evict, estimate, frozenset(protect))
         if waiter is not None:
             job.waiters.append(waiter)
         with self._lock:
             job.prior_state = b.state
             b.state = BucketState.CAPTURING
-            self.pending[size] = job
+            self.pending[key] = job
         job.stall_s = time.perf_counter() - started
         self.capturer.submit(job)
         return None, ""
 
-    def commit(self, job: CaptureJob, in_use: int | None) -> OpResult:
+    def commit(self, job: CaptureJob, in_use: BatchDescriptor | None) -> OpResult:
         """Between steps: make a recorded graph replayable within the budget, or count its failure."""
         started = time.perf_counter()
-        size, b = job.size, self.buckets[job.size]
+        key, b = job.key, self.buckets[job.key]
         with self._lock:
-            self.pending.pop(size, None)
+            self.pending.pop(key, None)
         now = self._clock()
         if job.cancelled:
             with self._lock:
                 b.state = job.prior_state
-            return OpResult(OpOutcome.FAILED, f"capture of {size} cancelled: the cache is closing")
+            return OpResult(OpOutcome.FAILED, f"capture of {key} cancelled: the cache is closing")
         if job.graph is None:
             return self._capture_failed(b, job.error, now)
         graph = job.graph
-        self.stats.capture(size, graph.nbytes, graph.capture_ms)
-        protect = set(job.protect) | {size} | ({in_use} if in_use is not None else set())
+        self.stats.capture(key, graph.nbytes, graph.capture_ms)
+        protect = set(job.protect) | {key} | ({in_use} if in_use is not None else set())
         over = self.used_bytes + self.reserved_bytes + graph.nbytes - self.budget_bytes
         if over > 0:
             victims = self._victims_for(b, graph.nbytes, over, protect, job.evict, now)
             if victims is None:
                 with self._lock:
                     b.state = BucketState.EVICTED if job.prior_state is BucketState.EVICTED else BucketState.NOT_CAPTURED
-                self._release(graph, "dropped")
-                log.info("graph_capture_dropped", bucket=size, bytes=graph.nbytes, used=self.used_bytes,
+                self._release(graph, str(key), "dropped")
+                log.info("graph_capture_dropped", bucket=str(key), bytes=graph.nbytes, used=self.used_bytes,
                          budget=self.budget_bytes)
                 return OpResult(OpOutcome.OVER_BUDGET, f"measured {graph.nbytes} bytes does not fit the budget; dropped")
             for v in victims:
                 self.evict(v, reason="budget")
         with self._lock:
-            b.captured(graph, self.step.input_addresses())
+            b.captured(graph, job.step.input_addresses())
         # What the engine thread spent on this capture: the request and this commit. The recording,
         # warm-up and measurement ran on the capture thread (`ms` is the recording alone).
         stall_s = job.stall_s + time.perf_counter() - started
         if self.on_stall is not None:
             self.on_stall(stall_s)
-        log.info("graph_captured", bucket=size, bytes=graph.nbytes, ms=round(graph.capture_ms, 2),
+        log.info("graph_captured", bucket=str(key), bytes=graph.nbytes, ms=round(graph.capture_ms, 2),
                  stall_ms=round(stall_s * 1000.0, 3), ready_ms=round((time.perf_counter() - job.requested_at) * 1000.0, 1))
-        return OpResult(OpOutcome.CAPTURED, f"captured {size}: {graph.nbytes} bytes in {graph.capture_ms:.1f} ms",
+        return OpResult(OpOutcome.CAPTURED, f"captured {key}: {graph.nbytes} bytes in {graph.capture_ms:.1f} ms",
                         graph.nbytes)
 
     def _capture_failed(self, b: Bucket, exc: BaseException | None, now: float) -> OpResult:
         with self._lock:
             b.fail(now, self.backoff_s, self.max_backoff_s)
-        self.stats.failure(b.size)
+        self.stats.failure(b.key)
         reason = f"{type(exc).__name__}: {exc}"
-        log.warning("graph_capture_failed", bucket=b.size, reason=reason, retry_in_s=b.backoff_s)
+        log.warning("graph_capture_failed", bucket=str(b.key), reason=reason, retry_in_s=b.backoff_s)
         return OpResult(OpOutcome.FAILED, reason)
 
     # ---- eviction and release -----------------------------------------------------------------
 
-    def evict(self, size: int, reason: str, waiter: Callable[[OpResult], None] | None = None) -> int:
+    def evict(self, key: BatchDescriptor, reason: str, waiter: Callable[[OpResult], None] | None = None) -> int:
         """Take the graph out of service now; the capture thread releases it after its last replay.
         Returns its measured-at-capture bytes (the release reports what the device got back)."""
-        b = self.buckets[size]
+        b = self.buckets[key]
         graph = b.graph
         assert graph is not None
         with self._lock:
             b.graph = None
             b.state = BucketState.EVICTED
-        self.stats.eviction(size)
-        if self.last_replayed == size:
+        self.stats.eviction(key)
+        if self.last_replayed == key:
             self.last_replayed = None
-        self._release(graph, reason, waiter)
+        self._release(graph, str(key), reason, waiter)
         return graph.nbytes
 
-    def _release(self, graph: CapturedGraph, reason: str, waiter: Callable[[OpResult], None] | None = None) -> None:
+    def _release(
+        self, graph: CapturedGraph, key: str, reason: str, waiter: Callable[[OpResult], None] | None = None
+    ) -> None:
         assert self.capturer is not None
-        job = ReleaseJob(graph, reason, self.backend.fence())
+        job = ReleaseJob(graph, key, reason, self.backend.fence())
         if waiter is not None:
             job.waiters.append(waiter)
         with self._lock:
@@ -227,8 +234,8 @@ class Residency:
             # A release can also free more than measured at capture (memory an earlier graph left behind).
             self.unreclaimed_bytes = max(0, self.unreclaimed_bytes + graph.nbytes - job.freed)
         if job.reason != "dropped":
-            log.info("graph_evicted", bucket=graph.size, bytes=graph.nbytes, bytes_freed=job.freed, reason=job.reason)
-        return OpResult(OpOutcome.EVICTED, f"evicted {graph.size}; {job.freed} bytes returned", job.freed)
+            log.info("graph_evicted", bucket=job.key, bytes=graph.nbytes, bytes_freed=job.freed, reason=job.reason)
+        return OpResult(OpOutcome.EVICTED, f"evicted {job.key}; {job.freed} bytes returned", job.freed)
 
     def close(self, timeout: float) -> bool:
         """Stop the capture thread and release every graph on this thread; False if a capture hung."""

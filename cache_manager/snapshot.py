@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from cache_manager.sizes import BatchDescriptor
 from cache_manager.stats import Counters
 
 
@@ -32,9 +33,11 @@ class BucketCounters:
 
 @dataclass(frozen=True)
 class BucketEntry:
-    """One allowed size. `since_start` counts this process; `persisted` includes earlier runs."""
+    """One allowed size of one graph kind. `since_start` counts this process; `persisted` includes
+    earlier runs."""
 
     size: int
+    kind: str  # "full" (rows of a uniform-decode step) or "piecewise" (tokens of any step)
     state: BucketState
     bytes: int  # measured at the latest capture (0 if never measured)
     capture_ms: float
@@ -46,9 +49,10 @@ class BucketEntry:
 
 @dataclass(frozen=True)
 class RequestedSize:
-    """One requested (unpadded) batch size: how it was served."""
+    """One requested (unpadded) size: how it was served."""
 
     size: int
+    kind: str
     requests: int
     replays: int
     eager_fallbacks: dict[str, int]
@@ -56,7 +60,7 @@ class RequestedSize:
 
 @dataclass(frozen=True)
 class CacheSnapshot:
-    mode: str  # effective mode: "none" on CPU even if "full" was configured
+    mode: str  # effective mode: "none" on CPU even if another was configured
     configured_mode: str
     disabled_reason: str | None
     device: str
@@ -65,9 +69,10 @@ class CacheSnapshot:
     capture_sizes: tuple[int, ...]
     max_batch: int
     buckets: tuple[BucketEntry, ...]
-    requested_since_start: dict[int, int]  # histogram: size -> requests
-    requested_persisted: dict[int, int]
+    requested_since_start: dict[BatchDescriptor, int]  # histogram: (kind, unpadded size) -> requests
+    requested_persisted: dict[BatchDescriptor, int]
     requested_detail: tuple[RequestedSize, ...]  # since start
-    warm_queue: tuple[int, ...]
+    warm_queue: tuple[BatchDescriptor, ...]
     stats_file: str | None
     last_save_time: float | None
+    piecewise_sizes: tuple[int, ...] = ()  # token counts of the piecewise graphs (empty: none)

@@ -1,8 +1,10 @@
-"""Counters per requested (unpadded) batch size and per bucket, their merge and JSON schema."""
+"""Counters per requested (unpadded) size and per bucket, keyed by graph kind, their merge and JSON schema."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+
+from cache_manager.sizes import BatchDescriptor
 
 EAGER_REASONS = ("above_max", "mode_none", "budget", "failed", "capturing")
 _SUMMED = ("requests", "replays", "padded_rows", "captures", "evictions", "failures")
@@ -79,19 +81,20 @@ class Counters:
 
 @dataclass
 class StatsTables:
-    """Counters keyed by requested size and by bucket (padded size)."""
+    """Counters keyed by requested size and by bucket (padded size), each with its graph kind: a
+    requested FULL size is a batch of rows, a requested PIECEWISE size a step's token count."""
 
-    requested: dict[int, Counters] = field(default_factory=dict)
-    buckets: dict[int, Counters] = field(default_factory=dict)
+    requested: dict[BatchDescriptor, Counters] = field(default_factory=dict)
+    buckets: dict[BatchDescriptor, Counters] = field(default_factory=dict)
 
-    def req(self, n: int) -> Counters:
-        return self.requested.setdefault(n, Counters())
+    def req(self, key: BatchDescriptor) -> Counters:
+        return self.requested.setdefault(key, Counters())
 
-    def bucket(self, size: int) -> Counters:
-        return self.buckets.setdefault(size, Counters())
+    def bucket(self, key: BatchDescriptor) -> Counters:
+        return self.buckets.setdefault(key, Counters())
 
     def merged(self, newer: StatsTables) -> StatsTables:
-        def merge(a: dict[int, Counters], b: dict[int, Counters]) -> dict[int, Counters]:
+        def merge(a: dict[BatchDescriptor, Counters], b: dict[BatchDescriptor, Counters]) -> dict:
             return {k: a.get(k, Counters()).merged(b.get(k, Counters())) for k in sorted(a.keys() | b.keys())}
 
         return StatsTables(merge(self.requested, newer.requested), merge(self.buckets, newer.buckets))
@@ -104,18 +107,23 @@ class StatsTables:
 
     @classmethod
     def from_json(cls, data: object) -> StatsTables:
+        """Keys "full:8" / "piecewise:128"; a bare "8" (stats format 1) is FULL."""
         if not isinstance(data, dict):
             raise ValueError("stats tables must be an object")
 
-        def table(name: str) -> dict[int, Counters]:
+        def table(name: str) -> dict[BatchDescriptor, Counters]:
             raw = data.get(name)
             if not isinstance(raw, dict):
-                raise ValueError(f"{name!r} must be an object keyed by batch size")
-            out: dict[int, Counters] = {}
+                raise ValueError(f"{name!r} must be an object keyed by graph kind and size")
+            out: dict[BatchDescriptor, Counters] = {}
             for key, value in raw.items():
-                if not (isinstance(key, str) and key.isdigit() and int(key) >= 1):
-                    raise ValueError(f"{name!r} key {key!r} is not a positive batch size")
-                out[int(key)] = Counters.from_json(value)
+                try:
+                    descriptor = BatchDescriptor.parse(key) if isinstance(key, str) else None
+                except ValueError:
+                    descriptor = None
+                if descriptor is None:
+                    raise ValueError(f"{name!r} key {key!r} is not a positive size (optionally kind:size)")
+                out[descriptor] = Counters.from_json(value)
             return out
 
         return cls(table("requested"), table("buckets"))

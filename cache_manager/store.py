@@ -12,7 +12,8 @@ import structlog
 
 from cache_manager.stats import StatsTables
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: keys carry the graph kind ("piecewise:128"); 1 (bare sizes, FULL) is read too
+READABLE_VERSIONS = (1, 2)
 log = structlog.get_logger("cache_manager")
 
 
@@ -59,8 +60,8 @@ class StatsStore:
             data = json.loads(raw.decode("utf-8"))
             if not isinstance(data, dict):
                 raise ValueError("top level is not an object")
-            if data.get("format_version") != FORMAT_VERSION:
-                raise ValueError(f"format_version {data.get('format_version')!r} != {FORMAT_VERSION}")
+            if data.get("format_version") not in READABLE_VERSIONS:
+                raise ValueError(f"format_version {data.get('format_version')!r} is not one of {READABLE_VERSIONS}")
             if not isinstance(data.get("fingerprint"), dict):
                 raise ValueError("missing fingerprint")
             tables = StatsTables.from_json(data.get("stats"))

@@ -108,3 +108,10 @@ class CountingStep:
 
     def input_addresses(self) -> tuple[int, ...]:
         return (self.inputs.data_ptr(),)
+
+
+def full_sizes(keys: dict | tuple) -> dict | tuple:
+    """The FULL graphs' sizes of a snapshot's table keyed by BatchDescriptor (dict) or of its queue (tuple)."""
+    if isinstance(keys, dict):
+        return {k.padded_size: v for k, v in keys.items() if k.mode.value == "full"}
+    return tuple(k.padded_size for k in keys if k.mode.value == "full")

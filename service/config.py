@@ -19,6 +19,9 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message says which flag and what to change."""
 
 
+GRAPH_MODES = ("none", "full", "piecewise", "full_and_piecewise")
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     model: str = "builtin:tiny"
@@ -39,7 +42,7 @@ class ServeConfig:
     max_lora_rank: int = 16
     lora_kernel: str = "stacked"  # stacked | gather (service.model.lora)
     # Graph cache
-    cudagraph_mode: str = "full"  # none | full (CPU always runs none)
+    cudagraph_mode: str = "full_and_piecewise"  # none | full | piecewise | full_and_piecewise (CPU runs none)
     capture_sizes: str | None = None
     graph_memory_budget: str | None = None
     stats_file: Path | None = None
@@ -101,7 +104,8 @@ class ServeConfig:
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
             f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}",
         )
-        need(self.cudagraph_mode in ("none", "full"), f"--cudagraph-mode must be none or full, not {self.cudagraph_mode!r}")
+        need(self.cudagraph_mode.lower() in GRAPH_MODES,
+             f"--cudagraph-mode must be one of {', '.join(GRAPH_MODES)} (any case), not {self.cudagraph_mode!r}")
         need(self.log_format in ("auto", "json", "console"), "--log-format must be auto, json or console")
         for name in ("port", "admin_port", "metrics_port"):
             value = getattr(self, name)
@@ -144,9 +148,12 @@ class ServeConfig:
                 raise ConfigError(f"--graph-memory-budget: {exc}") from None
         if self.capture_sizes is not None:
             try:
-                parse_capture_sizes(self.capture_sizes, self.max_running_seqs)
+                sizes = parse_capture_sizes(self.capture_sizes, max(self.max_running_seqs, self.max_num_batched_tokens))
             except ValueError as exc:
                 raise ConfigError(f"--capture-sizes: {exc}") from None
+            need(min(sizes) <= self.max_running_seqs,
+                 f"--capture-sizes: {self.capture_sizes!r} holds no size for a decode batch (<= --max-running-seqs "
+                 f"{self.max_running_seqs})")
         for name in ("tls_cert", "tls_key", "tls_client_ca", "admin_token_file"):
             path = getattr(self, name)
             need(path is None or Path(path).is_file(), f"--{name.replace('_', '-')}: no such file: {path}")
@@ -214,8 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lora-kernel", default=d.lora_kernel, choices=["stacked", "gather"],
                    help="how the batched LoRA products run (bench/lora_bench.py compares them)")
     g = p.add_argument_group("graph cache")
-    g.add_argument("--cudagraph-mode", default=d.cudagraph_mode, choices=["none", "full"])
-    g.add_argument("--capture-sizes", default=None, help="comma-separated batch sizes (default 1,2,4,8,16,...)")
+    g.add_argument("--cudagraph-mode", default=d.cudagraph_mode, type=str.lower, choices=GRAPH_MODES,
+                   help="full: a graph per uniform-decode batch; piecewise: per-layer graphs of any step, attention "
+                        "eager between them; full_and_piecewise (default): full for decode, piecewise for the rest")
+    g.add_argument("--capture-sizes", default=None,
+                   help="comma-separated token counts; full graphs use those <= --max-running-seqs, piecewise "
+                        "those <= --max-num-batched-tokens (default: 1,2,4,8,16,24,...,max-running-seqs for full; "
+                        "1,2,4,...,512 for piecewise)")
     g.add_argument("--graph-memory-budget", default=None, help="bytes (8GiB) or a fraction of device memory")
     g.add_argument("--stats-file", type=Path, default=None, help="capture-size statistics, kept across restarts")
     g.add_argument("--warm-start", dest="warm_start", action="store_true", default=d.warm_start)

@@ -134,23 +134,25 @@ def format_state(s: admin_pb2.CacheState) -> str:
     head = (f"graph cache: mode {s.mode} on {s.device}, {captured} of {len(s.buckets)} buckets captured, "
             f"used {human_bytes(s.used_bytes)} of budget {human_bytes(s.budget_bytes)}, max batch {s.max_batch}")
     rows = [
-        (b.size, _state_name(b.state), human_bytes(b.bytes) if b.bytes else "-", human_ms(b.capture_ms),
-         b.replays, b.padded_rows, b.eager_fallbacks, b.failures, human_ago(b.last_use_unix))
+        (b.kind or "full", b.size, _state_name(b.state), human_bytes(b.bytes) if b.bytes else "-",
+         human_ms(b.capture_ms), b.replays, b.padded_rows, b.eager_fallbacks, b.failures, human_ago(b.last_use_unix))
         for b in s.buckets
     ]
-    body = table(["size", "state", "bytes", "capture", "replays", "padded", "eager", "failures", "last use"],
-                 rows, left=(1, 8))
-    notes = [f"bucket {b.size}: {b.failure_reason}" for b in s.buckets if b.failure_reason]
-    parts = [head, body, *notes]
+    # Graphs of batches with LoRA adapter rows: a cache of their own, listed as kind "full+lora".
+    rows += [
+        ("full+lora", b.size, _state_name(b.state), human_bytes(b.bytes) if b.bytes else "-",
+         human_ms(b.capture_ms), b.replays, b.padded_rows, b.eager_fallbacks, b.failures, human_ago(b.last_use_unix))
+        for b in s.lora_buckets
+    ]
     if s.lora_buckets:
         lora_captured = sum(b.state == admin_pb2.BUCKET_STATE_CAPTURED for b in s.lora_buckets)
-        parts.append(f"LoRA graphs (batches with any adapter row): {lora_captured} of {len(s.lora_buckets)} buckets "
-                     f"captured, used {human_bytes(s.lora_used_bytes)}")
-        parts.append(table(["size", "state", "bytes", "capture", "replays", "padded", "eager", "failures", "last use"],
-                           [(b.size, _state_name(b.state), human_bytes(b.bytes) if b.bytes else "-",
-                             human_ms(b.capture_ms), b.replays, b.padded_rows, b.eager_fallbacks, b.failures,
-                             human_ago(b.last_use_unix)) for b in s.lora_buckets], left=(1, 8)))
-    return "\n".join(parts)
+        head += (f"\nLoRA graphs (batches with any adapter row): {lora_captured} of {len(s.lora_buckets)} buckets "
+                 f"captured, used {human_bytes(s.lora_used_bytes)}")
+    body = table(["kind", "size", "state", "bytes", "capture", "replays", "padded", "eager", "failures", "last use"],
+                 rows, left=(0, 2, 9))
+    notes = [f"bucket {b.kind or 'full'}:{b.size}: {b.failure_reason}" for b in s.buckets if b.failure_reason]
+    notes += [f"bucket full+lora:{b.size}: {b.failure_reason}" for b in s.lora_buckets if b.failure_reason]
+    return "\n".join([head, body, *notes])
 
 
 def format_adapters(r: admin_pb2.ListAdaptersResponse) -> str:
@@ -171,25 +173,28 @@ def _reasons(counts: Sequence[admin_pb2.ReasonCount]) -> str:
 
 def format_stats(s: admin_pb2.CaptureStats) -> str:
     saved = f"last saved {human_ago(s.last_save_unix)}" if s.stats_file else "not persisted"
-    lines = [f"stats file: {s.stats_file or '-'} ({saved})", "", "requested batch sizes (decode steps):"]
-    persisted = {c.size: c.count for c in s.persisted.requested_sizes}
-    since = {c.size: c.count for c in s.since_start.requested_sizes}
-    sizes = sorted(persisted.keys() | since.keys())
-    lines.append(table(["size", "since start", "persisted"],
-                       [(n, since.get(n, 0), persisted.get(n, 0)) for n in sizes]) if sizes else "  none yet")
+    lines = [f"stats file: {s.stats_file or '-'} ({saved})", "",
+             "requested sizes (full: rows of a decode step; piecewise: tokens of a step):"]
+    persisted = {(c.kind or "full", c.size): c.count for c in s.persisted.requested_sizes}
+    since = {(c.kind or "full", c.size): c.count for c in s.since_start.requested_sizes}
+    keys = sorted(persisted.keys() | since.keys())
+    lines.append(table(["kind", "size", "since start", "persisted"],
+                       [(*k, since.get(k, 0), persisted.get(k, 0)) for k in keys], left=(0,)) if keys else "  none yet")
     for title, view in (("since start", s.since_start), ("persisted", s.persisted)):
         lines += ["", f"buckets ({title}):"]
-        rows = [(b.size, b.replays, b.captures, b.evictions, b.failures, b.padded_rows, _reasons(b.eager_fallbacks))
-                for b in view.buckets]
-        lines.append(table(["size", "replays", "captures", "evictions", "failures", "padded", "eager"],
-                           rows, left=(6,)))
+        rows = [(b.kind or "full", b.size, b.replays, b.captures, b.evictions, b.failures, b.padded_rows,
+                 _reasons(b.eager_fallbacks)) for b in view.buckets]
+        lines.append(table(["kind", "size", "replays", "captures", "evictions", "failures", "padded", "eager"],
+                           rows, left=(0, 7)))
         lines.append(f"eager fallbacks ({title}): {_reasons(view.eager_fallbacks)}")
     return "\n".join(lines)
 
 
 def format_operation(r: admin_pb2.OperationResponse) -> str:
-    rows = [(x.size, x.outcome, human_bytes(x.bytes) if x.bytes else "-", x.message) for x in r.results]
-    lines = [table(["size", "outcome", "bytes", "message"], rows, left=(1, 3))] if rows else ["nothing evicted"]
+    rows = [(x.kind or "full", x.size, x.outcome, human_bytes(x.bytes) if x.bytes else "-", x.message)
+            for x in r.results]
+    lines = [table(["kind", "size", "outcome", "bytes", "message"], rows, left=(0, 2, 4))] if rows \
+        else ["nothing evicted"]
     lines.append(f"used {human_bytes(r.used_bytes)} of budget {human_bytes(r.budget_bytes)}")
     return "\n".join(lines)
 
@@ -273,7 +278,7 @@ def run_command(args: argparse.Namespace, stub: admin_pb2_grpc.GraphCacheAdminSt
         return r, "stats reset (since start and persisted)", EXIT_OK
     if args.command in ("capture", "evict"):
         method = stub.Capture if args.command == "capture" else stub.Evict
-        r = call(method, admin_pb2.SizesRequest(sizes=args.sizes))
+        r = call(method, admin_pb2.SizesRequest(sizes=args.sizes, kind=args.kind))
     else:
         r = call(stub.SetBudget, admin_pb2.SetBudgetRequest(budget_bytes=args.budget))
     code = EXIT_REFUSED if any(x.outcome in NOT_DONE for x in r.results) else EXIT_OK
@@ -315,8 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
     command("state", "buckets, their state, memory and counters")
     command("stats", "requested-size histogram and per-bucket counters, since start and persisted")
     for name, verb in (("capture", "capture now"), ("evict", "evict now")):
-        c = command(name, f"{verb} the graphs of these batch sizes")
+        c = command(name, f"{verb} the graphs of these sizes")
         c.add_argument("sizes", nargs="+", type=_size, metavar="SIZE")
+        c.add_argument("--kind", choices=["full", "piecewise"], default="full",
+                       help="full: a whole decode step, SIZE rows (default); piecewise: any step, SIZE tokens")
     b = command("budget", "set the graph memory budget (evicts until the graphs fit)")
     b.add_argument("budget", metavar="BYTES", help="e.g. 8GiB, 512MiB or 1000000")
     command("reset-stats", "zero every counter, since start and persisted")

@@ -73,10 +73,12 @@ def load_runner(c: ServeConfig) -> LoadedRunner:
     loaded = load_model(c.model, device, dtype, c.model_cache_dir)
     max_seq_len = min(c.max_seq_len, loaded.spec.max_position_embeddings)
     mode = CudaGraphMode.parse(c.cudagraph_mode) if device.type == "cuda" else CudaGraphMode.NONE
+    largest = max(c.max_running_seqs, c.max_num_batched_tokens)
     graph_config = GraphCacheConfig(
         mode=mode,
-        capture_sizes=parse_capture_sizes(c.capture_sizes, c.max_running_seqs) if c.capture_sizes else None,
+        capture_sizes=parse_capture_sizes(c.capture_sizes, largest) if c.capture_sizes else None,
         max_batch=c.max_running_seqs,
+        max_tokens=c.max_num_batched_tokens,
         memory_budget=c.graph_memory_budget,
         stats_file=c.stats_file,
         warm_start=c.warm_start,

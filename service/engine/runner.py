@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from cache_manager import Fingerprint, GraphCache, GraphCacheConfig
+from cache_manager import CudaGraphMode, Fingerprint, GraphBackend, GraphCache, GraphCacheConfig
+from cache_manager.sizes import FULL, PIECEWISE
 from service.engine.decode_step import LoraDecodeStep, ModelDecodeStep
+from service.engine.piecewise_step import PiecewiseStep
 from service.engine.sampler import SamplingBatch, sample
 from service.engine.scheduler import PrefillChunk
 from service.engine.sequence import Sequence
@@ -31,7 +33,10 @@ from service.model.step_batch import ChunkSpec, build_step_batch
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_running: int, max_seq_len: int, graph_config: GraphCacheConfig,
-                 max_loras: int = 0, max_lora_rank: int = 16, lora_kernel: str = "stacked") -> None:
+                 graph_backend: GraphBackend | None = None, max_loras: int = 0, max_lora_rank: int = 16,
+                 lora_kernel: str = "stacked") -> None:
+        """graph_backend: None for the CUDA one on a GPU (tests give a fake one to run graphs' logic on a CPU).
+        max_loras > 0: adapter slots (service.model.lora) and a second graph cache for batches with adapters."""
         self.loaded = loaded
         self.device = loaded.device
         self.kv = KVCache(loaded.spec, max_running, max_seq_len, loaded.device, loaded.dtype)
@@ -46,7 +51,13 @@ class ModelRunner:
             capture_sizes=graph_config.sizes,
             max_batch=max_running,
         )
-        self.graphs = GraphCache(self.decode_step, graph_config, self.device, fingerprint)
+        # Any step with a prompt chunk (and every step in mode piecewise) runs as pieces split at
+        # attention; the graph cache replays them per token-count bucket when the mode has PIECEWISE.
+        self.piecewise_step = (
+            PiecewiseStep(self.pieces, self.kv, graph_config.max_tokens, self.device) if graph_config.max_tokens else None
+        )
+        self.graphs = GraphCache(self.decode_step, graph_config, self.device, fingerprint, graph_backend,
+                                 piecewise_step=self.piecewise_step)
         # Adapters: fixed slot buffers, and a second graph cache over the LoRA decode step, so that
         # base-only batches keep graphs without LoRA kernels (see LoraDecodeStep).
         self.lora: LoraSlots | None = None
@@ -56,10 +67,12 @@ class ModelRunner:
             self.pieces.lora = self.lora
             self.lora_step = LoraDecodeStep(self.decode_step, self.lora)
             stats = graph_config.stats_file
+            # FULL decode graphs only: a mixed step with adapter rows runs its pieces eagerly (for now).
             lora_config = dataclasses.replace(
-                graph_config, stats_file=None if stats is None else stats.with_name(stats.name + ".lora"))
+                graph_config, stats_file=None if stats is None else stats.with_name(stats.name + ".lora"),
+                mode=CudaGraphMode.FULL if graph_config.mode.has_full else CudaGraphMode.NONE, max_tokens=0)
             lora_fingerprint = dataclasses.replace(fingerprint, model=f"{loaded.name}+lora:{max_loras}x{max_lora_rank}")
-            self.lora_graphs = GraphCache(self.lora_step, lora_config, self.device, lora_fingerprint, lora=True)
+            self.lora_graphs = GraphCache(self.lora_step, lora_config, self.device, lora_fingerprint, graph_backend)
         # Sampled tokens come back through pinned buffers; waiting on an event (which releases the
         # GIL) instead of a blocking copy lets other threads run while the GPU works.
         on_cuda = self.device.type == "cuda"
@@ -99,7 +112,10 @@ class ModelRunner:
         running decodes and the prompt chunks. A decode whose input token is still pending (sampled
         by the previous launch, not yet read by the host) takes it from that launch's device tokens."""
         assert decodes or prefills, "an empty step"
-        tokens = self.mixed(decodes, prefills) if prefills else self.decode(decodes)
+        # Dispatch: uniform decode -> FULL graphs (or eager decode kernels); anything else, and
+        # uniform decode when the mode keeps only PIECEWISE graphs -> the pieces.
+        as_pieces = bool(prefills) or (self.graphs.serves(PIECEWISE) and not self.graphs.serves(FULL))
+        tokens = self.mixed(decodes, prefills) if as_pieces else self.decode(decodes)
         sampling = decodes + [c.seq for c in prefills if c.completes_prompt]
         self._previous = {seq.key: row for row, seq in enumerate(sampling)}, tokens
         if self._tokens_ready is None:
@@ -143,7 +159,13 @@ class ModelRunner:
             d = len(decodes)
             from_previous = previous_tokens[batch.pending_rows.clamp(min=0)]
             batch.input_ids[:d] = torch.where(batch.pending_rows >= 0, from_previous, batch.input_ids[:d])
-        logits = self.pieces.forward(batch)
+        # Piecewise graphs hold no LoRA products: a step with adapter rows runs its pieces eagerly.
+        if self.piecewise_step is not None and self.graphs.serves(PIECEWISE) and lora_slots is None:
+            self.piecewise_step.write(batch)
+            hidden = self.graphs.run(batch.size, PIECEWISE)  # replayed pieces, or eager above the largest
+            logits = self.loaded.model.logits(hidden[batch.sample_rows])
+        else:
+            logits = self.pieces.forward(batch)
         sampling = decodes + [c.seq for c in chunks if c.completes_prompt]
         if not sampling:  # every chunk leaves part of its prompt for a later step
             return torch.zeros(0, dtype=torch.long, device=self.device)

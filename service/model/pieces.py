@@ -69,11 +69,15 @@ class PiecewiseForward:
         q = m.rope_kv_write(layer, qkv, state.cos, state.sin, slot_ids, positions, self.kv)
         return PieceState(x, state.cos, state.sin, q)
 
-    def last(self, state: PieceState, attn: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
-        """Finishes the last layer -> float32 logits [R, V] of sample_rows."""
+    def last_hidden(self, state: PieceState, attn: torch.Tensor) -> torch.Tensor:
+        """Finishes the last layer -> the final normed hidden states [S, hidden] of every row."""
         m = self.model
         x, delta = m.model.layers[-1].post_attention(state.x, attn, m.fast)
-        return m.logits(m.final_norm(x, delta)[sample_rows])
+        return m.final_norm(x, delta)
+
+    def last(self, state: PieceState, attn: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
+        """Finishes the last layer -> float32 logits [R, V] of sample_rows."""
+        return self.model.logits(self.last_hidden(state, attn)[sample_rows])
 
     def attention(self, layer: int, state: PieceState, batch: StepBatch) -> torch.Tensor:
         return self.model.step_attention(layer, state.q, batch, self.kv)

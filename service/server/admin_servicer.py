@@ -18,6 +18,7 @@ import grpc
 import structlog
 
 from cache_manager import (
+    BatchDescriptor,
     BucketCounters,
     BucketEntry,
     BucketState,
@@ -57,7 +58,7 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
         return admin_pb2.CacheState(
             mode=snap.mode, device=snap.device, budget_bytes=snap.budget_bytes, used_bytes=snap.used_bytes,
             capture_sizes=list(snap.capture_sizes), max_batch=snap.max_batch,
-            buckets=[_bucket_entry(b) for b in snap.buckets],
+            buckets=[_bucket_entry(b) for b in snap.buckets], piecewise_sizes=list(snap.piecewise_sizes),
             lora_buckets=[_bucket_entry(b) for b in lora.buckets] if lora is not None else [],
             lora_used_bytes=lora.used_bytes if lora is not None else 0,
         )
@@ -79,13 +80,14 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
 
     async def Capture(self, request: admin_pb2.SizesRequest,
                       context: grpc.aio.ServicerContext) -> admin_pb2.OperationResponse:
-        sizes = await self._checked_sizes(request.sizes, context)
-        return await self._operate(context, "capture", lambda: self.graphs.capture(sizes), sizes=sizes)
+        sizes, kind = await self._checked_sizes(request, context)
+        return await self._operate(context, "capture", lambda: self.graphs.capture(sizes, kind), kind=kind,
+                                   sizes=sizes)
 
     async def Evict(self, request: admin_pb2.SizesRequest,
                     context: grpc.aio.ServicerContext) -> admin_pb2.OperationResponse:
-        sizes = await self._checked_sizes(request.sizes, context)
-        return await self._operate(context, "evict", lambda: self.graphs.evict(sizes), sizes=sizes)
+        sizes, kind = await self._checked_sizes(request, context)
+        return await self._operate(context, "evict", lambda: self.graphs.evict(sizes, kind), kind=kind, sizes=sizes)
 
     async def SetBudget(self, request: admin_pb2.SetBudgetRequest,
                         context: grpc.aio.ServicerContext) -> admin_pb2.OperationResponse:
@@ -97,7 +99,7 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"budget_bytes {budget} is absurd (more than {MAX_BUDGET_BYTES} bytes)")
 
-        def set_budget() -> dict[int, OpResult]:
+        def set_budget() -> dict[Any, OpResult]:
             backend = self.graphs.backend
             total = backend.total_memory() if backend is not None else None
             if total is not None and budget > total:
@@ -169,18 +171,24 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
 
     # ---- helpers ------------------------------------------------------------------------------
 
-    async def _checked_sizes(self, sizes: Iterable[int], context: grpc.aio.ServicerContext) -> list[int]:
-        """Unique sizes in request order; INVALID_ARGUMENT (naming the allowed ones) otherwise."""
-        unique = list(dict.fromkeys(sizes))
-        allowed = self.graphs.config.sizes
+    async def _checked_sizes(
+        self, request: admin_pb2.SizesRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[list[int], str]:
+        """Unique sizes in request order and the graph kind; INVALID_ARGUMENT (naming the allowed
+        ones) otherwise."""
+        kind = request.kind.strip().lower() or "full"
+        if kind not in ("full", "piecewise"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kind {request.kind!r}: use full or piecewise")
+        unique = list(dict.fromkeys(request.sizes))
+        allowed = self.graphs.config.sizes if kind == "full" else self.graphs.config.piecewise_sizes
         if not unique:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"give at least one size; allowed: {list(allowed)}")
         bad = [s for s in unique if s not in allowed]
         if bad:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"sizes {bad} are not capture sizes; allowed: {list(allowed)}")
-        return unique
+                                f"sizes {bad} are not {kind} capture sizes; allowed: {list(allowed)}")
+        return unique, kind
 
     async def _read(self, context: grpc.aio.ServicerContext, fn: Callable[[], Any]) -> Any:
         try:
@@ -188,17 +196,20 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
         except Exception as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine did not answer ({exc}); retry shortly")
 
-    async def _operate(self, context: grpc.aio.ServicerContext, op: str,
-                       fn: Callable[[], dict[int, OpResult]], **fields: Any) -> admin_pb2.OperationResponse:
-        def run() -> tuple[dict[int, OpResult], int, int]:
+    async def _operate(self, context: grpc.aio.ServicerContext, op: str, fn: Callable[[], dict[Any, OpResult]],
+                       kind: str = "full", **fields: Any) -> admin_pb2.OperationResponse:
+        """fn's results are keyed by size (of `kind`) or by BatchDescriptor (set_budget: any kind)."""
+        def run() -> tuple[dict[Any, OpResult], int, int]:
             results = fn()
             return results, self.graphs.budget_bytes, self.graphs.used_bytes
 
         results, budget, used = await self._on_engine(context, op, run)
         log.info("admin_operation", op=op, **fields,
-                 results={s: r.outcome.value for s, r in results.items()}, used_bytes=used, budget_bytes=budget)
+                 results={str(s): r.outcome.value for s, r in results.items()}, used_bytes=used, budget_bytes=budget)
+        keys = {s: (s.padded_size, s.mode.value) if isinstance(s, BatchDescriptor) else (s, kind) for s in results}
         return admin_pb2.OperationResponse(
-            results=[admin_pb2.SizeResult(size=s, outcome=r.outcome.value, message=r.message, bytes=r.bytes)
+            results=[admin_pb2.SizeResult(size=keys[s][0], kind=keys[s][1], outcome=r.outcome.value,
+                                          message=r.message, bytes=r.bytes)
                      for s, r in results.items()],
             budget_bytes=budget, used_bytes=used,
         )
@@ -227,7 +238,7 @@ def _bucket_entry(b: BucketEntry) -> admin_pb2.BucketEntry:
     if b.state is BucketState.FAILED and b.retry_at is not None:
         reason = f"capture failed; lazy capture retries in {max(0.0, b.retry_at - time.time()):.0f} s"
     return admin_pb2.BucketEntry(
-        size=b.size, state=_STATES[b.state], bytes=b.bytes, capture_ms=b.capture_ms,
+        size=b.size, kind=b.kind, state=_STATES[b.state], bytes=b.bytes, capture_ms=b.capture_ms,
         replays=c.replays, padded_rows=c.padded_rows, eager_fallbacks=sum(c.eager_fallbacks.values()),
         failures=c.failures, captures=c.captures, evictions=c.evictions,
         last_use_unix=b.last_use or 0.0, failure_reason=reason,
@@ -253,16 +264,17 @@ def _sum_reasons(tables: Iterable[dict[str, int]]) -> dict[str, int]:
 
 def _bucket_counters(b: BucketEntry, c: BucketCounters) -> admin_pb2.BucketCounters:
     return admin_pb2.BucketCounters(
-        size=b.size, replays=c.replays, captures=c.captures, evictions=c.evictions, failures=c.failures,
+        size=b.size, kind=b.kind, replays=c.replays, captures=c.captures, evictions=c.evictions, failures=c.failures,
         padded_rows=c.padded_rows, eager_fallbacks=_reason_counts(c.eager_fallbacks),
         capture_ms=b.capture_ms, bytes=b.bytes,
     )
 
 
-def _stats_view(snap: CacheSnapshot, requested: dict[int, int], which: str,
+def _stats_view(snap: CacheSnapshot, requested: dict[BatchDescriptor, int], which: str,
                 eager: dict[str, int]) -> admin_pb2.StatsView:
     return admin_pb2.StatsView(
-        requested_sizes=[admin_pb2.SizeCount(size=n, count=c) for n, c in sorted(requested.items())],
+        requested_sizes=[admin_pb2.SizeCount(size=k.padded_size, kind=k.mode.value, count=c)
+                         for k, c in sorted(requested.items())],
         buckets=[_bucket_counters(b, getattr(b, which)) for b in snap.buckets],
         eager_fallbacks=_reason_counts(eager),
     )

@@ -308,11 +308,11 @@ class RemoteGraphs:
     def persisted_stats(self) -> Any:
         return self._engine.remote("persisted_stats")
 
-    def capture(self, sizes: Any) -> Any:
-        return self._engine.remote("capture", list(sizes))
+    def capture(self, sizes: Any, kind: str = "full") -> Any:
+        return self._engine.remote("capture", list(sizes), kind)
 
-    def evict(self, sizes: Any) -> Any:
-        return self._engine.remote("evict", list(sizes))
+    def evict(self, sizes: Any, kind: str = "full") -> Any:
+        return self._engine.remote("evict", list(sizes), kind)
 
     def set_budget(self, value: Any) -> Any:
         return self._engine.remote("set_budget", value)

@@ -65,18 +65,19 @@ class GraphCacheCollector(Collector):
         snap = self._snapshot()
         if snap is None:
             return
-        replays = CounterMetricFamily(f"{self.prefix}_replays", "Decode steps served by replaying a captured graph.",
-                                      labels=["bucket"])
-        padded = CounterMetricFamily(f"{self.prefix}_padded_rows", "Padding rows run by replays (wasted rows).",
-                                     labels=["bucket"])
+        # kind: "full" (bucket = rows of a uniform-decode step) or "piecewise" (bucket = tokens of any step)
+        replays = CounterMetricFamily(f"{self.prefix}_replays", "Steps served by replaying a captured graph.",
+                                      labels=["kind", "bucket"])
+        padded = CounterMetricFamily(f"{self.prefix}_padded_rows", "Padding rows (or tokens) run by replays.",
+                                     labels=["kind", "bucket"])
         capture_s = GaugeMetricFamily(f"{self.prefix}_capture_seconds",
-                                      "Duration of the latest capture of each bucket.", labels=["bucket"])
+                                      "Duration of the latest capture of each bucket.", labels=["kind", "bucket"])
         bucket_bytes = GaugeMetricFamily(f"{self.prefix}_bucket_bytes",
-                                         "Measured memory of each bucket's latest capture.", labels=["bucket"])
+                                         "Measured memory of each bucket's latest capture.", labels=["kind", "bucket"])
         states: dict[str, int] = {}
         captures = evictions = failures = 0
         for b in snap.buckets:
-            label = [str(b.size)]
+            label = [b.kind, str(b.size)]
             c = b.since_start
             replays.add_metric(label, c.replays)
             padded.add_metric(label, c.padded_rows)
@@ -89,14 +90,14 @@ class GraphCacheCollector(Collector):
             failures += c.failures
             state = getattr(b.state, "value", str(b.state))
             states[state] = states.get(state, 0) + 1
-        eager: dict[str, int] = {}
+        eager: dict[tuple[str, str], int] = {}
         for r in snap.requested_detail:
             for reason, count in r.eager_fallbacks.items():
-                eager[reason] = eager.get(reason, 0) + count
+                eager[r.kind, reason] = eager.get((r.kind, reason), 0) + count
         fallbacks = CounterMetricFamily(f"{self.prefix}_eager_fallbacks",
-                                        "Decode steps run eagerly, by reason.", labels=["reason"])
-        for reason, count in sorted(eager.items()):
-            fallbacks.add_metric([reason], count)
+                                        "Steps run eagerly, by graph kind and reason.", labels=["kind", "reason"])
+        for (kind, reason), count in sorted(eager.items()):
+            fallbacks.add_metric([kind, reason], count)
         buckets = GaugeMetricFamily(f"{self.prefix}_buckets", "Allowed graph sizes by state.", labels=["state"])
         for state, count in sorted(states.items()):
             buckets.add_metric([state], count)

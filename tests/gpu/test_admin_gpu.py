@@ -87,7 +87,10 @@ def test_capture_then_evict_gives_the_memory_back(gpu_server, capsys) -> None:
     free_captured = device_free_bytes()
     grown = free0 - free_captured
     assert grown > 0
-    assert nbytes >= 0.9 * grown  # bytes = max(pool growth, driver free-memory drop)
+    # bytes = max(pool, driver free-memory drop at capture). The driver takes one more 2 MiB block
+    # for the instantiated graph at its first launch, which a capture beside serving cannot see
+    # (it may not launch the graph: that would run it on the live inputs).
+    assert nbytes >= 0.9 * grown - 2 * 2**20, (nbytes, grown)
 
     response = ctl.json("evict", "8")
     assert [r["outcome"] for r in response["results"]] == ["evicted"]

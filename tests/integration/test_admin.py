@@ -110,11 +110,11 @@ def test_table_names_every_bucket(admin: Admin, capsys) -> None:
     assert code == 0, err
     assert out.startswith(f"graph cache: mode none on {device_of(admin)}")
     rows = [line.split() for line in out.splitlines()[2:]]
-    assert [int(r[0]) for r in rows] == SIZES
-    assert all(r[1] == "not_captured" for r in rows)
+    assert [r[0] for r in rows] == ["full"] * len(SIZES) and [int(r[1]) for r in rows] == SIZES
+    assert all(r[2] == "not_captured" for r in rows)
     code, out, err = admin.ctl(capsys, "stats")
     assert code == 0, err
-    assert "requested batch sizes" in out and "mode_none" in out
+    assert "requested sizes" in out and "mode_none" in out
 
 
 def test_global_flags_go_before_or_after_the_command(admin: Admin, capsys) -> None:
@@ -291,7 +291,7 @@ def test_capture_evict_and_budget_with_fake_graphs(fake_graphs_admin: Admin, cap
         16: "captured", 4: "captured"}
 
     code, out, _ = admin.ctl(capsys, "state")
-    rows = {int(r.split()[0]): r.split()[1] for r in out.splitlines()[2:]}
+    rows = {int(r.split()[1]): r.split()[2] for r in out.splitlines()[2:]}
     assert rows == {1: "not_captured", 2: "not_captured", 4: "captured", 8: "captured", 16: "captured"}
 
     response = admin.ctl_json(capsys, "budget", "10000")

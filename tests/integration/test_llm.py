@@ -178,9 +178,9 @@ def test_keywords_are_checked_before_loading() -> None:
     with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) 'max_num_seq'; valid keywords: model, "
                                         r"tensor_parallel_size, .*max_running_seqs"):
         LLM(model="builtin:tiny", max_num_seq=8)
-    with pytest.raises(ConfigError, match="cudagraph_mode must be none or full, not 'sometimes'"):
+    with pytest.raises(ConfigError, match="cudagraph_mode must be one of none, full, piecewise, full_and_piecewise \\(any case\\), not 'sometimes'"):
         LLM(model="builtin:tiny", cudagraph_mode="Sometimes")
-    with pytest.raises(ConfigError, match=r"cudagraph_capture_sizes: capture size 64 is outside \[1, max_batch=32\]"):
-        LLM(model="builtin:tiny", max_running_seqs=32, cudagraph_capture_sizes=[8, 64])
+    with pytest.raises(ConfigError, match=r"cudagraph_capture_sizes: capture size 4096 is outside \[1, 2048\]"):
+        LLM(model="builtin:tiny", max_running_seqs=32, cudagraph_capture_sizes=[8, 4096])
     with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
         LLM(model="builtin:tiny", tensor_parallel_size=0)

@@ -13,7 +13,7 @@ from cache_manager import (
     GraphsUnavailableError,
     OpOutcome,
 )
-from cache_manager.testing import CountingStep, FakeGraphBackend
+from cache_manager.testing import CountingStep, FakeGraphBackend, full_sizes
 
 SIZES = (1, 2, 4, 8)
 FP = Fingerprint("tiny", "float32", "cpu", torch.__version__, SIZES, 8)
@@ -96,7 +96,7 @@ def test_above_max_and_mode_none_run_eager_and_count_requested_sizes():
     expected = write(step, 5)
     assert torch.equal(cache.run(5), expected)
     snap = cache.snapshot()
-    assert snap.mode == "none" and snap.requested_since_start == {5: 1}
+    assert snap.mode == "none" and full_sizes(snap.requested_since_start) == {5: 1}
     assert snap.requested_detail[0].eager_fallbacks == {"mode_none": 1}
     assert fake is not None and fake.captured == []
     with pytest.raises(GraphsUnavailableError):
@@ -198,7 +198,7 @@ def test_failed_capture_backs_off_doubling_then_recovers():
         expected = write(step, 3)
         assert torch.equal(run_settled(cache, 3), expected)
     assert any(
-        e["event"] == "graph_capture_failed" and e["bucket"] == 4 and "OutOfMemory" in e["reason"]
+        e["event"] == "graph_capture_failed" and e["bucket"] == "full:4" and "OutOfMemory" in e["reason"]
         for e in logs
     )
     entry = bucket(cache, 4)
@@ -225,7 +225,7 @@ def test_warm_start_captures_hottest_first_one_per_call_within_budget(tmp_path):
     first.close()
 
     cache, _, fake, _ = make(budget=10_000, stats_file=path)  # fits 8 (8000) and 2 (2000), not 1 too
-    assert cache.snapshot().warm_queue == (2, 8, 1)
+    assert full_sizes(cache.snapshot().warm_queue) == (2, 8, 1)
     assert cache.warm_step() is True
     assert cache.warm_step() is False  # one warm capture at a time
     cache.wait_idle()
@@ -238,7 +238,7 @@ def test_warm_start_captures_hottest_first_one_per_call_within_budget(tmp_path):
     assert cache.warm_step() is False
 
     off, _, _fake_off, _ = make(stats_file=path, warm_start=False)
-    assert off.snapshot().warm_queue == () and off.warm_step() is False
+    assert full_sizes(off.snapshot().warm_queue) == () and off.warm_step() is False
 
 
 def test_operator_capture_evict_and_set_budget():
@@ -270,7 +270,7 @@ def test_snapshot_and_reset_stats():
     snap = cache.snapshot()
     assert snap.mode == "full" and snap.device == "cpu" and snap.capture_sizes == SIZES
     assert snap.budget_bytes == 5000 and snap.used_bytes == 5000
-    assert snap.requested_since_start == {1: 1, 3: 2}
+    assert full_sizes(snap.requested_since_start) == {1: 1, 3: 2}
     states = {b.size: b.state for b in snap.buckets}
     assert states == {
         1: BucketState.CAPTURED,
@@ -280,7 +280,7 @@ def test_snapshot_and_reset_stats():
     }
     cache.reset_stats()
     snap = cache.snapshot()
-    assert snap.requested_since_start == {} and snap.requested_persisted == {}
+    assert full_sizes(snap.requested_since_start) == {} and full_sizes(snap.requested_persisted) == {}
     assert bucket(cache, 4).bytes == 4000 and bucket(cache, 4).since_start.replays == 0
 
 
@@ -350,7 +350,7 @@ def test_capture_log_reports_the_engine_threads_stall_apart_from_the_capture_tim
         returned_after = time.perf_counter() - started
         cache.wait_idle()
     (event,) = [e for e in logs if e["event"] == "graph_captured"]
-    assert event["bucket"] == 4 and event["ms"] == 1.0
+    assert event["bucket"] == "full:4" and event["ms"] == 1.0
     assert returned_after < 0.2 and event["ready_ms"] >= 200
     assert event["stall_ms"] < 200 and stalls == [pytest.approx(event["stall_ms"] / 1000, abs=1e-3)]
 

@@ -4,19 +4,28 @@ import os
 import pytest
 import torch
 
-from cache_manager import Fingerprint, GraphCache, GraphCacheConfig, StatsStore
+from cache_manager import BatchDescriptor, CudaGraphMode, Fingerprint, GraphCache, GraphCacheConfig, StatsStore
 from cache_manager.stats import Counters, StatsTables
-from cache_manager.testing import CountingStep, FakeGraphBackend
+from cache_manager.testing import CountingStep, FakeGraphBackend, full_sizes
 
 FP = Fingerprint("tiny", "bfloat16", "H200", "2.11", (1, 2, 4, 8), 8)
 
 
+def full(n: int) -> BatchDescriptor:
+    return BatchDescriptor(CudaGraphMode.FULL, n)
+
+
+def piecewise(n: int) -> BatchDescriptor:
+    return BatchDescriptor(CudaGraphMode.PIECEWISE, n)
+
+
 def tables() -> StatsTables:
     t = StatsTables()
-    t.req(3).requests = 5
-    t.req(3).add_eager("budget")
-    t.bucket(4).replays = 7
-    t.bucket(4).bytes = 1234
+    t.req(full(3)).requests = 5
+    t.req(full(3)).add_eager("budget")
+    t.bucket(full(4)).replays = 7
+    t.bucket(full(4)).bytes = 1234
+    t.bucket(piecewise(4)).replays = 2  # same size, other kind: its own entry
     return t
 
 
@@ -29,11 +38,23 @@ def test_atomic_save_round_trips_and_leaves_no_temp_files(tmp_path):
     store = StatsStore(path, FP)
     assert store.save(tables())
     data = json.loads(path.read_text())
-    assert data["format_version"] == 1 and data["fingerprint"]["device_name"] == "H200"
+    assert data["format_version"] == 2 and data["fingerprint"]["device_name"] == "H200"
+    assert set(data["stats"]["buckets"]) == {"full:4", "piecewise:4"}
     assert leftovers(tmp_path) == ["stats.json"]
     loaded = store.load()
-    assert loaded.buckets[4].replays == 7 and loaded.buckets[4].bytes == 1234
-    assert loaded.requested[3].eager == {"budget": 1}
+    assert loaded.buckets[full(4)].replays == 7 and loaded.buckets[full(4)].bytes == 1234
+    assert loaded.buckets[piecewise(4)].replays == 2
+    assert loaded.requested[full(3)].eager == {"budget": 1}
+
+
+def test_a_format_1_file_reads_as_full_graphs(tmp_path):
+    """Stats written before piecewise graphs existed (bare sizes) are the FULL graphs' counters."""
+    path = tmp_path / "stats.json"
+    old = {"requested": {"3": Counters(requests=5).to_json()}, "buckets": {"4": Counters(replays=7).to_json()}}
+    path.write_text(json.dumps({"format_version": 1, "fingerprint": FP.to_json(), "saved_at": 0, "stats": old}))
+    loaded = StatsStore(path, FP).load()
+    assert loaded.buckets == {full(4): Counters(replays=7)} and loaded.requested[full(3)].requests == 5
+    assert leftovers(tmp_path) == ["stats.json"]  # not set aside
 
 
 def test_missing_file_starts_clean(tmp_path):
@@ -131,10 +152,10 @@ def test_cache_saves_every_interval_and_at_close_with_cumulative_counts(tmp_path
     assert not path.exists()  # interval not passed yet
     clock.t += 6
     cache.maybe_save()
-    assert json.loads(path.read_text())["stats"]["buckets"]["4"]["replays"] == 1
+    assert json.loads(path.read_text())["stats"]["buckets"]["full:4"]["replays"] == 1
     cache.run(3)
     cache.close()
-    assert json.loads(path.read_text())["stats"]["buckets"]["4"]["replays"] == 2
+    assert json.loads(path.read_text())["stats"]["buckets"]["full:4"]["replays"] == 2
 
     again = GraphCache(CountingStep(8), cfg, torch.device("cpu"), FP, FakeGraphBackend(), clock=clock)
     again.run(3)  # eager while its graph is captured (warm start would have captured it first)
@@ -143,7 +164,7 @@ def test_cache_saves_every_interval_and_at_close_with_cumulative_counts(tmp_path
     snap = again.snapshot()
     entry = next(b for b in snap.buckets if b.size == 4)
     assert entry.since_start.replays == 1 and entry.persisted.replays == 3
-    assert snap.requested_since_start == {3: 2} and snap.requested_persisted == {3: 4}
+    assert full_sizes(snap.requested_since_start) == {3: 2} and full_sizes(snap.requested_persisted) == {3: 4}
 
 
 def test_cache_with_unwritable_stats_path_keeps_serving(tmp_path):

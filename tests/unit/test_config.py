@@ -26,7 +26,8 @@ def test_admin_token_file_is_read_and_an_empty_one_refused(tmp_path) -> None:  #
 @pytest.mark.parametrize("argv, flag", [
     (["--graph-memory-budget", "lots"], "--graph-memory-budget"),
     (["--capture-sizes", "0,abc"], "--capture-sizes"),
-    (["--capture-sizes", "64", "--max-running-seqs", "8"], "--capture-sizes"),
+    (["--capture-sizes", "64", "--max-running-seqs", "8"], "--capture-sizes"),  # none for a decode batch
+    (["--capture-sizes", "8,4096", "--max-running-seqs", "8"], "--capture-sizes"),  # above the token budget
     (["--log-level", "loud"], "--log-level"),
     (["--max-running-seqs", "0"], "--max-running-seqs"),
     (["--port", "70000"], "--port"),

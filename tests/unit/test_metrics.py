@@ -10,7 +10,15 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cache_manager import BucketCounters, BucketEntry, BucketState, CacheSnapshot, RequestedSize
+from cache_manager import (
+    BatchDescriptor,
+    BucketCounters,
+    BucketEntry,
+    BucketState,
+    CacheSnapshot,
+    CudaGraphMode,
+    RequestedSize,
+)
 from service.engine.request import Finish, FinishReason, GenerationRequest, SamplingParams, StoppingParams
 from service.engine.sequence import Sequence, SequenceStatus
 from service.telemetry.engine_metrics import EngineMetrics
@@ -156,7 +164,7 @@ def test_the_server_exports_the_engine_families_as_the_engine_scrapes_them() -> 
     s = scrape(m)
     assert value(s, "graphserve_requests_total", finish_reason="stop") == 0
     assert value(s, "graphserve_requests_rejected_total", reason="queue_full") == 1
-    assert value(s, "graphserve_graph_replays_total", bucket="1") == 40
+    assert value(s, "graphserve_graph_replays_total", kind="full", bucket="1") == 40
 
 
 def test_an_engine_that_does_not_answer_costs_the_scrape_its_families_only() -> None:
@@ -171,11 +179,11 @@ def test_an_engine_that_does_not_answer_costs_the_scrape_its_families_only() -> 
     s = scrape(m)
     assert value(s, "graphserve_requests_running") is None
     assert value(s, "graphserve_requests_rejected_total", reason="queue_full") == 1
-    assert value(s, "graphserve_graph_replays_total", bucket="1") == 40
+    assert value(s, "graphserve_graph_replays_total", kind="full", bucket="1") == 40
 
 
 def bucket(size: int, state: BucketState, nbytes: int, capture_ms: float, counters: BucketCounters) -> BucketEntry:
-    return BucketEntry(size, state, nbytes, capture_ms, None, None, since_start=counters,
+    return BucketEntry(size, "full", state, nbytes, capture_ms, None, None, since_start=counters,
                        persisted=BucketCounters(replays=10**6))
 
 
@@ -189,16 +197,17 @@ def snapshot() -> CacheSnapshot:
                                                              failures=1)),
     )
     requested = (
-        RequestedSize(1, 40, 40, {}),
-        RequestedSize(2, 7, 7, {}),
-        RequestedSize(3, 3, 0, {"budget": 2, "failed": 1}),
-        RequestedSize(5, 4, 0, {"above_max": 4}),
-        RequestedSize(6, 1, 0, {"above_max": 1}),
+        RequestedSize(1, "full", 40, 40, {}),
+        RequestedSize(2, "full", 7, 7, {}),
+        RequestedSize(3, "full", 3, 0, {"budget": 2, "failed": 1}),
+        RequestedSize(5, "full", 4, 0, {"above_max": 4}),
+        RequestedSize(6, "full", 1, 0, {"above_max": 1}),
     )
     return CacheSnapshot(
         mode="full", configured_mode="full", disabled_reason=None, device="cuda:0",
         budget_bytes=64 << 20, used_bytes=22 << 20, capture_sizes=(1, 2, 4), max_batch=6, buckets=buckets,
-        requested_since_start={r.size: r.requests for r in requested}, requested_persisted={},
+        requested_since_start={BatchDescriptor(CudaGraphMode.FULL, r.size): r.requests for r in requested},
+        requested_persisted={},
         requested_detail=requested, warm_queue=(), stats_file=None, last_save_time=None,
     )
 
@@ -208,24 +217,24 @@ def test_graph_metrics_come_from_the_snapshot_on_each_scrape() -> None:
     current = {"snap": snapshot()}
     m.set_graph_source(lambda: current["snap"])
     s = scrape(m)
-    assert value(s, "graphserve_graph_replays_total", bucket="1") == 40
-    assert value(s, "graphserve_graph_replays_total", bucket="2") == 7  # since start, not persisted
-    assert value(s, "graphserve_graph_replays_total", bucket="4") == 0
+    assert value(s, "graphserve_graph_replays_total", kind="full", bucket="1") == 40
+    assert value(s, "graphserve_graph_replays_total", kind="full", bucket="2") == 7  # since start, not persisted
+    assert value(s, "graphserve_graph_replays_total", kind="full", bucket="4") == 0
     assert value(s, "graphserve_graph_captures_total") == 2
     assert value(s, "graphserve_graph_evictions_total") == 1
     assert value(s, "graphserve_graph_capture_failures_total") == 1
     assert value(s, "graphserve_graph_memory_bytes") == 22 << 20
     assert value(s, "graphserve_graph_memory_budget_bytes") == 64 << 20
-    assert value(s, "graphserve_graph_capture_seconds", bucket="1") == pytest.approx(0.020)
-    assert value(s, "graphserve_graph_capture_seconds", bucket="4") is None  # never captured
+    assert value(s, "graphserve_graph_capture_seconds", kind="full", bucket="1") == pytest.approx(0.020)
+    assert value(s, "graphserve_graph_capture_seconds", kind="full", bucket="4") is None  # never captured
     assert value(s, "graphserve_graph_buckets", state="captured") == 1
     # Each eager step once: not again for the bucket it would have padded to.
-    assert value(s, "graphserve_graph_eager_fallbacks_total", reason="budget") == 2
-    assert value(s, "graphserve_graph_eager_fallbacks_total", reason="failed") == 1
-    assert value(s, "graphserve_graph_eager_fallbacks_total", reason="above_max") == 5
+    assert value(s, "graphserve_graph_eager_fallbacks_total", kind="full", reason="budget") == 2
+    assert value(s, "graphserve_graph_eager_fallbacks_total", kind="full", reason="failed") == 1
+    assert value(s, "graphserve_graph_eager_fallbacks_total", kind="full", reason="above_max") == 5
     current["snap"] = None  # no snapshot yet (model loading): the rest still scrapes
     s = scrape(m)
-    assert value(s, "graphserve_graph_replays_total", bucket="1") is None
+    assert value(s, "graphserve_graph_replays_total", kind="full", bucket="1") is None
     assert value(s, "graphserve_requests_waiting") == 0
 
 
@@ -256,7 +265,7 @@ def test_serve_on_a_free_port_exposes_metrics_and_close_stops_it() -> None:
         assert port > 0
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert "graphserve_requests_waiting 0.0" in body
-        assert 'graphserve_graph_replays_total{bucket="1"} 40.0' in body
+        assert 'graphserve_graph_replays_total{bucket="1",kind="full"} 40.0' in body
     finally:
         m.close()
     with pytest.raises(OSError):

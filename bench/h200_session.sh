@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One GPU session's runs, in the order they matter, each bounded in time. Results (JSON) and logs go
+# to $OUT (default bench/results/h200-<timestamp>). Usage, from the repository root on the GPU machine:
+#   bash bench/h200_session.sh tests    # the GPU test suite
+#   bash bench/h200_session.sh stall prefill decode  # capture stalls, prefill (piecewise vs eager), decode steps
+#   bash bench/h200_session.sh serve    # through gRPC: first-token latency, cold ramps, ITL by mode
+set -uo pipefail
+OUT=${OUT:-bench/results/h200-$(date -u +%Y%m%dT%H%MZ)}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 GRAPHSERVE_BENCH_RESULTS="$OUT"
+M="--model builtin:llama-1b --device cuda"
+run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v '^{' "$OUT/$name.log" | tail -"${TAIL:-14}"; }
+for part in "$@"; do
+  case $part in
+    tests) TAIL=12 run gpu-tests 300 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider --timeout 120 ;;
+    stall) run capture-stall 150 python3 bench/capture_stall_bench.py $M --random-init ;;
+    prefill) run prefill 120 python3 bench/prefill_bench.py $M --random-init ;;
+    decode) run decode 90 python3 bench/decode_bench.py $M --random-init --batches 1,64,256 --no-anchors --no-plot ;;
+    serve)
+      S="python3 bench/serve_bench.py $M --dtype bfloat16 --skip-engine --warmup-requests 0"
+      run ttft-128 150 $S --concurrency 1 --requests 40 --prompt-tokens 128 --output-tokens 4
+      run ttft-2048 100 $S --concurrency 1 --requests 20 --prompt-tokens 2048 --output-tokens 4
+      run cold-16x512 100 $S --concurrency 16 --requests 16 --prompt-tokens 512 --output-tokens 8
+      run ramp64-fp 150 $S --concurrency 64 --requests 192 --prompt-tokens 128 --output-tokens 64 --client-procs 4
+      run ramp64-full 150 $S --concurrency 64 --requests 192 --prompt-tokens 128 --output-tokens 64 --client-procs 4 --server-args "--cudagraph-mode full" ;;
+  esac
+done
