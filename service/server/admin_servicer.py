@@ -26,12 +26,23 @@ from cache_manager import (
     GraphsUnavailableError,
     OpResult,
 )
+from service.engine.adapters import AdapterError, AdapterExists, AdapterInUse, AdapterNotFound
+from service.model.lora import LoraError
 from service.proto import admin_pb2, admin_pb2_grpc
 
 log = structlog.get_logger("graphserve.admin")
 
 # Above this a budget is a typo, not a plan (no device has a pebibyte of memory).
 MAX_BUDGET_BYTES = 1 << 50
+
+# Adapter errors (ValueErrors) by what the caller must change; the first match wins.
+_ADAPTER_STATUS = (
+    (AdapterNotFound, grpc.StatusCode.NOT_FOUND),
+    (AdapterExists, grpc.StatusCode.ALREADY_EXISTS),
+    (AdapterInUse, grpc.StatusCode.FAILED_PRECONDITION),  # streams use it: unload after they end
+    (LoraError, grpc.StatusCode.INVALID_ARGUMENT),  # the files do not fit
+    (AdapterError, grpc.StatusCode.FAILED_PRECONDITION),  # e.g. no adapter slots on this server
+)
 
 _STATES = {
     BucketState.NOT_CAPTURED: admin_pb2.BUCKET_STATE_NOT_CAPTURED,
@@ -148,26 +159,13 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
 
     async def _adapter_call(self, context: grpc.aio.ServicerContext, op: str, fn: Callable[[], Any]) -> Any:
         """fn off the event loop, with the adapter errors as status codes that say what to change."""
-        from service.engine.adapters import AdapterError, AdapterExists, AdapterInUse, AdapterNotFound
-        from service.model.lora import LoraError
-
         try:
             return await asyncio.wrap_future(self.engine.call(fn))
-        except AdapterNotFound as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"{op}: {exc}")
-        except AdapterExists as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"{op}: {exc}")
-        except AdapterInUse as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{op}: {exc}")
-        except LoraError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{op}: {exc}")
-        except AdapterError as exc:  # e.g. no adapter slots on this server
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{op}: {exc}")
+        except (AdapterError, LoraError) as exc:
+            code = next(c for kind, c in _ADAPTER_STATUS if isinstance(exc, kind))
+            await context.abort(code, f"{op}: {exc}")
         except Exception as exc:
-            if not self.engine.alive:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{op}: the engine is not running ({exc})")
-            log.exception("admin_operation_failed", op=op)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{op} failed: {type(exc).__name__}: {exc}")
+            await self._failed(context, op, exc)
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -225,10 +223,13 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{op}: {exc}")
         except Exception as exc:
-            if not self.engine.alive:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{op}: the engine is not running ({exc})")
-            log.exception("admin_operation_failed", op=op)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{op} failed: {type(exc).__name__}: {exc}")
+            await self._failed(context, op, exc)
+
+    async def _failed(self, context: grpc.aio.ServicerContext, op: str, exc: Exception) -> None:
+        if not self.engine.alive:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{op}: the engine is not running ({exc})")
+        log.exception("admin_operation_failed", op=op)
+        await context.abort(grpc.StatusCode.INTERNAL, f"{op} failed: {type(exc).__name__}: {exc}")
 
 
 def _bucket_entry(b: BucketEntry) -> admin_pb2.BucketEntry:
