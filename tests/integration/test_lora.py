@@ -111,20 +111,22 @@ def test_unknown_adapter_is_invalid_argument_listing_the_loaded(lora: Lora) -> N
 def test_load_and_unload_while_streams_run_lose_no_stream(lora: Lora, capsys: pytest.CaptureFixture) -> None:
     long = 48
     jobs = [(PROMPTS[i % len(PROMPTS)], ["sql", "", "chat"][i % 3]) for i in range(6)]
-    with ThreadPoolExecutor(len(jobs)) as pool:
+    with ThreadPoolExecutor(len(jobs) + 1) as pool:
+        holder = pool.submit(lora.generate, PROMPTS[1], "sql", 240)  # keeps "sql" in use throughout
         futures = [pool.submit(lora.generate, p, a, long) for p, a in jobs]
-        # While they stream: load an adapter, refuse to unload one in use, unload an unused one.
+        # While they stream: load an adapter, refuse to unload one in use.
         info = lora.admin.LoadAdapter(admin_pb2.LoadAdapterRequest(name="late", path=str(lora.adapters["late"])),
                                       metadata=lora.auth(), timeout=60)
         assert (info.name, info.rank) == ("late", 4)
         assert list(info.target_modules) == ["q_proj", "v_proj"]
         with pytest.raises(grpc.RpcError) as err:
             lora.admin.UnloadAdapter(admin_pb2.UnloadAdapterRequest(name="sql"), metadata=lora.auth(), timeout=60)
-        if not all(f.done() for f in futures):  # the streams were still running: the unload must be refused
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "used by" in err.value.details() and "after they end" in err.value.details()
+        assert not holder.done()
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "'sql' is used by" in err.value.details() and "after they end" in err.value.details()
         late = lora.generate(PROMPTS[2], "late")
         outs = [f.result(timeout=120) for f in futures]
+        assert len(holder.result(timeout=120)) == 240
     for (prompt, adapter), tokens in zip(jobs, outs):
         assert tokens == lora.reference(prompt, adapter, long)
     assert late == lora.reference(PROMPTS[2], "late")
