@@ -138,20 +138,20 @@ def format_state(s: admin_pb2.CacheState) -> str:
          human_ms(b.capture_ms), b.replays, b.padded_rows, b.eager_fallbacks, b.failures, human_ago(b.last_use_unix))
         for b in s.buckets
     ]
-    # Graphs of batches with LoRA adapter rows: a cache of their own, listed as kind "full+lora".
+    # Graphs of steps with LoRA adapter rows: a cache of their own, listed as kind "full+lora" / "piecewise+lora".
     rows += [
-        ("full+lora", b.size, _state_name(b.state), human_bytes(b.bytes) if b.bytes else "-",
+        (f"{b.kind or 'full'}+lora", b.size, _state_name(b.state), human_bytes(b.bytes) if b.bytes else "-",
          human_ms(b.capture_ms), b.replays, b.padded_rows, b.eager_fallbacks, b.failures, human_ago(b.last_use_unix))
         for b in s.lora_buckets
     ]
     if s.lora_buckets:
         lora_captured = sum(b.state == admin_pb2.BUCKET_STATE_CAPTURED for b in s.lora_buckets)
-        head += (f"\nLoRA graphs (batches with any adapter row): {lora_captured} of {len(s.lora_buckets)} buckets "
+        head += (f"\nLoRA graphs (steps with any adapter row): {lora_captured} of {len(s.lora_buckets)} buckets "
                  f"captured, used {human_bytes(s.lora_used_bytes)}")
     body = table(["kind", "size", "state", "bytes", "capture", "replays", "padded", "eager", "failures", "last use"],
                  rows, left=(0, 2, 9))
     notes = [f"bucket {b.kind or 'full'}:{b.size}: {b.failure_reason}" for b in s.buckets if b.failure_reason]
-    notes += [f"bucket full+lora:{b.size}: {b.failure_reason}" for b in s.lora_buckets if b.failure_reason]
+    notes += [f"bucket {b.kind or 'full'}+lora:{b.size}: {b.failure_reason}" for b in s.lora_buckets if b.failure_reason]
     return "\n".join([head, body, *notes])
 
 

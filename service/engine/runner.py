@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from cache_manager import CudaGraphMode, Fingerprint, GraphBackend, GraphCache, GraphCacheConfig
+from cache_manager import Fingerprint, GraphBackend, GraphCache, GraphCacheConfig
 from cache_manager.sizes import FULL, PIECEWISE
 from service.engine.decode_step import LoraDecodeStep, ModelDecodeStep
-from service.engine.piecewise_step import PiecewiseStep
+from service.engine.piecewise_step import LoraPiecewiseStep, PiecewiseStep
 from service.engine.sampler import SamplingBatch, sample
 from service.engine.scheduler import PrefillChunk
 from service.engine.sequence import Sequence
@@ -62,17 +62,20 @@ class ModelRunner:
         # base-only batches keep graphs without LoRA kernels (see LoraDecodeStep).
         self.lora: LoraSlots | None = None
         self.lora_graphs: GraphCache | None = None
+        self.lora_piecewise: LoraPiecewiseStep | None = None
         if max_loras > 0:
             self.lora = LoraSlots(loaded.model, max_loras, max_lora_rank, lora_kernel)
             self.pieces.lora = self.lora
             self.lora_step = LoraDecodeStep(self.decode_step, self.lora)
+            self.lora_piecewise = (
+                LoraPiecewiseStep(self.piecewise_step, self.lora) if self.piecewise_step is not None else None
+            )
             stats = graph_config.stats_file
-            # FULL decode graphs only: a mixed step with adapter rows runs its pieces eagerly (for now).
             lora_config = dataclasses.replace(
-                graph_config, stats_file=None if stats is None else stats.with_name(stats.name + ".lora"),
-                mode=CudaGraphMode.FULL if graph_config.mode.has_full else CudaGraphMode.NONE, max_tokens=0)
+                graph_config, stats_file=None if stats is None else stats.with_name(stats.name + ".lora"))
             lora_fingerprint = dataclasses.replace(fingerprint, model=f"{loaded.name}+lora:{max_loras}x{max_lora_rank}")
-            self.lora_graphs = GraphCache(self.lora_step, lora_config, self.device, lora_fingerprint, graph_backend)
+            self.lora_graphs = GraphCache(self.lora_step, lora_config, self.device, lora_fingerprint, graph_backend,
+                                          piecewise_step=self.lora_piecewise)
         # Sampled tokens come back through pinned buffers; waiting on an event (which releases the
         # GIL) instead of a blocking copy lets other threads run while the GPU works.
         on_cuda = self.device.type == "cuda"
@@ -159,10 +162,11 @@ class ModelRunner:
             d = len(decodes)
             from_previous = previous_tokens[batch.pending_rows.clamp(min=0)]
             batch.input_ids[:d] = torch.where(batch.pending_rows >= 0, from_previous, batch.input_ids[:d])
-        # Piecewise graphs hold no LoRA products: a step with adapter rows runs its pieces eagerly.
-        if self.piecewise_step is not None and self.graphs.serves(PIECEWISE) and lora_slots is None:
-            self.piecewise_step.write(batch)
-            hidden = self.graphs.run(batch.size, PIECEWISE)  # replayed pieces, or eager above the largest
+        # A step with adapter rows replays the LoRA cache's pieces (captured with the LoRA products).
+        graphs, step = (self.graphs, self.piecewise_step) if lora_slots is None else (self.lora_graphs, self.lora_piecewise)
+        if step is not None and graphs.serves(PIECEWISE):
+            step.write(batch)
+            hidden = graphs.run(batch.size, PIECEWISE)  # replayed pieces, or eager above the largest
             logits = self.loaded.model.logits(hidden[batch.sample_rows])
         else:
             logits = self.pieces.forward(batch)

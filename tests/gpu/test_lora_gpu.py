@@ -1,6 +1,7 @@
 """LoRA on a GPU with graphs on: a mixed-adapter decode step replayed from a CUDA graph equals the same
 step run eagerly, and both agree with peft (float32) within bf16 tolerance; swapping the adapter in a
-slot needs no recapture; a server keeps separate graph entries for base and LoRA batches."""
+slot needs no recapture; a server keeps separate graph entries (FULL and PIECEWISE) for base and
+LoRA steps."""
 
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def lora_server(adapters, model_cache_dir, tmp_path) -> Iterator[tuple[ServerThr
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     argv = ["--model-cache-dir", str(model_cache_dir), "--device", "cuda", "--dtype", "bfloat16",
-            "--model", "builtin:tiny", "--cudagraph-mode", "full", "--max-running-seqs", "8",
+            "--model", "builtin:tiny", "--cudagraph-mode", "full_and_piecewise", "--max-running-seqs", "8",
             "--max-seq-len", "256", "--no-warm-start", "--admin-token-file", str(token_file),
             "--lora-modules", f"a0={paths[0]},a1={paths[1]}", "--max-loras", "2", "--max-lora-rank", "8"]
     with structlog.testing.capture_logs(), running_server(argv) as server:
@@ -129,8 +130,8 @@ def test_admin_state_keeps_adapter_keyed_graph_entries(lora_server, capsys: pyte
         assert graphctl.main(["--target", target, "--token-file", token_file, "--json", "state"]) == 0
         return json.loads(capsys.readouterr().out)
 
-    def replays(entries: list[dict]) -> int:
-        return sum(int(b["replays"]) for b in entries)
+    def replays(entries: list[dict], kind: str | None = None) -> int:
+        return sum(int(b["replays"]) for b in entries if kind is None or b["kind"] == kind)
 
     for _ in range(3):  # lazy captures land between steps; later requests replay them
         _generate(server, "")
@@ -139,9 +140,10 @@ def test_admin_state_keeps_adapter_keyed_graph_entries(lora_server, capsys: pyte
     for _ in range(3):
         _generate(server, "a0")
     after = state()
-    assert replays(after["lora_buckets"]) > 0
+    # Decode steps replayed LoRA FULL graphs, prompt steps LoRA PIECEWISE ones.
+    assert replays(after["lora_buckets"], "full") > 0 and replays(after["lora_buckets"], "piecewise") > 0
     assert any(b["state"] == "BUCKET_STATE_CAPTURED" for b in after["lora_buckets"])
-    # The LoRA batch did not replay a base graph (base rows only use base graphs and vice versa).
+    # The adapter steps did not replay a base graph (base rows only use base graphs and vice versa).
     assert replays(after["buckets"]) == replays(base_only["buckets"])
     # Greedy tokens with graphs on agree with the same server's eager steps (bf16 rounding aside):
     # the first tokens of a request equal those of an identical request.

@@ -211,7 +211,7 @@ def test_cache_state_has_separate_lora_entries(lora: Lora, capsys: pytest.Captur
     state = lora.admin.GetCacheState(admin_pb2.GetCacheStateRequest(), metadata=lora.auth(), timeout=30)
     assert [b.size for b in state.lora_buckets] == [b.size for b in state.buckets]
     code, out, _ = lora.ctl(capsys, "state")
-    assert code == 0 and "LoRA graphs (batches with any adapter row)" in out
+    assert code == 0 and "LoRA graphs (steps with any adapter row)" in out and "full+lora" in out
 
 
 def test_metrics_count_requests_and_tokens_per_adapter(lora: Lora) -> None:

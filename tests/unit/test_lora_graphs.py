@@ -1,7 +1,8 @@
 """LoRA batches and the graph caches on the CPU (a fake backend stands in for CUDA graphs and replays
-eagerly, padded): base-only batches replay base graphs and never a LoRA one; decode batches with any
-adapter row replay the LoRA cache's graphs; a step with adapter rows and a prompt chunk runs its
-pieces eagerly; adapters taking turns on the slots never cause a recapture; tokens equal peft's."""
+eagerly, padded): base-only steps replay base graphs and never a LoRA one; steps with any adapter row
+replay the LoRA cache's graphs (FULL for uniform decode, PIECEWISE for the rest); adapters taking
+turns on the slots never cause a recapture; tokens equal peft's. And the LoRA piecewise step's
+segments, run as a replay runs them, equal the unsplit forward with the rows' adapters."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from cache_manager import CudaGraphMode, GraphCacheConfig
 from cache_manager.testing import FakeGraphBackend
@@ -87,15 +89,53 @@ def test_base_and_lora_batches_use_their_own_graphs(loaded, tmp_path: pathlib.Pa
         # Three adapters on two slots, with base rows: they take turns (LRU) within one run.
         serve(list(zip(PROMPTS, ["a", "", "b", "c"])), "mixed")
         serve(list(zip(PROMPTS, ["c", "a", "", "b"])), "again")
+        serve(list(zip(PROMPTS, ["b", "c", "a", ""])), "third")
     finally:
         engine.stop()
     lora = runner.lora_graphs.snapshot()
     base = runner.graphs.snapshot()
-    assert replays(lora) > 0 and {b.kind for b in lora.buckets} == {"full"}
-    # Prompt steps with adapter rows ran their pieces eagerly, outside both caches: the base cache's
-    # piecewise replays come from the base-only prompts alone.
-    assert replays(base, "piecewise") == replays(base_only, "piecewise")
+    assert replays(lora) > 0 and replays(lora, "piecewise") > 0
+    # Every step after the base-only ones had adapter rows: the base cache replayed nothing more.
+    assert replays(base) == replays(base_only) and replays(base, "piecewise") == replays(base_only, "piecewise")
     # Swapping adapters in and out of slots never recaptured a LoRA graph.
     assert all(b.since_start.captures <= 1 for b in lora.buckets)
     for cache in runner.graph_caches:
         cache.close()
+
+
+def test_lora_piecewise_segments_equal_the_forward_with_adapters(loaded, tmp_path: pathlib.Path) -> None:  # noqa: F811
+    from service.engine.piecewise_step import LoraPiecewiseStep, PiecewiseStep
+    from service.model.kv_cache import KVCache
+    from service.model.lora import LoraSlots, lora_tokens
+    from service.model.pieces import PiecewiseForward
+    from service.model.step_batch import ChunkSpec, build_step_batch
+
+    model = loaded.model
+    lora = LoraSlots(model, 2, 8)
+    for slot, seed in ((1, 41), (2, 42)):
+        path = make_adapter(loaded.path, tmp_path / f"s{slot}", seed=seed)
+        lora.load(slot, read_adapter(path.name, path, loaded.spec, 8))
+    rows = [1, 1, 1, 0, 0, 2, 2, 2, 2]  # three prompts: slot 1, base, slot 2
+
+    def batch(kv: KVCache):  # noqa: ANN202
+        chunks = [ChunkSpec(0, 0, 3), ChunkSpec(1, 0, 2), ChunkSpec(2, 0, 4)]
+        return build_step_batch([], [], chunks, [766, 5, 6, 766, 9, 766, 20, 21, 22], kv.max_seq_len, kv.scratch_slot,
+                                kv.k[0].device, lora_slots=rows)
+
+    kv, ref_kv = (KVCache(loaded.spec, 4, 64, loaded.device, loaded.dtype) for _ in range(2))
+    step = LoraPiecewiseStep(PiecewiseStep(PiecewiseForward(model, kv), kv, 16, loaded.device), lora)
+    b = batch(kv)
+    step.write(b)
+    step.set_padding_rows(b.size, 16)
+    segments = step.segments(16)
+    for i, piece in enumerate(segments.pieces):
+        piece()
+        if i < len(segments.between):
+            segments.between[i]()
+    got = model.logits(segments.output()[b.sample_rows])
+    ref = batch(ref_kv)
+    with lora_tokens(ref.lora_slots, lora):
+        want = model.forward_step(ref, ref_kv)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert step.run_scratch(16).shape == segments.output().shape
+
