@@ -48,7 +48,7 @@ class LoadedRunner:
         if not name or not name.isprintable() or len(name) > 128:
             raise LoraError(f"adapter name {name!r} must be 1 to 128 printable characters")
         return read_adapter(name, path, self.loaded.spec, self.runner.lora.max_rank,
-                            pin=self.loaded.device.type == "cuda")
+                            pin=self.loaded.device.type == "cuda", dtype=self.loaded.dtype)
 
 
 def resolve_device(name: str) -> torch.device:

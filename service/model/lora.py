@@ -104,10 +104,13 @@ def _pattern_value(patterns: dict, module_path: str, default: float) -> float:
     return default
 
 
-def read_adapter(name: str, path: str | pathlib.Path, spec: ModelSpec, max_rank: int, pin: bool = False) -> LoraAdapter:
+def read_adapter(name: str, path: str | pathlib.Path, spec: ModelSpec, max_rank: int, pin: bool = False,
+                 dtype: torch.dtype = torch.float32) -> LoraAdapter:
     """Reads and checks a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors):
     raises LoraError naming the file and what is wrong (missing file, rank above max_rank, a target
-    module graphserve does not adapt, a tensor whose shape does not fit the base model)."""
+    module graphserve does not adapt, a tensor whose shape does not fit the base model). The result
+    is in `dtype` (the model's; the scale folded in float32 first) and pinned with `pin`, so that
+    loading it into a slot is a plain asynchronous copy."""
     from safetensors import safe_open
 
     root = pathlib.Path(path)
@@ -197,6 +200,7 @@ def read_adapter(name: str, path: str | pathlib.Path, spec: ModelSpec, max_rank:
                     a[j * max_rank: j * max_rank + r] = A
                     b[row: row + n_out, j * max_rank: j * max_rank + r] = B * scale
                 row += n_out
+            a, b = a.to(dtype), b.to(dtype)
             a_out[(layer, fused)] = a.pin_memory() if pin else a
             b_out[(layer, fused)] = b.pin_memory() if pin else b
     return LoraAdapter(name, str(root), max_seen, tuple(t for t in TARGETS if t in targets), a_out, b_out)

@@ -60,7 +60,7 @@ def test_mixed_adapter_decode_graph_equals_eager_and_peft(adapters, kernel: str)
     kv = KVCache(loaded.spec, 8, 64, device, torch.bfloat16)
     lora = LoraSlots(loaded.model, 3, 8, kernel)
     for slot, path in enumerate(paths[:3], start=1):
-        lora.load(slot, read_adapter(path.name, path, loaded.spec, 8, pin=True))
+        lora.load(slot, read_adapter(path.name, path, loaded.spec, 8, pin=True, dtype=torch.bfloat16))
     with torch.inference_mode():
         # Prefill every prompt with its adapter in one mixed step (the eager piecewise path).
         chunks = [ChunkSpec(i, 0, len(p)) for i, p in enumerate(PROMPTS)]
@@ -87,7 +87,7 @@ def test_mixed_adapter_decode_graph_equals_eager_and_peft(adapters, kernel: str)
 
     # Swapping the adapter of slot 3 needs no recapture: the same graph reads the new weights.
     with torch.inference_mode():
-        lora.load(3, read_adapter("swap", paths[3], loaded.spec, 8, pin=True))
+        lora.load(3, read_adapter("swap", paths[3], loaded.spec, 8, pin=True, dtype=torch.bfloat16))
         base.write_rows(NEXT, [len(p) for p in PROMPTS], list(range(n)), lora_slots=SLOTS)
         step.set_padding_rows(n, 8)
         swapped = graph.replay()[3].clone()
