@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--adapter", default="", help="a loaded LoRA adapter's name (default: the base model)")
     return p
 
 
@@ -49,6 +50,7 @@ def main(argv: list[str]) -> int:
         **prompt,
         sampling=sampling,
         stopping=inference_pb2.StoppingCriteria(max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos),
+        adapter=args.adapter,
     )
     with grpc.insecure_channel(args.target) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)

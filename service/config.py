@@ -36,6 +36,11 @@ class ServeConfig:
     max_num_batched_tokens: int = 2048
     default_max_tokens: int = 256
     overlap_steps: bool = True  # launch step t+1 before reading step t's tokens
+    # LoRA adapters: "NAME=PATH[,NAME=PATH...]" loaded at start; device slots; the largest rank served
+    lora_modules: str | None = None
+    max_loras: int = 0  # 0: 4 slots when --lora-modules is given, else no adapter support
+    max_lora_rank: int = 16
+    lora_kernel: str = "stacked"  # stacked | gather (service.model.lora)
     # Graph cache
     cudagraph_mode: str = "full_and_piecewise"  # none | full | piecewise | full_and_piecewise (CPU runs none)
     capture_sizes: str | None = None
@@ -75,6 +80,15 @@ class ServeConfig:
     def max_prefill_tokens(self) -> int:
         """Deprecated name of max_num_batched_tokens (the per-step prompt budget it replaced)."""
         return self.max_num_batched_tokens
+
+    @property
+    def lora_slots(self) -> int:
+        """Adapter slots on the device (0: adapters are off)."""
+        return self.max_loras or (4 if self.lora_modules else 0)
+
+    def lora_module_paths(self) -> list[tuple[str, Path]]:
+        """--lora-modules as (name, path) pairs; ConfigError naming the bad entry otherwise."""
+        return parse_lora_modules(self.lora_modules or "")
 
     def redacted(self) -> dict[str, object]:
         """The config as plain data with secrets masked, for the start-up log."""
@@ -116,6 +130,10 @@ class ServeConfig:
              f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= --max-running-seqs "
              f"({self.max_running_seqs}): every running sequence may decode in the same step")
         need(self.default_max_tokens <= self.max_tokens_limit, "--default-max-tokens must be <= --max-tokens-limit")
+        need(self.max_loras >= 0, f"--max-loras must be >= 0 (0: adapters off), got {self.max_loras}")
+        need(self.max_lora_rank >= 1, f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
+        need(self.lora_kernel in ("stacked", "gather"), f"--lora-kernel must be stacked or gather, not {self.lora_kernel!r}")
+        self.lora_module_paths()
         need(self.drain_timeout >= 0, "--drain-timeout must be >= 0 seconds")
         need(self.watchdog_timeout > 0, "--watchdog-timeout must be > 0 seconds")
         need(self.engine_stop_timeout > 0, "--engine-stop-timeout must be > 0 seconds")
@@ -147,6 +165,23 @@ class ServeConfig:
         for name in ("tls_cert", "tls_key", "tls_client_ca", "admin_token_file"):
             path = getattr(self, name)
             need(path is None or Path(path).is_file(), f"--{name.replace('_', '-')}: no such file: {path}")
+
+
+def parse_lora_modules(text: str) -> list[tuple[str, Path]]:
+    """"NAME=PATH[,NAME=PATH...]" -> [(name, path)]: names unique, paths existing directories."""
+    pairs: list[tuple[str, Path]] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, sep, path = part.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ConfigError(f"--lora-modules: {part!r} is not NAME=PATH (e.g. --lora-modules sql=/adapters/sql)")
+        if any(name == n for n, _ in pairs):
+            raise ConfigError(f"--lora-modules: the name {name!r} is given twice")
+        if not Path(path).is_dir():
+            raise ConfigError(f"--lora-modules: {name}={path}: no such directory (a PEFT adapter directory holds "
+                              "adapter_config.json and adapter_model.safetensors)")
+        pairs.append((name, Path(path)))
+    return pairs
 
 
 def _bool(text: str) -> bool:
@@ -184,6 +219,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlap-steps", dest="overlap_steps", action="store_true", default=d.overlap_steps,
                    help="launch step t+1 on the device before the host reads step t's tokens")
     g.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false")
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument("--lora-modules", default=None,
+                   help="PEFT adapter directories loaded at start, NAME=PATH[,NAME=PATH...]; requests pick one by name")
+    g.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="adapter slots on the device (0: 4 when --lora-modules is given, else adapters are off); "
+                        "more adapters than slots take turns (least recently used slot not in use)")
+    g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="the largest adapter rank served")
+    g.add_argument("--lora-kernel", default=d.lora_kernel, choices=["stacked", "gather"],
+                   help="how the batched LoRA products run (bench/lora_bench.py compares them)")
     g = p.add_argument_group("graph cache")
     g.add_argument("--cudagraph-mode", default=d.cudagraph_mode, type=str.lower, choices=GRAPH_MODES,
                    help="full: a graph per uniform-decode batch; piecewise: per-layer graphs of any step, attention "

@@ -3,6 +3,7 @@
     graphctl [--target HOST:PORT] [--token-file F] [--json] [--timeout S]
              [--tls-ca F [--tls-cert F --tls-key F]]
              state | stats | capture SIZE... | evict SIZE... | budget BYTES | reset-stats
+             | adapters | load-adapter NAME PATH | unload-adapter NAME
 
 The global flags go before or after the command: `graphctl --json state` = `graphctl state --json`.
 
@@ -137,10 +138,33 @@ def format_state(s: admin_pb2.CacheState) -> str:
          human_ms(b.capture_ms), b.replays, b.padded_rows, b.eager_fallbacks, b.failures, human_ago(b.last_use_unix))
         for b in s.buckets
     ]
+    # Graphs of steps with LoRA adapter rows: a cache of their own, listed as kind "full+lora" / "piecewise+lora".
+    rows += [
+        (f"{b.kind or 'full'}+lora", b.size, _state_name(b.state), human_bytes(b.bytes) if b.bytes else "-",
+         human_ms(b.capture_ms), b.replays, b.padded_rows, b.eager_fallbacks, b.failures, human_ago(b.last_use_unix))
+        for b in s.lora_buckets
+    ]
+    if s.lora_buckets:
+        lora_captured = sum(b.state == admin_pb2.BUCKET_STATE_CAPTURED for b in s.lora_buckets)
+        head += (f"\nLoRA graphs (steps with any adapter row): {lora_captured} of {len(s.lora_buckets)} buckets "
+                 f"captured, used {human_bytes(s.lora_used_bytes)}")
     body = table(["kind", "size", "state", "bytes", "capture", "replays", "padded", "eager", "failures", "last use"],
                  rows, left=(0, 2, 9))
     notes = [f"bucket {b.kind or 'full'}:{b.size}: {b.failure_reason}" for b in s.buckets if b.failure_reason]
+    notes += [f"bucket {b.kind or 'full'}+lora:{b.size}: {b.failure_reason}" for b in s.lora_buckets if b.failure_reason]
     return "\n".join([head, body, *notes])
+
+
+def format_adapters(r: admin_pb2.ListAdaptersResponse) -> str:
+    if not r.max_loras:
+        return "adapters: off (start graphserve with --max-loras N or --lora-modules NAME=PATH)"
+    head = f"adapters: {len(r.adapters)} loaded, {r.max_loras} device slots, max rank {r.max_lora_rank}"
+    rows = [(a.name, a.rank, a.slot or "-", a.active_streams, a.path) for a in r.adapters]
+    return "\n".join([head, table(["name", "rank", "slot", "streams", "path"], rows, left=(0, 4))])
+
+
+def format_adapter(a: admin_pb2.AdapterInfo) -> str:
+    return f"loaded adapter {a.name!r}: rank {a.rank}, targets {', '.join(a.target_modules)}, from {a.path}"
 
 
 def _reasons(counts: Sequence[admin_pb2.ReasonCount]) -> str:
@@ -239,6 +263,16 @@ def run_command(args: argparse.Namespace, stub: admin_pb2_grpc.GraphCacheAdminSt
     if args.command == "stats":
         r = call(stub.GetCaptureStats, admin_pb2.GetCaptureStatsRequest())
         return r, format_stats(r), EXIT_OK
+    if args.command == "adapters":
+        r = call(stub.ListAdapters, admin_pb2.ListAdaptersRequest())
+        return r, format_adapters(r), EXIT_OK
+    if args.command == "load-adapter":
+        path = os.path.abspath(args.path) if os.path.isdir(args.path) else args.path  # the server's filesystem
+        r = call(stub.LoadAdapter, admin_pb2.LoadAdapterRequest(name=args.name, path=path))
+        return r, format_adapter(r), EXIT_OK
+    if args.command == "unload-adapter":
+        r = call(stub.UnloadAdapter, admin_pb2.UnloadAdapterRequest(name=args.name))
+        return r, f"unloaded adapter {args.name!r}", EXIT_OK
     if args.command == "reset-stats":
         r = call(stub.ResetStats, admin_pb2.ResetStatsRequest())
         return r, "stats reset (since start and persisted)", EXIT_OK
@@ -293,6 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = command("budget", "set the graph memory budget (evicts until the graphs fit)")
     b.add_argument("budget", metavar="BYTES", help="e.g. 8GiB, 512MiB or 1000000")
     command("reset-stats", "zero every counter, since start and persisted")
+    command("adapters", "the loaded LoRA adapters, their device slots and streams")
+    la = command("load-adapter", "load a PEFT LoRA adapter directory (a path on the server) under NAME")
+    la.add_argument("name", metavar="NAME")
+    la.add_argument("path", metavar="PATH")
+    ua = command("unload-adapter", "unload an adapter (refused while streams use it)")
+    ua.add_argument("name", metavar="NAME")
     return p
 
 

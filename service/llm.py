@@ -116,7 +116,10 @@ class _Options:
     """LLM's keywords besides `model`. The seed's vLLM-style names map onto the server's config."""
 
     tensor_parallel_size: int = 1
-    lora_weights: str | Sequence[str] | None = None
+    # LoRA adapter directories (PEFT): "PATH" (its name is the path as given) or "NAME=PATH", or a list
+    lora_weights: str | Path | Sequence[str | Path] | None = None
+    max_loras: int = 0  # device slots (0: 4, or as many adapters as lora_weights names, whichever is more)
+    max_lora_rank: int = ServeConfig.max_lora_rank
     cudagraph_mode: str = ServeConfig.cudagraph_mode  # any case: "FULL", "full", "none"
     cudagraph_capture_sizes: Sequence[int] | None = None
     device: str = ServeConfig.device
@@ -155,7 +158,9 @@ def _config_of(model: str, o: _Options) -> ServeConfig:
         max_tokens_limit=max(ServeConfig.max_tokens_limit, o.default_max_tokens), overlap_steps=o.overlap_steps,
         cudagraph_mode=str(mode).lower(), capture_sizes=sizes, graph_memory_budget=o.graph_memory_budget,
         stats_file=None if o.stats_file is None else Path(o.stats_file), warm_start=o.warm_start,
-        log_level=o.log_level,
+        log_level=o.log_level, lora_modules=_lora_modules(o.lora_weights),
+        max_loras=o.max_loras or (max(4, len(_lora_entries(o.lora_weights))) if o.lora_weights else 0),
+        max_lora_rank=o.max_lora_rank,
     )
     try:
         config.validate()
@@ -172,9 +177,27 @@ def _check_unavailable(o: _Options) -> None:
     if tp > 1:
         raise NotImplementedError(f"tensor_parallel_size={tp}: tensor parallelism is not available yet; graphserve "
                                   "runs a model on one device (tensor_parallel_size=1)")
-    if o.lora_weights:
-        raise NotImplementedError(f"lora_weights={o.lora_weights!r}: LoRA adapters are not available yet; "
-                                  "leave lora_weights unset")
+    for _, path in _lora_entries(o.lora_weights):
+        if not Path(path).is_dir():
+            raise ConfigError(f"lora_weights: {path!r} is not a directory; give PEFT adapter directories "
+                              "(adapter_config.json + adapter_model.safetensors), as 'PATH' or 'NAME=PATH'")
+
+
+def _lora_entries(weights: str | Path | Sequence[str | Path] | None) -> list[tuple[str, str]]:
+    """lora_weights as (name, path): "NAME=PATH" names it, a bare path is its own name."""
+    if weights is None:
+        return []
+    items = [weights] if isinstance(weights, str | Path) else list(weights)
+    entries = []
+    for item in map(str, items):
+        name, sep, path = item.partition("=")
+        entries.append((name, path) if sep and name and not Path(item).is_dir() else (item, item))
+    return entries
+
+
+def _lora_modules(weights: str | Path | Sequence[str | Path] | None) -> str | None:
+    entries = _lora_entries(weights)
+    return ",".join(f"{name}={path}" for name, path in entries) or None
 
 
 class _Collector:
@@ -231,6 +254,8 @@ class LLM:
         t0 = time.monotonic()
         lr = load_runner(config)
         self._graphs = lr.graphs
+        self._runner = lr.runner
+        self.adapters: tuple[str, ...] = tuple(lr.adapters.names) if lr.adapters is not None else ()
         self._engine = new_engine(config, lr)
         self._engine.start()
         self.tokenizer = lr.loaded.tokenizer
@@ -253,10 +278,9 @@ class LLM:
         lora_adapter_names: Sequence[str] | None = None,
     ) -> list[GenerationOutput]:
         """Complete a prompt or each of a list of prompts (text, or token-id lists). One output per
-        prompt, in order. A progress bar shows from TQDM_MIN_PROMPTS prompts on (use_tqdm=None)."""
-        if lora_adapter_names:
-            raise NotImplementedError(f"lora_adapter_names={list(lora_adapter_names)!r}: LoRA adapters are not "
-                                      "available yet; leave lora_adapter_names unset")
+        prompt, in order. A progress bar shows from TQDM_MIN_PROMPTS prompts on (use_tqdm=None).
+        lora_adapter_names: one adapter name (of lora_weights) for every prompt, or one per prompt;
+        "" is the base model."""
         items = [prompts] if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and all(_is_int(t) for t in prompts)) else list(prompts)
         encoded = []
@@ -268,7 +292,17 @@ class LLM:
                 _need(isinstance(p, Sequence) and all(_is_int(t) for t in p),
                       f"prompt {i} must be a string or a list of token ids, not {type(p).__name__}")
                 encoded.append((None, list(p)))
-        return self._run(encoded, sampling_params, use_tqdm)
+        return self._run(encoded, sampling_params, use_tqdm, self._adapter_names(lora_adapter_names, len(encoded)))
+
+    def _adapter_names(self, names: str | Sequence[str] | None, count: int) -> list[str]:
+        if names is None:
+            return [""] * count
+        names = [names] if isinstance(names, str) else list(names)
+        _need(len(names) in (1, count), f"{len(names)} lora_adapter_names for {count} prompts: give one, or one per prompt")
+        for name in names:
+            _need(name == "" or name in self.adapters,
+                  f"lora adapter {name!r} is not loaded; loaded: {list(self.adapters) or 'none'} (lora_weights)")
+        return names * count if len(names) == 1 else names
 
     def chat(
         self,
@@ -287,7 +321,7 @@ class LLM:
 
     def _run(self, encoded: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             use_tqdm: bool | None) -> list[GenerationOutput]:
+             use_tqdm: bool | None, adapters: list[str] | None = None) -> list[GenerationOutput]:
         self._check_open()
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(encoded)
@@ -297,6 +331,8 @@ class LLM:
                   f"{len(params)} SamplingParams for {len(encoded)} prompts: give one, or one per prompt")
         # Every prompt is checked before any is submitted: a bad one must not leave the others running.
         requests = [self._request(i, ids, p) for i, ((_, ids), p) in enumerate(zip(encoded, params))]
+        for request, adapter in zip(requests, adapters or []):
+            request.adapter = adapter
         done: queue.SimpleQueue = queue.SimpleQueue()
         collectors = [_Collector(i, done) for i in range(len(requests))]
         show = len(requests) >= TQDM_MIN_PROMPTS if use_tqdm is None else use_tqdm
@@ -378,7 +414,7 @@ class LLM:
         self._closed = True
         from service.engine.builder import close_engine
 
-        close_engine(self._engine, self._graphs)
+        close_engine(self._engine, self._runner.graph_caches)
         self._engine = self._graphs = None  # the model, the KV cache and the graphs go with the last references
         import gc
 

@@ -7,16 +7,20 @@ for the same config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from cache_manager import CudaGraphMode, GraphCache, GraphCacheConfig, parse_capture_sizes
 from service.config import ServeConfig
+from service.engine.adapters import AdapterRegistry, AdaptersOff
 from service.engine.engine import Engine, EngineObserver, Publish, deliver
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
 from service.model.loader import LoadedModel, load_model
+from service.model.lora import LoraAdapter, LoraError, read_adapter
+from service.model.spec import ModelLoadError
 
 
 @dataclass
@@ -27,10 +31,24 @@ class LoadedRunner:
     runner: ModelRunner
     max_seq_len: int  # the config's, capped by the model's context
     mode: CudaGraphMode  # NONE whenever the device is not CUDA
+    adapters: AdapterRegistry | None = field(default=None)  # None: the server serves no adapters
 
     @property
     def graphs(self) -> GraphCache:
         return self.runner.graphs
+
+    @property
+    def lora_graphs(self) -> GraphCache | None:
+        return self.runner.lora_graphs
+
+    def read_adapter(self, name: str, path: str | Path) -> LoraAdapter:
+        """Reads and checks an adapter's files (any thread: no device work). LoraError if they do not fit."""
+        if self.adapters is None:
+            raise AdaptersOff()
+        if not name or not name.isprintable() or len(name) > 128:
+            raise LoraError(f"adapter name {name!r} must be 1 to 128 printable characters")
+        return read_adapter(name, path, self.loaded.spec, self.runner.lora.max_rank,
+                            pin=self.loaded.device.type == "cuda", dtype=self.loaded.dtype)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -65,33 +83,46 @@ def load_runner(c: ServeConfig) -> LoadedRunner:
         stats_file=c.stats_file,
         warm_start=c.warm_start,
     )
-    runner = ModelRunner(loaded, c.max_running_seqs, max_seq_len, graph_config)
+    runner = ModelRunner(loaded, c.max_running_seqs, max_seq_len, graph_config,
+                         max_loras=c.lora_slots, max_lora_rank=c.max_lora_rank, lora_kernel=c.lora_kernel)
     runner.warmup()
-    return LoadedRunner(loaded, runner, max_seq_len, mode)
+    adapters = AdapterRegistry(c.lora_slots, runner.lora) if runner.lora is not None else None
+    lr = LoadedRunner(loaded, runner, max_seq_len, mode, adapters)
+    for name, path in c.lora_module_paths():  # a bad adapter fails the start, naming its file
+        try:
+            adapters.register(lr.read_adapter(name, path))
+        except LoraError as exc:
+            raise ModelLoadError(f"--lora-modules {name}={path}: {exc}") from None
+    return lr
 
 
 def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
                observer: EngineObserver | None = None) -> Engine:
     """An engine (not started) over the runner; between steps it commits the graphs the capture
     thread finished, warm-starts graphs and saves stats."""
-    graphs = lr.graphs
+    caches = lr.runner.graph_caches
 
     def between_steps() -> None:
-        graphs.poll()
-        graphs.warm_step()
-        graphs.maybe_save()
+        for graphs in caches:
+            graphs.poll()
+            graphs.warm_step()
+            graphs.maybe_save()
 
-    engine = Engine(lr.runner, Scheduler(c.max_running_seqs, c.max_num_batched_tokens), lr.loaded.tokenizer,
+    scheduler = Scheduler(c.max_running_seqs, c.max_num_batched_tokens, adapters=lr.adapters)
+    engine = Engine(lr.runner, scheduler, lr.loaded.tokenizer,
                     frozenset(lr.loaded.spec.eos_token_ids), publish=publish, observer=observer,
                     between_steps=between_steps, overlap=c.overlap_steps)
-    graphs.notify = engine.wake  # a finished capture is committed between steps, even when idle
+    for graphs in caches:
+        graphs.notify = engine.wake  # a finished capture is committed between steps, even when idle
     return engine
 
 
-def close_engine(engine: Engine, graphs: GraphCache) -> bool:
-    """Stop the engine; free the graphs once its thread is gone (a step that would not stop still
-    uses the device, so then only the stats are saved). Returns whether the stats were saved."""
+def close_engine(engine: Engine, graphs: GraphCache | list[GraphCache]) -> bool:
+    """Stop the engine; free the graphs (of every cache given) once its thread is gone (a step that
+    would not stop still uses the device, so then only the stats are saved). Returns whether every
+    cache's stats were saved."""
     engine.stop()
-    if not engine.thread_alive:
-        return graphs.close()
-    return graphs.save()
+    saved = True
+    for cache in graphs if isinstance(graphs, list) else [graphs]:
+        saved &= cache.close() if not engine.thread_alive else cache.save()
+    return saved

@@ -11,6 +11,7 @@ import torch
 
 from service.model.kv_cache import KVCache
 from service.model.llama import LlamaForCausalLM
+from service.model.lora import LoraSlots, lora_tokens
 
 
 class ModelDecodeStep:
@@ -23,6 +24,8 @@ class ModelDecodeStep:
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.slot_ids = torch.full((max_batch,), kv.scratch_slot, dtype=torch.long, device=device)
+        # Each row's LoRA adapter slot (0: none); read only by LoraDecodeStep's graphs.
+        self.lora_slots = torch.zeros(max_batch, dtype=torch.long, device=device)
         # The capture thread's warm-up inputs: never written, so a warm-up beside serving steps only
         # touches the scratch slot (token 0 at position 0).
         self._scratch_inputs = (
@@ -32,7 +35,7 @@ class ModelDecodeStep:
         )
         # One copy per step for all inputs, from one of two pinned buffers in turn: the engine writes
         # step t+1's rows while step t's copy may still be queued behind the device's work.
-        self._host = torch.zeros((2, 4 * max_batch), dtype=torch.long, pin_memory=device.type == "cuda")
+        self._host = torch.zeros((2, 5 * max_batch), dtype=torch.long, pin_memory=device.type == "cuda")
         self._turn = 0
 
     def write_rows(
@@ -42,14 +45,19 @@ class ModelDecodeStep:
         slot_ids: list[int],
         pending_rows: list[int] | None = None,
         previous_tokens: torch.Tensor | None = None,
+        lora_slots: list[int] | None = None,
     ) -> None:
         """Copy the real rows [0, n) into the static inputs. A row whose `pending_rows` entry is >= 0
-        takes its token id from `previous_tokens` (on the device) at that index instead."""
+        takes its token id from `previous_tokens` (on the device) at that index instead. `lora_slots`
+        (each row's adapter slot) go in the same copy."""
         n = len(token_ids)
         assert n == len(positions) == len(slot_ids) <= self.max_batch
         pending = pending_rows is not None and any(r >= 0 for r in pending_rows)
         self._turn ^= 1
         rows = [token_ids, positions, slot_ids, pending_rows] if pending else [token_ids, positions, slot_ids]
+        if lora_slots is not None:
+            assert len(lora_slots) == n
+            rows.append(lora_slots)
         host = self._host[self._turn, : len(rows) * n].view(len(rows), n)  # contiguous: one plain pinned copy
         host.copy_(torch.tensor(rows, dtype=torch.long))
         device_rows = host.to(self.device, non_blocking=True)
@@ -61,6 +69,8 @@ class ModelDecodeStep:
             self.input_ids[:n].copy_(device_rows[0])
         self.positions[:n].copy_(device_rows[1])
         self.slot_ids[:n].copy_(device_rows[2])
+        if lora_slots is not None:
+            self.lora_slots[:n].copy_(device_rows[-1])
 
     def set_padding_rows(self, start: int, stop: int) -> None:
         """Rows [start, stop) write only into the scratch KV slot, at position 0."""
@@ -91,3 +101,29 @@ def pad_rows(
     input_ids[start:stop].zero_()
     positions[start:stop].zero_()
     slot_ids[start:stop].fill_(scratch_slot)
+class LoraDecodeStep:
+    """The decode step with LoRA: the same static inputs as `base` plus its per-row adapter slots
+    (`base.lora_slots`, a static input too), so swapping the adapter in a slot needs no recapture.
+    A second graph cache captures this step: batches with any adapter row replay these graphs,
+    base-only batches keep the base graphs, which run no LoRA kernel."""
+
+    def __init__(self, base: ModelDecodeStep, lora: LoraSlots) -> None:
+        self.base, self.lora = base, lora
+        self.max_batch = base.max_batch
+        self._scratch_slots = torch.zeros(base.max_batch, dtype=torch.long, device=base.device)  # never written
+
+    def set_padding_rows(self, start: int, stop: int) -> None:
+        self.base.set_padding_rows(start, stop)
+        if stop > start:
+            self.base.lora_slots[start:stop].zero_()
+
+    def run(self, batch_size: int) -> torch.Tensor:
+        with lora_tokens(self.base.lora_slots[:batch_size], self.lora):
+            return self.base.run(batch_size)
+
+    def run_scratch(self, batch_size: int) -> torch.Tensor:
+        with lora_tokens(self._scratch_slots[:batch_size], self.lora):
+            return self.base.run_scratch(batch_size)
+
+    def input_addresses(self) -> tuple[int, ...]:
+        return (*self.base.input_addresses(), self.base.lora_slots.data_ptr())

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from service.engine.adapters import AdapterNotFound
 from service.engine.output import RequestOutput
 from service.engine.request import EngineError, Finish, GenerationRequest, RequestEvent
 from service.engine.scheduler import PrefillChunk, Scheduler
@@ -209,6 +210,8 @@ class Engine:
                 for fn, future in calls:
                     self._run_call(fn, future)
                 for key, request, sink in inbox:
+                    if request.adapter and not self._hold_adapter(request.adapter, sink):
+                        continue
                     seq = Sequence(request, key=key)
                     self._outputs[key] = (RequestOutput(seq, self.tokenizer, self.eos_token_ids), sink)
                     self.scheduler.add(seq)
@@ -288,8 +291,24 @@ class Engine:
             if self.observer is not None:
                 self.observer.on_tokens(seq, 1, now)
 
+    def _hold_adapter(self, name: str, sink: Sink) -> bool:
+        """Count a new stream of adapter `name` (unload waits for it); an unknown one ends the stream."""
+        adapters = self.scheduler.adapters
+        try:
+            if adapters is None:
+                raise AdapterNotFound(f"adapter {name!r}: this server serves no adapters (start it with --max-loras)")
+
+            adapters.hold(name)
+        except AdapterNotFound as exc:
+            self._publish_safely([(sink, EngineError(str(exc)))])
+            return False
+        return True
+
     def _finish(self, seq: Sequence, finish: Finish | None, now: float) -> tuple[Sink, RequestEvent]:
         output, sink = self._outputs.pop(seq.key)
+        if seq.request.adapter:
+            assert self.scheduler.adapters is not None
+            self.scheduler.adapters.unhold(seq.request.adapter)
         finish = finish if finish is not None else output.abort(now)
         if self.observer is not None:
             self.observer.on_finish(seq, finish)

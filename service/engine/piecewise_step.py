@@ -17,6 +17,7 @@ import torch
 
 from service.engine.decode_step import pad_rows
 from service.model.kv_cache import KVCache
+from service.model.lora import LoraSlots, lora_tokens
 from service.model.pieces import PieceState, PiecewiseForward
 from service.model.step_batch import AttentionMetadata, StepBatch
 
@@ -132,3 +133,49 @@ class PiecewiseStep:
         pieces = [first, *(middle(layer) for layer in range(1, p.num_layers)), last]
         between = [attend(layer) for layer in range(p.num_layers)]
         return Segments(pieces, between, lambda: hidden[0])
+
+
+class LoraPiecewiseStep:
+    """The piecewise step with LoRA products: the base step's static inputs (and attention output
+    buffer) plus each token's adapter slot, a static input too, so swapping an adapter needs no
+    recapture. The LoRA graph cache captures its pieces; base-only steps keep the base step's."""
+
+    def __init__(self, base: PiecewiseStep, lora: LoraSlots) -> None:
+        self.base, self.lora = base, lora
+        self.max_batch = base.max_batch
+        self.lora_slots = torch.zeros(base.max_batch, dtype=torch.long, device=base.device)
+        self._scratch_slots = torch.zeros(base.max_batch, dtype=torch.long, device=base.device)  # never written
+
+    def write(self, batch: StepBatch) -> None:
+        assert batch.lora_slots is not None, "a step without adapter rows runs the base step"
+        self.base.write(batch)
+        self.lora_slots[: batch.size].copy_(batch.lora_slots)
+
+    def set_padding_rows(self, start: int, stop: int) -> None:
+        self.base.set_padding_rows(start, stop)
+        if stop > start:
+            self.lora_slots[start:stop].zero_()
+
+    def run(self, size: int) -> torch.Tensor:
+        with lora_tokens(self.lora_slots[:size], self.lora):
+            return self.base.run(size)
+
+    def run_scratch(self, size: int) -> torch.Tensor:
+        with lora_tokens(self._scratch_slots[:size], self.lora):
+            return self.base.run_scratch(size)
+
+    def segments(self, size: int) -> Segments:
+        """The base step's segments, each piece run (and so recorded) with the rows' adapters."""
+        base = self.base.segments(size)
+        slots = self.lora_slots[:size]
+
+        def with_lora(piece: Callable[[], None]) -> Callable[[], None]:
+            def run() -> None:
+                with lora_tokens(slots, self.lora):
+                    piece()
+            return run
+
+        return Segments([with_lora(p) for p in base.pieces], base.between, base.output)
+
+    def input_addresses(self) -> tuple[int, ...]:
+        return (*self.base.input_addresses(), self.lora_slots.data_ptr())

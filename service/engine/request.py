@@ -43,6 +43,7 @@ class GenerationRequest:
     stopping: StoppingParams
     stream_interval: int = 1
     arrival_time: float = 0.0  # time.monotonic() at arrival
+    adapter: str = ""  # a loaded LoRA adapter's name; "" is the base model
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ so the host's work on step t overlaps the device's work on step t+1.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from dataclasses import dataclass
 
@@ -18,21 +19,24 @@ import torch
 
 from cache_manager import Fingerprint, GraphBackend, GraphCache, GraphCacheConfig
 from cache_manager.sizes import FULL, PIECEWISE
-from service.engine.decode_step import ModelDecodeStep
-from service.engine.piecewise_step import PiecewiseStep
+from service.engine.decode_step import LoraDecodeStep, ModelDecodeStep
+from service.engine.piecewise_step import LoraPiecewiseStep, PiecewiseStep
 from service.engine.sampler import SamplingBatch, sample
 from service.engine.scheduler import PrefillChunk
 from service.engine.sequence import Sequence
 from service.model.kv_cache import KVCache
 from service.model.loader import LoadedModel
+from service.model.lora import LoraSlots
 from service.model.pieces import PiecewiseForward
 from service.model.step_batch import ChunkSpec, build_step_batch
 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_running: int, max_seq_len: int, graph_config: GraphCacheConfig,
-                 graph_backend: GraphBackend | None = None) -> None:
-        """graph_backend: None for the CUDA one on a GPU (tests give a fake one to run graphs' logic on a CPU)."""
+                 graph_backend: GraphBackend | None = None, max_loras: int = 0, max_lora_rank: int = 16,
+                 lora_kernel: str = "stacked") -> None:
+        """graph_backend: None for the CUDA one on a GPU (tests give a fake one to run graphs' logic on a CPU).
+        max_loras > 0: adapter slots (service.model.lora) and a second graph cache for batches with adapters."""
         self.loaded = loaded
         self.device = loaded.device
         self.kv = KVCache(loaded.spec, max_running, max_seq_len, loaded.device, loaded.dtype)
@@ -54,6 +58,24 @@ class ModelRunner:
         )
         self.graphs = GraphCache(self.decode_step, graph_config, self.device, fingerprint, graph_backend,
                                  piecewise_step=self.piecewise_step)
+        # Adapters: fixed slot buffers, and a second graph cache over the LoRA decode step, so that
+        # base-only batches keep graphs without LoRA kernels (see LoraDecodeStep).
+        self.lora: LoraSlots | None = None
+        self.lora_graphs: GraphCache | None = None
+        self.lora_piecewise: LoraPiecewiseStep | None = None
+        if max_loras > 0:
+            self.lora = LoraSlots(loaded.model, max_loras, max_lora_rank, lora_kernel)
+            self.pieces.lora = self.lora
+            self.lora_step = LoraDecodeStep(self.decode_step, self.lora)
+            self.lora_piecewise = (
+                LoraPiecewiseStep(self.piecewise_step, self.lora) if self.piecewise_step is not None else None
+            )
+            stats = graph_config.stats_file
+            lora_config = dataclasses.replace(
+                graph_config, stats_file=None if stats is None else stats.with_name(stats.name + ".lora"))
+            lora_fingerprint = dataclasses.replace(fingerprint, model=f"{loaded.name}+lora:{max_loras}x{max_lora_rank}")
+            self.lora_graphs = GraphCache(self.lora_step, lora_config, self.device, lora_fingerprint, graph_backend,
+                                          piecewise_step=self.lora_piecewise)
         # Sampled tokens come back through pinned buffers; waiting on an event (which releases the
         # GIL) instead of a blocking copy lets other threads run while the GPU works.
         on_cuda = self.device.type == "cuda"
@@ -74,6 +96,8 @@ class ModelRunner:
         ))
         self.decode_step.write_rows([bos], [1], [scratch])
         self.decode_step.run(1).argmax(dim=-1).tolist()
+        if self.lora is not None:  # the LoRA products once, on slot 0 (all zero)
+            self.lora_step.run_scratch(1).argmax(dim=-1).tolist()
         # Everything alive now (model, caches, modules) lives as long as the process: keep it out of
         # every collection, so a collection while serving or capturing walks only what requests made.
         gc.collect()
@@ -120,6 +144,9 @@ class ModelRunner:
         rows, previous_tokens = self._previous
         pending_rows = [rows[s.key] if s.num_pending else -1 for s in decodes]
         any_pending = any(r >= 0 for r in pending_rows)
+        lora_slots = None
+        if any(s.lora_slot for s in decodes) or any(c.seq.lora_slot for c in chunks):
+            lora_slots = [s.lora_slot for s in decodes] + [c.seq.lora_slot for c in chunks for _ in range(c.num_tokens)]
         batch = build_step_batch(
             [s.next_position() for s in decodes],
             [_slot(s) for s in decodes],
@@ -129,14 +156,17 @@ class ModelRunner:
             self.kv.scratch_slot,
             self.device,
             pending_rows=pending_rows if any_pending else None,
+            lora_slots=lora_slots,
         )
         if batch.pending_rows is not None:
             d = len(decodes)
             from_previous = previous_tokens[batch.pending_rows.clamp(min=0)]
             batch.input_ids[:d] = torch.where(batch.pending_rows >= 0, from_previous, batch.input_ids[:d])
-        if self.piecewise_step is not None and self.graphs.serves(PIECEWISE):
-            self.piecewise_step.write(batch)
-            hidden = self.graphs.run(batch.size, PIECEWISE)  # replayed pieces, or eager above the largest
+        # A step with adapter rows replays the LoRA cache's pieces (captured with the LoRA products).
+        graphs, step = (self.graphs, self.piecewise_step) if lora_slots is None else (self.lora_graphs, self.lora_piecewise)
+        if step is not None and graphs.serves(PIECEWISE):
+            step.write(batch)
+            hidden = graphs.run(batch.size, PIECEWISE)  # replayed pieces, or eager above the largest
             logits = self.loaded.model.logits(hidden[batch.sample_rows])
         else:
             logits = self.pieces.forward(batch)
@@ -146,19 +176,29 @@ class ModelRunner:
         return self._sample(logits, sampling)
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One decode step for the running batch, through the graph cache; tokens on device."""
+        """One decode step for the running batch, through the graph cache (the LoRA graph cache when
+        any row has an adapter); tokens on device."""
         rows, previous_tokens = self._previous
         # Pending input tokens come from the previous launch's row on the device, the others from the host.
         pending_rows = [rows[s.key] if s.num_pending else -1 for s in seqs]
+        with_lora = any(s.lora_slot for s in seqs)
         self.decode_step.write_rows(
             [0 if s.num_pending else s.last_token_id() for s in seqs],
             [s.next_position() for s in seqs],
             [s.slot for s in seqs],
             pending_rows,
             previous_tokens,
+            lora_slots=[s.lora_slot for s in seqs] if with_lora else None,
         )
-        logits = self.graphs.run(len(seqs))
+        graphs = self.lora_graphs if with_lora else self.graphs
+        assert graphs is not None, "an adapter row on a server without adapter slots"
+        logits = graphs.run(len(seqs))
         return self._sample(logits, seqs)
+
+    @property
+    def graph_caches(self) -> list[GraphCache]:
+        """The base graph cache, then the LoRA one when the server serves adapters."""
+        return [self.graphs] + ([self.lora_graphs] if self.lora_graphs is not None else [])
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         # The counter is the index of the token being sampled, pending ones included.

@@ -16,6 +16,7 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
+from service.engine.adapters import AdapterRegistry
 from service.engine.sequence import Sequence, SequenceStatus
 
 
@@ -66,7 +67,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, max_running: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, max_running: int, max_num_batched_tokens: int, adapters: AdapterRegistry | None = None) -> None:
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
         # Every running sequence may decode in the same step, and decodes are never held back: a
@@ -77,6 +78,8 @@ class Scheduler:
             )
         self.max_running = max_running
         self.max_num_batched_tokens = max_num_batched_tokens
+        # A sequence with a LoRA adapter is admitted once its adapter has a device slot.
+        self.adapters = adapters
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: dict[int, Sequence] = {}  # slot -> sequence
         self._prefilling: list[Sequence] = []  # running, prompt not fully scheduled; admission order
@@ -174,6 +177,8 @@ class Scheduler:
             budget -= self._add_chunk(batch, seq, budget)
         now = time.monotonic()
         while self._waiting and self._free_slots and budget > 0:
+            if not self._admit_adapter(self._waiting[0]):
+                break  # every adapter slot is held by running sequences of other adapters: wait, in order
             seq = self._waiting.popleft()
             self._waiting_prompt_tokens -= seq.num_prompt_tokens
             seq.slot = heapq.heappop(self._free_slots)
@@ -198,8 +203,23 @@ class Scheduler:
         seq.num_prefilled_tokens = end
         return end - start
 
+    def _admit_adapter(self, seq: Sequence) -> bool:
+        name = seq.request.adapter
+        if not name:
+            return True
+        assert self.adapters is not None, "the engine refuses adapter requests without a registry"
+        slot = self.adapters.admit(name)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
+
     def _release(self, seq: Sequence) -> None:
         assert seq.slot is not None
+        if seq.lora_slot:
+            assert self.adapters is not None
+            self.adapters.release(seq.lora_slot)
+            seq.lora_slot = 0
         if seq.num_unprefilled_tokens:
             self._prefilling.remove(seq)
         del self._running[seq.slot]

@@ -33,6 +33,8 @@ class Sequence:
     num_prefilled_tokens: int = 0
     # Back-pressure: its client has not read what was generated; it keeps its slot but is not scheduled.
     paused: bool = False
+    # The device slot of the request's LoRA adapter while it runs (0: the base model).
+    lora_slot: int = 0
 
     def __post_init__(self) -> None:
         if not self.key:

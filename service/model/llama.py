@@ -91,6 +91,9 @@ def _empty(*shape: int, device: torch.device | str, dtype: torch.dtype) -> nn.Pa
 
 
 class Linear(nn.Module):
+    # Set by service.model.lora.LoraSlots on the projections it adapts: (x, y) -> y + the rows' LoRA.
+    lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
     def __init__(
         self, n_in: int, n_out: int, bias: bool, device: torch.device | str, dtype: torch.dtype
     ) -> None:
@@ -108,7 +111,8 @@ class Linear(nn.Module):
         return part
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class FusedLinear(nn.Module):
@@ -119,6 +123,8 @@ class FusedLinear(nn.Module):
     load_weights, checkpoints and anything filling named_parameters() write the fused storage.
     Do not move the model with .to()/.cuda(): that would copy parameters and buffers apart.
     """
+
+    lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # as Linear.lora
 
     def __init__(
         self, n_in: int, n_outs: tuple[int, ...], bias: bool, device: torch.device | str, dtype: torch.dtype
@@ -138,7 +144,8 @@ class FusedLinear(nn.Module):
             start += n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class Embedding(nn.Module):

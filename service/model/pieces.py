@@ -18,12 +18,14 @@ LlamaForCausalLM.forward_step, the same forward unsplit.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from service.model.kv_cache import KVCache
 from service.model.llama import LlamaForCausalLM
+from service.model.lora import LoraSlots, lora_tokens
 from service.model.step_batch import StepBatch
 
 
@@ -45,6 +47,7 @@ class PiecewiseForward:
         self.model = model
         self.kv = kv
         self.num_layers = len(model.model.layers)
+        self.lora: LoraSlots | None = None  # set when the server serves adapters
 
     @property
     def num_pieces(self) -> int:
@@ -81,8 +84,14 @@ class PiecewiseForward:
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
-        """float32 logits [R, V] of batch.sample_rows; writes every row's K/V into its slot."""
-        state = self.first(batch.input_ids, batch.positions, batch.slot_ids)
-        for layer in range(1, self.num_layers):
-            state = self.middle(layer, state, self.attention(layer - 1, state, batch), batch.positions, batch.slot_ids)
-        return self.last(state, self.attention(self.num_layers - 1, state, batch), batch.sample_rows)
+        """float32 logits [R, V] of batch.sample_rows; writes every row's K/V into its slot. Rows of a
+        batch with `lora_slots` get their adapters (the pieces read the slots like the other per-token inputs)."""
+        if batch.lora_slots is not None:
+            assert self.lora is not None, "a batch with adapter rows on a server without adapter slots"
+        adapters = lora_tokens(batch.lora_slots, self.lora) if batch.lora_slots is not None else nullcontext()
+        with adapters:
+            state = self.first(batch.input_ids, batch.positions, batch.slot_ids)
+            for layer in range(1, self.num_layers):
+                state = self.middle(layer, state, self.attention(layer - 1, state, batch), batch.positions,
+                                    batch.slot_ids)
+            return self.last(state, self.attention(self.num_layers - 1, state, batch), batch.sample_rows)

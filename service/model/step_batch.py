@@ -69,6 +69,7 @@ class StepBatch:
     sample_rows: torch.Tensor  # [R] rows whose logits come back: decodes, then sampling chunks' last rows
     attention: AttentionMetadata
     pending_rows: torch.Tensor | None = None  # [num_decodes] see build_step_batch
+    lora_slots: torch.Tensor | None = None  # [S] int64, each row's LoRA adapter slot (0: none; padding 0)
 
     @property
     def size(self) -> int:
@@ -85,10 +86,12 @@ def build_step_batch(
     device: torch.device,
     pad_to: int | None = None,
     pending_rows: list[int] | None = None,
+    lora_slots: list[int] | None = None,
 ) -> StepBatch:
     """token_ids: every real row's token, decodes first (host ints, or a device tensor [n]).
     pending_rows: per decode row, an index into the previous step's sampled tokens to take its
-    token from on the device (-1: use token_ids); carried to the device in the same copy."""
+    token from on the device (-1: use token_ids); carried to the device in the same copy.
+    lora_slots: per real row, its LoRA adapter slot (None: no row has an adapter); same copy."""
     num_decodes = len(decode_positions)
     n = num_decodes + sum(c.length for c in chunks)
     _check(decode_positions, decode_slots, chunks, n, len(token_ids), max_seq_len, scratch_slot)
@@ -111,6 +114,9 @@ def build_step_batch(
     if pending_rows is not None:
         assert len(pending_rows) == num_decodes
         parts.append(pending_rows)
+    if lora_slots is not None:
+        assert len(lora_slots) == n
+        parts.append([*lora_slots, *[0] * pad])
     host = torch.tensor([x for part in parts for x in part], dtype=torch.long, pin_memory=device.type == "cuda")
     views = list(host.to(device, non_blocking=True).split([len(part) for part in parts]))
     positions_t, slots_t, sample_t = views[:3]
@@ -125,8 +131,9 @@ def build_step_batch(
     else:
         ids_t = token_ids if not pad else torch.cat([token_ids, token_ids.new_zeros(pad)])
     pending_t = rest.pop(0) if pending_rows is not None else None
+    lora_t = rest.pop(0) if lora_slots is not None else None
     meta = AttentionMetadata(num_decodes, prompts, contexts, n)
-    return StepBatch(ids_t, positions_t, slots_t, sample_t, meta, pending_t)
+    return StepBatch(ids_t, positions_t, slots_t, sample_t, meta, pending_t, lora_t)
 
 
 def _prompt_groups(

@@ -26,6 +26,8 @@ from cache_manager import (
     GraphsUnavailableError,
     OpResult,
 )
+from service.engine.adapters import AdapterError, AdapterExists, AdapterInUse, AdapterNotFound
+from service.model.lora import LoraError
 from service.proto import admin_pb2, admin_pb2_grpc
 
 log = structlog.get_logger("graphserve.admin")
@@ -34,6 +36,15 @@ log = structlog.get_logger("graphserve.admin")
 MAX_BUDGET_BYTES = 1 << 50
 # Values listed in one error message, at most.
 _SHOWN_VALUES = 8
+
+# Adapter errors (ValueErrors) by what the caller must change; the first match wins.
+_ADAPTER_STATUS = (
+    (AdapterNotFound, grpc.StatusCode.NOT_FOUND),
+    (AdapterExists, grpc.StatusCode.ALREADY_EXISTS),
+    (AdapterInUse, grpc.StatusCode.FAILED_PRECONDITION),  # streams use it: unload after they end
+    (LoraError, grpc.StatusCode.INVALID_ARGUMENT),  # the files do not fit
+    (AdapterError, grpc.StatusCode.FAILED_PRECONDITION),  # e.g. no adapter slots on this server
+)
 
 _STATES = {
     BucketState.NOT_CAPTURED: admin_pb2.BUCKET_STATE_NOT_CAPTURED,
@@ -55,10 +66,14 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
     async def GetCacheState(self, request: admin_pb2.GetCacheStateRequest,
                             context: grpc.aio.ServicerContext) -> admin_pb2.CacheState:
         snap = await self._read(context, self.graphs.snapshot)
+        lora_snapshot = getattr(self.graphs, "lora_snapshot", None)
+        lora = await self._read(context, lora_snapshot) if lora_snapshot is not None else None
         return admin_pb2.CacheState(
             mode=snap.mode, device=snap.device, budget_bytes=snap.budget_bytes, used_bytes=snap.used_bytes,
             capture_sizes=list(snap.capture_sizes), max_batch=snap.max_batch,
             buckets=[_bucket_entry(b) for b in snap.buckets], piecewise_sizes=list(snap.piecewise_sizes),
+            lora_buckets=[_bucket_entry(b) for b in lora.buckets] if lora is not None else [],
+            lora_used_bytes=lora.used_bytes if lora is not None else 0,
         )
 
     async def GetCaptureStats(self, request: admin_pb2.GetCaptureStatsRequest,
@@ -111,6 +126,48 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
         await self._on_engine(context, "reset_stats", self.graphs.reset_stats)
         log.info("admin_stats_reset")
         return admin_pb2.ResetStatsResponse()
+
+    # ---- LoRA adapters --------------------------------------------------------------------------
+
+    async def LoadAdapter(self, request: admin_pb2.LoadAdapterRequest,
+                          context: grpc.aio.ServicerContext) -> admin_pb2.AdapterInfo:
+        if not request.name or not request.path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "give the adapter's name and the path of its PEFT directory on the server")
+        adapters = await self._adapters(context)
+        info = await self._adapter_call(context, "load_adapter", lambda: adapters.load(request.name, request.path))
+        log.info("admin_adapter_loaded", name=info.name, path=info.path, rank=info.rank)
+        return _adapter_info(info)
+
+    async def UnloadAdapter(self, request: admin_pb2.UnloadAdapterRequest,
+                            context: grpc.aio.ServicerContext) -> admin_pb2.UnloadAdapterResponse:
+        adapters = await self._adapters(context)
+        await self._adapter_call(context, "unload_adapter", lambda: adapters.unload(request.name))
+        log.info("admin_adapter_unloaded", name=request.name)
+        return admin_pb2.UnloadAdapterResponse()
+
+    async def ListAdapters(self, request: admin_pb2.ListAdaptersRequest,
+                           context: grpc.aio.ServicerContext) -> admin_pb2.ListAdaptersResponse:
+        adapters = await self._adapters(context)
+        infos = await self._adapter_call(context, "list_adapters", adapters.list)
+        return admin_pb2.ListAdaptersResponse(adapters=[_adapter_info(i) for i in infos],
+                                              max_loras=adapters.max_loras, max_lora_rank=adapters.max_lora_rank)
+
+    async def _adapters(self, context: grpc.aio.ServicerContext) -> Any:
+        adapters = getattr(self.graphs, "adapters", None)
+        if adapters is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server has no adapter registry")
+        return adapters
+
+    async def _adapter_call(self, context: grpc.aio.ServicerContext, op: str, fn: Callable[[], Any]) -> Any:
+        """fn off the event loop, with the adapter errors as status codes that say what to change."""
+        try:
+            return await asyncio.wrap_future(self.engine.call(fn))
+        except (AdapterError, LoraError) as exc:
+            code = next(c for kind, c in _ADAPTER_STATUS if isinstance(exc, kind))
+            await context.abort(code, f"{op}: {exc}")
+        except Exception as exc:
+            await self._failed(context, op, exc)
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -168,10 +225,13 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{op}: {exc}")
         except Exception as exc:
-            if not self.engine.alive:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{op}: the engine is not running ({exc})")
-            log.exception("admin_operation_failed", op=op)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{op} failed: {type(exc).__name__}: {exc}")
+            await self._failed(context, op, exc)
+
+    async def _failed(self, context: grpc.aio.ServicerContext, op: str, exc: Exception) -> None:
+        if not self.engine.alive:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{op}: the engine is not running ({exc})")
+        log.exception("admin_operation_failed", op=op)
+        await context.abort(grpc.StatusCode.INTERNAL, f"{op} failed: {type(exc).__name__}: {exc}")
 
 
 def _few(values: Iterable[int], shown: int = _SHOWN_VALUES) -> str:
@@ -195,6 +255,11 @@ def _bucket_entry(b: BucketEntry) -> admin_pb2.BucketEntry:
         failures=c.failures, captures=c.captures, evictions=c.evictions,
         last_use_unix=b.last_use or 0.0, failure_reason=reason,
     )
+
+
+def _adapter_info(a: Any) -> admin_pb2.AdapterInfo:
+    return admin_pb2.AdapterInfo(name=a.name, path=a.path, rank=a.rank, target_modules=list(a.targets), slot=a.slot,
+                                 active_streams=a.active_streams)
 
 
 def _reason_counts(counts: dict[str, int]) -> list[admin_pb2.ReasonCount]:

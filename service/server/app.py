@@ -135,9 +135,12 @@ class App:
         self.graphs = RemoteGraphs(self.engine, ready)
         self.metrics.set_engine_source(self.engine.metric_families)
         self.metrics.set_graph_source(self.graphs.snapshot)
+        if ready.max_loras:
+            self.metrics.set_lora_graph_source(self.graphs.lora_snapshot)
         self.admin_server, self.admin_port = await start_admin_server(c, self.engine, self.graphs, self.metrics)
         limits = Limits.from_config(dataclasses.replace(c, max_seq_len=ready.max_seq_len), vocab_size=spec.vocab_size)
         self.servicer.attach(self.engine, self.tokenizer, limits, self._model_info(ready))
+        self.servicer.adapter_names = self.graphs.adapters.names
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.ready.set()
         log.info("serving", model=c.model, port=self.port, graph_mode=ready.graph_mode)
@@ -149,6 +152,7 @@ class App:
             max_sequence_length=ready.max_seq_len, max_running_sequences=c.max_running_seqs, device=ready.device,
             dtype=ready.dtype, eos_token_ids=list(spec.eos_token_ids),
             max_tokens_limit=c.max_tokens_limit, default_max_tokens=c.default_max_tokens,
+            adapters=sorted(ready.adapters),
         )
 
     async def _set_health(self, status: int) -> None:

@@ -335,9 +335,14 @@ class RemoteGraphs:
         self.config = ready.graph_config
         self.device = ready.graphs_device
         self.backend = self if ready.has_graph_backend else None  # backend.total_memory() is remote too
+        self.adapters = RemoteAdapters(engine, ready)
 
     def snapshot(self) -> Any:
         return self._engine.remote("snapshot", timeout=5.0)
+
+    def lora_snapshot(self) -> Any:
+        """The snapshot of the graphs of batches with adapters (None without adapter slots)."""
+        return self._engine.remote("lora_snapshot", timeout=5.0)
 
     def persisted_stats(self) -> Any:
         return self._engine.remote("persisted_stats")
@@ -364,6 +369,30 @@ class RemoteGraphs:
     @property
     def used_bytes(self) -> int:
         return self._engine.remote("used_bytes")
+
+
+class RemoteAdapters:
+    """The engine process's adapter registry as the admin servicer sees it, plus the set of names
+    Generate accepts (kept here, so checking a request's adapter costs no call into the engine)."""
+
+    def __init__(self, engine: EngineProcess, ready: WorkerReady) -> None:
+        self._engine = engine
+        self.max_loras = ready.max_loras
+        self.max_lora_rank = ready.max_lora_rank
+        self.names: set[str] = set(ready.adapters)
+
+    def load(self, name: str, path: str) -> Any:
+        """Reads the files in the engine process (off its engine thread) and registers the adapter."""
+        info = self._engine.remote("load_adapter", name, path, timeout=300.0)
+        self.names.add(name)
+        return info
+
+    def unload(self, name: str) -> None:
+        self._engine.remote("unload_adapter", name)
+        self.names.discard(name)
+
+    def list(self) -> list[Any]:
+        return self._engine.remote("list_adapters")
 
 
 def read_tokenizer(path: str) -> Any:

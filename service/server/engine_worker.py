@@ -39,9 +39,12 @@ DELTA, FINISH, ERROR = "d", "f", "e"
 
 # Calls the gRPC process may make: reads (the engine's metric families, the graph cache's snapshot)
 # run on the worker's reply thread, graph-cache operations on the engine thread between two steps.
-READS = frozenset({"metrics", "snapshot"})
+READS = frozenset({"metrics", "snapshot", "lora_snapshot"})
 GRAPH_OPS = frozenset({"capture", "evict", "set_budget", "reset_stats", "persisted_stats", "budget_bytes",
                        "used_bytes", "total_memory"})
+# Adapter operations: the files are read on a thread of their own, the registry changes on the
+# engine thread between two steps (a load costs the engine one short call, not the disk read).
+ADAPTER_OPS = frozenset({"load_adapter", "unload_adapter", "list_adapters"})
 
 _STATUS_INTERVAL_S = 0.2
 
@@ -68,6 +71,9 @@ class WorkerReady:
     graph_mode: str
     graphs_device: str
     has_graph_backend: bool
+    adapters: tuple[str, ...] = ()  # loaded at start (--lora-modules)
+    max_loras: int = 0  # adapter slots; 0: adapters are off
+    max_lora_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,10 +110,12 @@ class _Worker:
         self.send_lock = threading.Lock()
         self.engine: Any = None
         self.graphs: Any = None
+        self.runner: Any = None  # LoadedRunner
         self.metrics = EngineMetrics()
         self.received = 0
         self.received_tokens = 0
         self.replies = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphserve-reply")
+        self.adapter_reads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphserve-adapter-read")
 
     def send(self, message: tuple, with_status: bool = False) -> None:
         """Send a message; with_status appends the engine's counters, taken under the send lock so
@@ -153,6 +161,7 @@ class _Worker:
         if faults.decode_raise_after is not None:
             wrap_decode(lr.runner, faults.decode_raise_after)
         self.graphs = graphs = lr.graphs
+        self.runner = lr
         self.engine = new_engine(c, lr, publish=self.publish, observer=self.metrics)
         graphs.on_capture_stall = self.metrics.graph_capture_stall.observe
         loaded = lr.loaded
@@ -160,6 +169,8 @@ class _Worker:
             model_path=str(loaded.path), spec=loaded.spec, max_seq_len=lr.max_seq_len, device=str(loaded.device),
             dtype=str(loaded.dtype).removeprefix("torch."), graph_config=graphs.config, graph_mode=lr.mode.value,
             graphs_device=str(graphs.device), has_graph_backend=graphs.backend is not None,
+            adapters=tuple(lr.adapters.names) if lr.adapters is not None else (), max_loras=c.lora_slots,
+            max_lora_rank=c.max_lora_rank if lr.adapters is not None else 0,
         )
 
     # ---- pipe thread --------------------------------------------------------------------------
@@ -196,12 +207,38 @@ class _Worker:
             future = self.engine.call(lambda: self._graph_op(name, args))
             # The callback runs where the future completes: here, if the engine has stopped.
             future.add_done_callback(lambda f: self._reply_when_done(call_id, f))
+        elif name in ADAPTER_OPS:
+            self.adapter_reads.submit(self._adapter_op, call_id, name, args)
         else:
             self.replies.submit(self.send, (RESULT, call_id, False, ValueError(f"unknown engine call {name!r}")))
+
+    def _adapter_op(self, call_id: int, name: str, args: tuple) -> None:
+        """On the adapter thread: read the files (load), then change the registry on the engine thread."""
+        lr = self.runner
+        try:
+            if name == "load_adapter":
+                adapter = lr.read_adapter(*args)
+                future = self.engine.call(lambda: (lr.adapters.register(adapter), _info(lr, adapter.name))[1])
+            elif lr.adapters is None:
+                from service.engine.adapters import AdaptersOff
+
+                future = concurrent.futures.Future()
+                future.set_result([]) if name == "list_adapters" else future.set_exception(AdaptersOff())
+            elif name == "unload_adapter":
+                future = self.engine.call(lambda: lr.adapters.unregister(*args))
+            else:
+                future = self.engine.call(lr.adapters.list)
+        except Exception as exc:  # noqa: BLE001 - the caller gets it as its call's exception
+            future = concurrent.futures.Future()
+            future.set_exception(exc)
+        future.add_done_callback(lambda f: self._reply_when_done(call_id, f))
 
     def _read(self, name: str, args: tuple) -> Any:
         if name == "metrics":
             return self.metric_families()
+        if name == "lora_snapshot":
+            lora_graphs = self.runner.lora_graphs
+            return None if lora_graphs is None else lora_graphs.snapshot()
         return getattr(self.graphs, name)(*args)
 
     def metric_families(self) -> list[Any]:
@@ -258,7 +295,13 @@ class _Worker:
         """Stop the engine and save the stats; returns whether the stats were saved."""
         from service.engine.builder import close_engine
 
-        return close_engine(self.engine, self.graphs)
+        saved = close_engine(self.engine, self.runner.runner.graph_caches)
+        self.adapter_reads.shutdown(wait=False)
+        return saved
+
+
+def _info(lr: Any, name: str) -> Any:
+    return next(a for a in lr.adapters.list() if a.name == name)
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:

@@ -21,6 +21,7 @@ from service.proto import inference_pb2, inference_pb2_grpc
 from service.server.validation import (
     InvalidRequest,
     Limits,
+    check_adapter,
     check_prompt_size,
     prompt_bytes,
     prompt_ids,
@@ -112,6 +113,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.metrics = metrics
         self.draining = False
         self.active: dict[tuple[str, str], _Stream] = {}  # open streams: (peer, request id) -> stream
+        self.adapter_names: set[str] = set()  # the LoRA adapters loaded now (admin load/unload updates it)
         self.streams_idle = asyncio.Event()
         self.streams_idle.set()
 
@@ -167,6 +169,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 else:
                     prompt = prompt_ids(request, self.tokenizer, self.limits)
                 gen = to_generation_request(request, request_id, prompt, self.limits, arrival_time=stream.arrival)
+                check_adapter(request, self.adapter_names)
             except InvalidRequest as exc:
                 await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
             if self.draining:

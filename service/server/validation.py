@@ -143,12 +143,22 @@ def to_generation_request(
 ) -> GenerationRequest:
     return GenerationRequest(
         request_id=request_id,
+        adapter=request.adapter,
         prompt_token_ids=prompt,
         sampling=_sampling(request.sampling),
         stopping=_stopping(request.stopping, len(prompt), limits),
         stream_interval=_stream_interval(request),
         arrival_time=time.monotonic() if arrival_time is None else arrival_time,
     )
+
+
+def check_adapter(request: inference_pb2.GenerateRequest, loaded: set[str] | frozenset[str]) -> None:
+    """An adapter name must be one of the loaded ones (empty: the base model)."""
+    name = request.adapter
+    if name and name not in loaded:
+        shown = ", ".join(repr(n) for n in sorted(loaded)[:32]) or "none"
+        raise InvalidRequest(f"adapter {name!r} is not loaded; loaded adapters: {shown} (leave adapter empty for "
+                             "the base model)")
 
 
 def _sampling(s: inference_pb2.SamplingParams) -> SamplingParams:

@@ -27,6 +27,9 @@ DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0
                     60.0, 120.0, 300.0, 600.0)
 # What the engine thread spent on one graph capture (submit and commit): the target is ~0.
 STALL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# Adapter names are chosen by operators, not clients, but there may be many: the first this many get a
+# label of their own, later ones share "other" (the base model is "base").
+MAX_ADAPTER_LABELS = 32
 QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                  10.0, 20.0, 40.0, 80.0, 160.0)
 
@@ -60,6 +63,11 @@ class EngineMetrics:
                                          "Stats-file saves that failed since start.", registry=r)
         self.stats_save_stalled = Gauge("graphserve_graph_stats_save_stalled",
                                         "1 while a stats-file save has run longer than the save interval.", registry=r)
+        self.adapter_requests = Counter("graphserve_adapter_requests", "Finished requests by LoRA adapter "
+                                        "(base: none; other: adapters beyond the label limit).", ["adapter"], registry=r)
+        self.adapter_tokens = Counter("graphserve_adapter_generated_tokens", "Completion tokens by LoRA adapter.",
+                                      ["adapter"], registry=r)
+        self._adapter_labels: set[str] = set()  # engine thread only
         # sequence key -> (time of its latest token, completion tokens seen); engine thread only.
         self._last_token: dict[str, tuple[float, int]] = {}
 
@@ -79,6 +87,7 @@ class EngineMetrics:
     def on_tokens(self, seq: Sequence, count: int, now: float) -> None:
         """`count` new completion tokens of `seq` (already appended), sampled at `now`."""
         self.generated_tokens.inc(count)
+        self.adapter_tokens.labels(self.adapter_label(seq.request.adapter)).inc(count)
         seen = seq.num_completion_tokens
         previous = self._last_token.pop(seq.key, None)
         if seen == count:  # the prefill's tokens: the request's first
@@ -96,11 +105,23 @@ class EngineMetrics:
 
     def on_finish(self, seq: Sequence, finish: Finish) -> None:
         self.requests.labels(finish.reason.value).inc()
+        self.adapter_requests.labels(self.adapter_label(seq.request.adapter)).inc()
         self.duration.observe(finish.total_seconds)
         # The engine may report the last token after the finish: keep its time until on_tokens uses it.
         entry = self._last_token.get(seq.key)
         if entry is None or entry[1] >= finish.completion_tokens:
             self._last_token.pop(seq.key, None)
+
+    def adapter_label(self, name: str) -> str:
+        """The metric label of an adapter: its name, "base", or "other" past MAX_ADAPTER_LABELS names."""
+        if not name:
+            return "base"
+        if name in self._adapter_labels:
+            return name
+        if len(self._adapter_labels) < MAX_ADAPTER_LABELS:
+            self._adapter_labels.add(name)
+            return name
+        return "other"
 
     # ---- any thread ----------------------------------------------------------------------------
 

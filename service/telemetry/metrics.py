@@ -56,21 +56,23 @@ class GraphCacheCollector(Collector):
     bucket table too would count those steps twice.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = "graphserve_graph") -> None:
         self.source: GraphSource | None = None
+        # "graphserve_lora_graph": the same families for the graphs of batches with LoRA adapter rows.
+        self.prefix = prefix
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         if snap is None:
             return
         # kind: "full" (bucket = rows of a uniform-decode step) or "piecewise" (bucket = tokens of any step)
-        replays = CounterMetricFamily("graphserve_graph_replays", "Steps served by replaying a captured graph.",
+        replays = CounterMetricFamily(f"{self.prefix}_replays", "Steps served by replaying a captured graph.",
                                       labels=["kind", "bucket"])
-        padded = CounterMetricFamily("graphserve_graph_padded_rows", "Padding rows (or tokens) run by replays.",
+        padded = CounterMetricFamily(f"{self.prefix}_padded_rows", "Padding rows (or tokens) run by replays.",
                                      labels=["kind", "bucket"])
-        capture_s = GaugeMetricFamily("graphserve_graph_capture_seconds",
+        capture_s = GaugeMetricFamily(f"{self.prefix}_capture_seconds",
                                       "Duration of the latest capture of each bucket.", labels=["kind", "bucket"])
-        bucket_bytes = GaugeMetricFamily("graphserve_graph_bucket_bytes",
+        bucket_bytes = GaugeMetricFamily(f"{self.prefix}_bucket_bytes",
                                          "Measured memory of each bucket's latest capture.", labels=["kind", "bucket"])
         states: dict[str, int] = {}
         captures = evictions = failures = 0
@@ -92,22 +94,22 @@ class GraphCacheCollector(Collector):
         for r in snap.requested_detail:
             for reason, count in r.eager_fallbacks.items():
                 eager[r.kind, reason] = eager.get((r.kind, reason), 0) + count
-        fallbacks = CounterMetricFamily("graphserve_graph_eager_fallbacks",
+        fallbacks = CounterMetricFamily(f"{self.prefix}_eager_fallbacks",
                                         "Steps run eagerly, by graph kind and reason.", labels=["kind", "reason"])
         for (kind, reason), count in sorted(eager.items()):
             fallbacks.add_metric([kind, reason], count)
-        buckets = GaugeMetricFamily("graphserve_graph_buckets", "Allowed graph sizes by state.", labels=["state"])
+        buckets = GaugeMetricFamily(f"{self.prefix}_buckets", "Allowed graph sizes by state.", labels=["state"])
         for state, count in sorted(states.items()):
             buckets.add_metric([state], count)
         yield replays
         yield padded
         yield fallbacks
-        yield CounterMetricFamily("graphserve_graph_captures", "Graphs captured.", value=captures)
-        yield CounterMetricFamily("graphserve_graph_evictions", "Graphs evicted.", value=evictions)
-        yield CounterMetricFamily("graphserve_graph_capture_failures", "Captures that failed.", value=failures)
-        yield GaugeMetricFamily("graphserve_graph_memory_bytes", "Memory held by captured graphs.",
+        yield CounterMetricFamily(f"{self.prefix}_captures", "Graphs captured.", value=captures)
+        yield CounterMetricFamily(f"{self.prefix}_evictions", "Graphs evicted.", value=evictions)
+        yield CounterMetricFamily(f"{self.prefix}_capture_failures", "Captures that failed.", value=failures)
+        yield GaugeMetricFamily(f"{self.prefix}_memory_bytes", "Memory held by captured graphs.",
                                 value=snap.used_bytes)
-        yield GaugeMetricFamily("graphserve_graph_memory_budget_bytes", "Memory budget for captured graphs.",
+        yield GaugeMetricFamily(f"{self.prefix}_memory_budget_bytes", "Memory budget for captured graphs.",
                                 value=snap.budget_bytes)
         yield capture_s
         yield bucket_bytes
@@ -137,6 +139,8 @@ class Metrics:
                                      "Admin calls refused for a missing or wrong token.", registry=r)
         self.graphs = GraphCacheCollector()
         r.register(self.graphs)
+        self.lora_graphs = GraphCacheCollector("graphserve_lora_graph")
+        r.register(self.lora_graphs)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -160,6 +164,10 @@ class Metrics:
     def set_graph_source(self, source: GraphSource) -> None:
         """`source` returns a recent graph-cache snapshot or None."""
         self.graphs.source = source
+
+    def set_lora_graph_source(self, source: GraphSource) -> None:
+        """`source` returns the snapshot of the LoRA graphs (batches with adapter rows), or None."""
+        self.lora_graphs.source = source
 
     # ---- HTTP /metrics -------------------------------------------------------------------------
 

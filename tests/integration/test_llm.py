@@ -145,14 +145,33 @@ def test_the_seeds_snippets_run_as_written(model_cache_dir, monkeypatch) -> None
     with pytest.raises(RuntimeError, match="this LLM is closed"):
         llm.generate("Explain CUDA graphs", sampling_params)
     llm.close()  # idempotent
-    # LoRA adapters do not exist yet either.
-    with pytest.raises(NotImplementedError, match="lora_weights='my/lora': LoRA adapters are not available yet"):
+    # The seed's LoRA line names a directory that does not exist here: said before anything loads.
+    with pytest.raises(ConfigError, match="lora_weights: 'my/lora' is not a directory; give PEFT adapter directories"):
         LLM(model=model, lora_weights="my/lora", cudagraph_mode="FULL_AND_PIECEWISE")
 
 
-def test_lora_adapter_names_are_refused_until_adapters_exist(llm: LLM) -> None:
-    with pytest.raises(NotImplementedError, match=r"lora_adapter_names=\['my/lora'\]: LoRA adapters are not available"):
+def test_lora_adapter_names_must_be_loaded(llm: LLM) -> None:
+    with pytest.raises(ValueError, match=r"lora adapter 'my/lora' is not loaded; loaded: none \(lora_weights\)"):
         llm.generate("Summarise the following text", SamplingParams(max_tokens=20), lora_adapter_names=["my/lora"])
+
+
+def test_lora_weights_match_peft(model_cache_dir, tmp_path) -> None:  # noqa: ANN001
+    from service.model import ensure_builtin
+    from tests.support.lora import make_adapter, peft_greedy
+
+    model_dir = ensure_builtin("tiny", model_cache_dir)
+    first = make_adapter(model_dir, tmp_path / "first", seed=11)
+    second = make_adapter(model_dir, tmp_path / "second", seed=12, r=4, targets=["o_proj", "down_proj"])
+    prompts = [[766, 5, 6, 7], [766, 9, 10], [766, 40, 41, 42, 43]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(model="builtin:tiny", model_cache_dir=model_cache_dir, max_running_seqs=4, max_seq_len=128,
+             lora_weights=[str(first), f"short={second}"]) as llm:
+        assert llm.adapters == tuple(sorted([str(first), "short"]))
+        outs = llm.generate(prompts, params, lora_adapter_names=[str(first), "", "short"])
+        with pytest.raises(ValueError, match="2 lora_adapter_names for 3 prompts"):
+            llm.generate(prompts, params, lora_adapter_names=["short", ""])
+    for prompt, adapter, out in zip(prompts, [first, None, second], outs):
+        assert out.token_ids == peft_greedy(model_dir, adapter, prompt, 8)
 
 
 def test_keywords_are_checked_before_loading() -> None:

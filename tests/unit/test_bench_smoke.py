@@ -47,3 +47,12 @@ def test_serve_bench(tmp_path: pathlib.Path) -> None:
         assert row["ok"] == 8 and row["tokens"] == 64 and row["short_requests"] == 0
         assert {"ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "req_per_s", "tok_per_s"} <= row.keys()
     assert record["grpc_over_engine_token_throughput"] > 0
+
+
+def test_lora_bench(tmp_path: pathlib.Path) -> None:
+    record = _run("lora_bench.py", [
+        "--model", "builtin:tiny", "--device", "cpu", "--batches", "1,2", "--iters", "2", "--warmup", "1",
+        "--streams", "2", "--context", "16", "--cache-dir", str(tmp_path / "cache")], tmp_path)
+    assert [r["batch"] for r in record["rows"]] == [1, 2]
+    assert all({"base_ms", "stacked_ms", "gather_ms", "stacked_ratio", "gather_ratio"} <= r.keys() for r in record["rows"])
+    assert record["load"]["streams"] == 2 and record["load"]["step_gap_max_during_ms"] > 0

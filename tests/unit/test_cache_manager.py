@@ -6,7 +6,9 @@ import structlog
 import torch
 
 from cache_manager import (
+    BatchDescriptor,
     BucketState,
+    CudaGraphMode,
     Fingerprint,
     GraphCache,
     GraphCacheConfig,
@@ -46,9 +48,9 @@ def bucket(cache, size):
     return next(b for b in cache.snapshot().buckets if b.size == size)
 
 
-def run_settled(cache, n):
+def run_settled(cache, n, kind=None):
     """One step, then everything it sent to the capture thread committed (as by the next steps)."""
-    out = cache.run(n)
+    out = cache.run(n) if kind is None else cache.run(n, kind)
     cache.wait_idle()
     return out
 
@@ -423,3 +425,34 @@ def test_close_with_a_hung_capture_returns_and_says_so():
         cache.close(timeout=0.2)
     assert any(e["event"] == "graph_capture_thread_hung" for e in logs)
     fake.gate.set()  # let the thread end
+
+
+def test_full_and_piecewise_entries_share_one_budget_and_evict_each_other():
+    """Both kinds of graph under one budget: a hot piecewise size displaces a cold full one, each
+    kind pads only into graphs of its own kind, and the counters stay per kind."""
+    full_step, piece_step = CountingStep(8), CountingStep(32)
+    cfg = GraphCacheConfig("full_and_piecewise", (1, 2, 4, 8, 16, 32), 8, memory_budget=10_000, max_tokens=32)
+    fake = FakeGraphBackend(lambda s: 4000)
+    cache = GraphCache(full_step, cfg, torch.device("cpu"), FP, fake, piecewise_step=piece_step)
+    assert cfg.sizes == (1, 2, 4, 8) and cfg.piecewise_sizes == (1, 2, 4, 8, 16, 32)
+    write(full_step, 8)
+    run_settled(cache, 8)  # full:8 (4000)
+    run_settled(cache, 2)  # full:2 (4000): 8000 of 10,000
+    for _ in range(5):  # a 12-token step asks for piecewise:16, hot: displaces the coldest full graph
+        run_settled(cache, 12, CudaGraphMode.PIECEWISE)
+    captured = {(b.kind, b.size) for b in cache.snapshot().buckets if b.state is BucketState.CAPTURED}
+    assert ("piecewise", 16) in captured and len(captured) == 2
+    # The first piecewise graph had no measurement of its kind to estimate from (estimated 0): it was
+    # recorded beside the two full graphs, and its commit evicted the cold one to fit the budget.
+    assert fake.peak_bytes == 12_000 and fake.released == [2]
+    assert cache.used_bytes == fake.live_bytes <= 10_000
+    piece = next(b for b in cache.snapshot().buckets if (b.kind, b.size) == ("piecewise", 16))
+    assert piece.since_start.replays == 4 and piece.since_start.padded_rows == 4 * 4
+    assert (12, 16) in piece_step.padding_calls and (12, 16) not in full_step.padding_calls
+    # a full step never pads into a piecewise graph, nor the reverse
+    assert cache.descriptor(3) == BatchDescriptor(CudaGraphMode.FULL, 4)
+    assert cache.descriptor(3, CudaGraphMode.PIECEWISE) == BatchDescriptor(CudaGraphMode.PIECEWISE, 4)
+    with pytest.raises(ValueError, match="piecewise capture sizes|are not capture sizes"):
+        cache.capture([3], "piecewise")
+    assert cache.evict([16], "piecewise")[16].outcome is OpOutcome.EVICTED
+    cache.close()

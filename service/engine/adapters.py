@@ -1,0 +1,139 @@
+"""The adapter registry: adapter names to device slots, for the engine thread. Pure logic: no torch.
+
+An adapter is *registered* (its weights read from disk, held in host memory) and, while sequences
+use it, *resident* in one of `max_loras` device slots (1..max_loras; slot 0 is the base model).
+A sequence holds its adapter from submit to finish (`hold` / `unhold`: unload is refused meanwhile)
+and holds its slot from admission to release (`admit` / `release`). When more adapters are
+registered than there are slots, admission reuses the least recently used slot that no running
+sequence holds; if every slot is held, the sequence waits for one. Not thread-safe: only the engine
+thread calls it (admin operations arrive through Engine.call).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class AdapterError(ValueError):
+    """An adapter operation the caller must change (the message says how)."""
+
+
+class AdapterNotFound(AdapterError):
+    pass
+
+
+class AdapterExists(AdapterError):
+    pass
+
+
+class AdapterInUse(AdapterError):
+    pass
+
+
+class AdaptersOff(AdapterError):
+    """The server was started without adapter slots."""
+
+    def __init__(self, what: str = "this server") -> None:
+        super().__init__(f"{what} serves no adapters; start it with --max-loras N (or --lora-modules)")
+
+
+class SlotWriter(Protocol):
+    """The device side (service.model.lora.LoraSlots)."""
+
+    def load(self, slot: int, adapter: Any) -> None: ...
+    def clear(self, slot: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What ListAdapters shows of one adapter."""
+
+    name: str
+    path: str
+    rank: int
+    targets: tuple[str, ...]
+    slot: int  # 0: not resident on the device
+    active_streams: int  # submitted and not finished (waiting or running)
+
+
+class AdapterRegistry:
+    def __init__(self, max_loras: int, writer: SlotWriter) -> None:
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+        self.max_loras = max_loras
+        self.writer = writer
+        self._adapters: dict[str, Any] = {}  # name -> LoraAdapter (host weights)
+        self._holds: dict[str, int] = {}  # name -> streams submitted and not finished
+        self._slot_of: dict[str, int] = {}  # resident adapters
+        self._running: dict[int, int] = {}  # slot -> running sequences on it
+        self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(1, max_loras + 1))  # oldest first
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._adapters)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._adapters
+
+    def register(self, adapter: Any) -> None:
+        """Adds a read adapter (adapter.name, .path, .rank, .targets); not resident until used."""
+        if adapter.name in self._adapters:
+            raise AdapterExists(f"adapter {adapter.name!r} is already loaded (from {self._adapters[adapter.name].path});"
+                                " unload it first to replace it")
+        self._adapters[adapter.name] = adapter
+        self._holds.setdefault(adapter.name, 0)
+
+    def unregister(self, name: str) -> None:
+        """Removes an adapter no stream uses; AdapterInUse while any does (waiting or running)."""
+        if name not in self._adapters:
+            raise AdapterNotFound(f"adapter {name!r} is not loaded; loaded: {self.names or 'none'}")
+        if self._holds.get(name, 0):
+            raise AdapterInUse(f"adapter {name!r} is used by {self._holds[name]} stream(s); unload it after they end "
+                               "(the server does not drain them for you)")
+        slot = self._slot_of.pop(name, None)
+        if slot is not None:
+            assert not self._running.get(slot), f"slot {slot} of {name} is still running"
+            self.writer.clear(slot)
+            self._lru.move_to_end(slot, last=False)  # a free slot: reused first
+        del self._adapters[name]
+        self._holds.pop(name, None)
+
+    # ---- per sequence ------------------------------------------------------------------------
+
+    def hold(self, name: str) -> None:
+        """A stream using `name` was submitted: unload is refused until `unhold`."""
+        if name not in self._adapters:
+            raise AdapterNotFound(f"adapter {name!r} is not loaded; loaded: {self.names or 'none'}")
+        self._holds[name] += 1
+
+    def unhold(self, name: str) -> None:
+        assert self._holds.get(name, 0) > 0, name
+        self._holds[name] -= 1
+
+    def admit(self, name: str) -> int | None:
+        """The slot for a sequence of `name` being admitted (loading the weights into a slot when not
+        resident); None when every slot is held by running sequences of other adapters."""
+        slot = self._slot_of.get(name)
+        if slot is None:
+            slot = next((s for s in self._lru if not self._running.get(s)), None)
+            if slot is None:
+                return None
+            evicted = next((n for n, s in self._slot_of.items() if s == slot), None)
+            if evicted is not None:
+                del self._slot_of[evicted]
+            self.writer.load(slot, self._adapters[name])
+            self._slot_of[name] = slot
+        self._running[slot] = self._running.get(slot, 0) + 1
+        self._lru.move_to_end(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        """A running sequence on `slot` finished or was aborted."""
+        assert self._running.get(slot, 0) > 0, slot
+        self._running[slot] -= 1
+
+    def list(self) -> list[AdapterInfo]:
+        return [AdapterInfo(n, a.path, a.rank, tuple(a.targets), self._slot_of.get(n, 0), self._holds.get(n, 0))
+                for n, a in sorted(self._adapters.items())]
