@@ -9,14 +9,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from cache_manager import CudaGraphMode, GraphCache, GraphCacheConfig, parse_capture_sizes
 from service.config import ServeConfig
 from service.engine.engine import Engine, EngineObserver, Publish, deliver
+from service.engine.ranks import start_ranks
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
-from service.model.loader import LoadedModel, load_model
+from service.model.loader import LoadedModel, load_model, read_model_spec
+from service.model.parallel import TensorParallel, shard_spec
+
+log = structlog.get_logger("graphserve.builder")
 
 
 @dataclass
@@ -49,18 +54,43 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load_runner(c: ServeConfig) -> LoadedRunner:
     """Load the model, build its runner and graph cache, and run one eager step: a broken model
-    fails here, not on the first request."""
+    fails here, not on the first request. With --tensor-parallel-size N > 1 this is rank 0: it
+    starts the other N - 1 ranks (service.engine.ranks), which load their shards beside it."""
     device = resolve_device(c.device)
+    if c.tensor_parallel_size == 1:
+        return build_runner(c, device)
+    # A model that does not split into N shards fails here, before any rank starts.
+    shard_spec(read_model_spec(c.model, c.model_cache_dir), TensorParallel(0, c.tensor_parallel_size))
+    ranks, tp, device = start_ranks(c, device)
+    try:
+        lr = build_runner(c, device, tp)
+    except BaseException:
+        ranks.close(send_stop=False, timeout=0.0)
+        raise
+    lr.runner.ranks = ranks
+    return lr
+
+
+def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None = None,
+                 follower: bool = False) -> LoadedRunner:
+    """This rank's model (its shards with `tp`), runner and graph cache, warmed up. A follower rank
+    (tensor parallelism, rank > 0) keeps no stats and captures no graphs."""
     dtype = resolve_dtype(c.dtype, device)
-    loaded = load_model(c.model, device, dtype, c.model_cache_dir)
+    loaded = load_model(c.model, device, dtype, c.model_cache_dir, tp=tp)
     max_seq_len = min(c.max_seq_len, loaded.spec.max_position_embeddings)
     mode = CudaGraphMode.parse(c.cudagraph_mode) if device.type == "cuda" else CudaGraphMode.NONE
+    if tp is not None and tp.world_size > 1 and mode is not CudaGraphMode.NONE:
+        # Every rank would have to capture, replay and evict the same sizes in the same order.
+        if not follower:
+            log.warning("tensor_parallel_graphs_off", world_size=tp.world_size,
+                        reason="CUDA graphs are not yet captured with tensor parallelism: steps run eagerly")
+        mode = CudaGraphMode.NONE
     graph_config = GraphCacheConfig(
         mode=mode,
         capture_sizes=parse_capture_sizes(c.capture_sizes, c.max_running_seqs) if c.capture_sizes else None,
         max_batch=c.max_running_seqs,
         memory_budget=c.graph_memory_budget,
-        stats_file=c.stats_file,
+        stats_file=None if follower else c.stats_file,
         warm_start=c.warm_start,
     )
     runner = ModelRunner(loaded, c.max_running_seqs, max_seq_len, graph_config)
@@ -73,8 +103,11 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
     """An engine (not started) over the runner; between steps it commits the graphs the capture
     thread finished, warm-starts graphs and saves stats."""
     graphs = lr.graphs
+    ranks = lr.runner.ranks
 
     def between_steps() -> None:
+        if ranks is not None:
+            ranks.check()  # a dead rank fails the engine even while it is idle
         graphs.poll()
         graphs.warm_step()
         graphs.maybe_save()
@@ -83,6 +116,8 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
                     frozenset(lr.loaded.spec.eos_token_ids), publish=publish, observer=observer,
                     between_steps=between_steps, overlap=c.overlap_steps)
     graphs.notify = engine.wake  # a finished capture is committed between steps, even when idle
+    if ranks is not None:
+        ranks.on_death = engine.wake
     return engine
 
 
@@ -94,3 +129,6 @@ def close_engine(engine: Engine, graphs: GraphCache) -> None:
         graphs.close()
     else:
         graphs.save()
+    ranks = getattr(engine.runner, "ranks", None)
+    if ranks is not None:  # a stop message only when no step is left half-run on the other ranks
+        ranks.close(send_stop=not engine.thread_alive and engine.error is None)

@@ -7,6 +7,10 @@ cache; a step with any prompt chunk runs the forward split at attention (service
 eagerly for now. `launch` queues a step without waiting; `collect` is the step's one host sync
 (the token ids coming back to the CPU). The engine launches step t+1 before it collects step t,
 so the host's work on step t overlaps the device's work on step t+1.
+
+With tensor parallelism (service.engine.ranks) this runner is rank 0's: `forward` first sends the
+step's inputs to the other ranks, whose runners run the same `forward`; the sampled tokens are then
+broadcast, so every rank can feed them back to the next step on its device.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from cache_manager import Fingerprint, GraphCache, GraphCacheConfig
 from service.engine.decode_step import ModelDecodeStep
+from service.engine.ranks import Ranks, StepInputs
 from service.engine.sampler import SamplingBatch, sample
 from service.engine.scheduler import PrefillChunk
 from service.engine.sequence import Sequence
@@ -31,7 +36,10 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_running: int, max_seq_len: int, graph_config: GraphCacheConfig) -> None:
         self.loaded = loaded
         self.device = loaded.device
-        self.kv = KVCache(loaded.spec, max_running, max_seq_len, loaded.device, loaded.dtype)
+        self.tp = loaded.model.tp
+        self.ranks: Ranks | None = None  # the other tensor-parallel ranks (rank 0 only)
+        # The model's spec: with tensor parallelism, this rank's share of the KV heads.
+        self.kv = KVCache(loaded.model.spec, max_running, max_seq_len, loaded.device, loaded.dtype)
         self.decode_step = ModelDecodeStep(loaded.model, self.kv, max_running, loaded.device)
         self.pieces = PiecewiseForward(loaded.model, self.kv)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -82,6 +90,8 @@ class ModelRunner:
         by the previous launch, not yet read by the host) takes it from that launch's device tokens."""
         assert decodes or prefills, "an empty step"
         tokens = self.mixed(decodes, prefills) if prefills else self.decode(decodes)
+        if self.ranks is not None and tokens.numel():
+            self.tp.broadcast(tokens)  # the other ranks may feed them back next step
         sampling = decodes + [c.seq for c in prefills if c.completes_prompt]
         self._previous = {seq.key: row for row, seq in enumerate(sampling)}, tokens
         if self._tokens_ready is None:
@@ -106,23 +116,16 @@ class ModelRunner:
         rows); returns a token for each decode and each chunk that completes its prompt (on device)."""
         rows, previous_tokens = self._previous
         pending_rows = [rows[s.key] if s.num_pending else -1 for s in decodes]
-        any_pending = any(r >= 0 for r in pending_rows)
-        batch = build_step_batch(
+        sampling = decodes + [c.seq for c in chunks if c.completes_prompt]
+        inputs = StepInputs(
+            [0 if s.num_pending else s.last_token_id() for s in decodes] + [t for c in chunks for t in c.token_ids()],
             [s.next_position() for s in decodes],
             [_slot(s) for s in decodes],
             [ChunkSpec(_slot(c.seq), c.start, c.num_tokens, c.completes_prompt) for c in chunks],
-            [0 if s.num_pending else s.last_token_id() for s in decodes] + [t for c in chunks for t in c.token_ids()],
-            self.kv.max_seq_len,
-            self.kv.scratch_slot,
-            self.device,
-            pending_rows=pending_rows if any_pending else None,
+            pending_rows if any(r >= 0 for r in pending_rows) else None,
+            len(sampling),
         )
-        if batch.pending_rows is not None:
-            d = len(decodes)
-            from_previous = previous_tokens[batch.pending_rows.clamp(min=0)]
-            batch.input_ids[:d] = torch.where(batch.pending_rows >= 0, from_previous, batch.input_ids[:d])
-        logits = self.pieces.forward(batch)
-        sampling = decodes + [c.seq for c in chunks if c.completes_prompt]
+        logits = self.forward(inputs, previous_tokens)
         if not sampling:  # every chunk leaves part of its prompt for a later step
             return torch.zeros(0, dtype=torch.long, device=self.device)
         return self._sample(logits, sampling)
@@ -132,15 +135,41 @@ class ModelRunner:
         rows, previous_tokens = self._previous
         # Pending input tokens come from the previous launch's row on the device, the others from the host.
         pending_rows = [rows[s.key] if s.num_pending else -1 for s in seqs]
-        self.decode_step.write_rows(
+        inputs = StepInputs(
             [0 if s.num_pending else s.last_token_id() for s in seqs],
             [s.next_position() for s in seqs],
-            [s.slot for s in seqs],
-            pending_rows,
-            previous_tokens,
+            [_slot(s) for s in seqs],
+            [],
+            pending_rows if any(r >= 0 for r in pending_rows) else None,
+            len(seqs),
         )
-        logits = self.graphs.run(len(seqs))
-        return self._sample(logits, seqs)
+        return self._sample(self.forward(inputs, previous_tokens), seqs)
+
+    def forward(self, inputs: StepInputs, previous_tokens: torch.Tensor) -> torch.Tensor:
+        """The step's forward pass -> float32 logits of its sampling rows. A step with prompt chunks
+        runs the forward split at attention; a uniform decode goes through the graph cache. Every
+        tensor-parallel rank runs this for the same inputs (rank 0 sends them first)."""
+        if self.ranks is not None:
+            self.ranks.send(inputs)
+        if not inputs.chunks:
+            self.decode_step.write_rows(inputs.token_ids, inputs.positions, inputs.slots, inputs.pending_rows,
+                                        previous_tokens)
+            return self.graphs.run(len(inputs.positions))
+        batch = build_step_batch(
+            inputs.positions,
+            inputs.slots,
+            inputs.chunks,
+            inputs.token_ids,
+            self.kv.max_seq_len,
+            self.kv.scratch_slot,
+            self.device,
+            pending_rows=inputs.pending_rows,
+        )
+        if batch.pending_rows is not None:
+            d = len(inputs.positions)
+            from_previous = previous_tokens[batch.pending_rows.clamp(min=0)]
+            batch.input_ids[:d] = torch.where(batch.pending_rows >= 0, from_previous, batch.input_ids[:d])
+        return self.pieces.forward(batch)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         # The counter is the index of the token being sampled, pending ones included.

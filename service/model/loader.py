@@ -114,6 +114,23 @@ def read_tokenizer(path: pathlib.Path) -> transformers.PreTrainedTokenizerBase:
         raise ModelLoadError(f"{path}: tokenizer cannot be loaded: {e}") from e
 
 
+def _model_dir(model: str, cache_dir: pathlib.Path | None) -> pathlib.Path:
+    if model.startswith(BUILTIN_PREFIX):
+        return ensure_builtin(model[len(BUILTIN_PREFIX) :], cache_dir or default_cache_dir())
+    path = pathlib.Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"model directory {path} does not exist; pass a local Hugging Face directory "
+            "or builtin:<name>"
+        )
+    return path
+
+
+def read_model_spec(model: str, cache_dir: pathlib.Path | None = None) -> ModelSpec:
+    """The spec of "builtin:<name>" or a local HF directory, without loading its weights."""
+    return _read_spec(_model_dir(model, cache_dir))
+
+
 def load_model(
     model: str, device: torch.device, dtype: torch.dtype, cache_dir: pathlib.Path | None = None,
     tp: TensorParallel | None = None,
@@ -122,15 +139,7 @@ def load_model(
     With `tp` of world size N this rank's model holds (and reads) only its 1/N shards; the
     LoadedModel's spec stays the whole model's (the model's own spec is the rank's share)."""
     device = torch.device(device)
-    if model.startswith(BUILTIN_PREFIX):
-        path = ensure_builtin(model[len(BUILTIN_PREFIX) :], cache_dir or default_cache_dir())
-    else:
-        path = pathlib.Path(model).expanduser()
-        if not path.is_dir():
-            raise ModelLoadError(
-                f"model directory {path} does not exist; pass a local Hugging Face directory "
-                "or builtin:<name>"
-            )
+    path = _model_dir(model, cache_dir)
     spec = _read_spec(path)
     files = _weight_files(path)
     tokenizer = read_tokenizer(path)
