@@ -94,7 +94,8 @@ class ServeConfig:
             value = getattr(self, name)
             need(0 <= value <= 65535, f"--{name.replace('_', '-')} must be a port in 0..65535, got {value}")
         positive = (
-            "tensor_parallel_size", "max_running_seqs", "max_seq_len", "max_num_batched_tokens", "default_max_tokens", "max_tokens_limit",
+            "tensor_parallel_size",
+            "max_running_seqs", "max_seq_len", "max_num_batched_tokens", "default_max_tokens", "max_tokens_limit",
             "max_prompt_bytes", "max_stop_string_bytes", "max_waiting_requests", "max_waiting_tokens",
             "max_concurrent_streams", "max_receive_message_bytes",
         )

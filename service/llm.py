@@ -150,7 +150,8 @@ def _config_of(model: str, o: _Options) -> ServeConfig:
     dtype = o.dtype if isinstance(o.dtype, str) else str(o.dtype).removeprefix("torch.")
     config = ServeConfig(
         model=str(model), model_cache_dir=None if o.model_cache_dir is None else Path(o.model_cache_dir),
-        device=o.device, dtype=dtype, tensor_parallel_size=o.tensor_parallel_size, max_running_seqs=max_running, max_seq_len=o.max_seq_len,
+        device=o.device, dtype=dtype, tensor_parallel_size=o.tensor_parallel_size,
+        max_running_seqs=max_running, max_seq_len=o.max_seq_len,
         max_num_batched_tokens=o.max_num_batched_tokens, default_max_tokens=o.default_max_tokens,
         max_tokens_limit=max(ServeConfig.max_tokens_limit, o.default_max_tokens), overlap_steps=o.overlap_steps,
         cudagraph_mode=str(mode).lower(), capture_sizes=sizes, graph_memory_budget=o.graph_memory_budget,

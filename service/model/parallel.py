@@ -55,12 +55,11 @@ class TensorParallel:
         """x [R, V / N] (this rank's logits columns) -> [R, vocab_size] on every rank."""
         if self.world_size == 1:
             return x
-        import torch.distributed as dist
 
         rows, cols = x.shape
         parts = torch.empty((self.world_size * rows, cols), dtype=x.dtype, device=x.device)
         _all_gather_single(parts, x.contiguous(), group=self.group)  # rank r's rows at [r * rows, ...)
-        return parts.view(self.world_size, rows, cols).permute(1, 0, 2).reshape(rows, -1)[:, :vocab_size]
+        return parts.view(self.world_size, rows, cols).permute(1, 0, 2).reshape(rows, self.world_size * cols)[:, :vocab_size]
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x on every rank, in place (the sampled tokens the next step may feed back)."""

@@ -1,0 +1,117 @@
+"""Tensor-parallel model pieces: shard loading, the sharded forward against the whole model (two
+gloo ranks on the CPU), the refusal of a model that does not split, and the per-step message."""
+
+from __future__ import annotations
+
+import multiprocessing
+import pathlib
+import queue
+import types
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from service.engine.ranks import StepInputs
+from service.model.builtin import BUILTIN_SHAPES, _hf_config
+from service.model.loader import load_model
+from service.model.parallel import TensorParallel, read_shard, shard_spec
+from service.model.spec import ModelLoadError, ModelSpec
+from service.model.step_batch import ChunkSpec
+from tests.support.server import free_port
+
+IDS = [[1, 5, 9, 200, 767, 3, 42, 11]]
+SHARDED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head")
+
+
+def _rank(rank: int, world: int, port: int, cache_dir: str, out: multiprocessing.Queue) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        tp = TensorParallel(rank, world, dist.group.WORLD)
+        model = load_model("builtin:tiny", torch.device("cpu"), torch.float32, pathlib.Path(cache_dir), tp=tp).model
+        sizes = {name: p.numel() for name, p in model.named_parameters()}
+        out.put((rank, sizes, model.forward_full(torch.tensor(IDS))))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model_cache_dir) -> dict[int, tuple[dict[str, int], torch.Tensor]]:  # noqa: ANN001
+    """Each of two gloo ranks loads builtin:tiny's shards and runs the cache-free forward."""
+    load_model("builtin:tiny", torch.device("cpu"), torch.float32, model_cache_dir)  # generate it once
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, str(model_cache_dir), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = {}
+        for _ in procs:
+            rank, sizes, logits = out.get(timeout=120)
+            results[rank] = (sizes, logits)
+    except queue.Empty:
+        pytest.fail("the two ranks did not answer within 120 s")
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def test_each_rank_holds_half_of_every_sharded_weight(two_ranks, model_cache_dir) -> None:  # noqa: ANN001
+    whole = {n: p.numel() for n, p in
+             load_model("builtin:tiny", torch.device("cpu"), torch.float32, model_cache_dir).model.named_parameters()}
+    for rank in (0, 1):
+        sizes = two_ranks[rank][0]
+        assert sizes.keys() == whole.keys()
+        for name, n in whole.items():
+            split = name.split(".")[-2] in SHARDED
+            assert sizes[name] == (n // 2 if split else n), name
+
+
+def test_two_ranks_compute_the_whole_models_logits(two_ranks, model_cache_dir) -> None:  # noqa: ANN001
+    ref = load_model("builtin:tiny", torch.device("cpu"), torch.float32, model_cache_dir).model.forward_full(
+        torch.tensor(IDS))
+    for rank in (0, 1):
+        logits = two_ranks[rank][1]
+        assert logits.shape == ref.shape
+        torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+
+
+def _tiny_spec(**changes: int) -> ModelSpec:
+    shape = {**BUILTIN_SHAPES["tiny"], **changes}
+    return ModelSpec.from_hf_config(types.SimpleNamespace(**_hf_config(shape, 0, 1)))
+
+
+def test_a_model_whose_kv_heads_do_not_divide_is_refused_clearly() -> None:
+    spec = _tiny_spec()  # 4 heads, 2 KV heads
+    assert shard_spec(spec, TensorParallel(0, 2)).num_kv_heads == 1
+    with pytest.raises(ModelLoadError, match="num_key_value_heads 2 does not divide by tensor_parallel_size 4"):
+        shard_spec(spec, TensorParallel(0, 4))
+
+
+def test_a_vocabulary_that_does_not_divide_is_padded_with_zero_rows(tmp_path) -> None:  # noqa: ANN001
+    embed = torch.arange(7 * 2, dtype=torch.float32).view(7, 2)
+    save_file({"model.embed_tokens.weight": embed}, str(tmp_path / "w.safetensors"))
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as sf:
+        parts = [read_shard(sf.get_slice("model.embed_tokens.weight"), "model.embed_tokens.weight",
+                            TensorParallel(r, 3)) for r in range(3)]
+    assert [p.shape[0] for p in parts] == [3, 3, 3]
+    assert torch.equal(torch.cat(parts)[:7], embed) and not torch.cat(parts)[7:].any()
+
+
+def test_a_step_crosses_the_channel_unchanged() -> None:
+    step = StepInputs([7, 8, 1, 2, 3], [4, 9], [0, 3], [ChunkSpec(5, 16, 3, True)], [-1, 1], 3)
+    buf = torch.zeros(StepInputs.capacity(4, 16), dtype=torch.long)
+    step.encode(buf)
+    assert StepInputs.decode(buf) == step
+    plain = StepInputs([7], [4], [0], [], None, 1)
+    plain.encode(buf)
+    assert StepInputs.decode(buf) == plain
+
