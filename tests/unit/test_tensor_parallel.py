@@ -115,3 +115,19 @@ def test_a_step_crosses_the_channel_unchanged() -> None:
     plain.encode(buf)
     assert StepInputs.decode(buf) == plain
 
+
+
+def test_the_llama_8b_builtin_is_llama_3_1_8b_and_splits_in_two() -> None:
+    from service.model.llama import LlamaForCausalLM
+
+    shape = BUILTIN_SHAPES["llama-8b"]
+    spec = ModelSpec.from_hf_config(types.SimpleNamespace(**_hf_config(shape, 128000, 128001)))
+    assert (spec.hidden_size, spec.intermediate_size, spec.num_layers, spec.num_heads, spec.num_kv_heads) == (
+        4096, 14336, 32, 32, 8)
+    assert spec.rope_scaling["factor"] == 8.0 and not spec.tie_word_embeddings
+    whole = sum(p.numel() for p in LlamaForCausalLM(spec, "meta", torch.bfloat16).parameters())
+    assert whole == 8_030_261_248  # Llama-3.1-8B's parameter count
+    half = LlamaForCausalLM(spec, "meta", torch.bfloat16, tp=TensorParallel(1, 2))
+    assert (half.spec.num_heads, half.spec.num_kv_heads, half.spec.intermediate_size) == (16, 4, 7168)
+    norms = sum(p.numel() for n, p in half.named_parameters() if n.endswith("norm.weight"))
+    assert sum(p.numel() for p in half.parameters()) - norms == (whole - norms) // 2
