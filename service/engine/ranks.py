@@ -129,13 +129,12 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 def join_group(rank: int, world_size: int, port: int, device: torch.device,
                store: Any = None) -> tuple[TensorParallel, Any]:
-    """Joins the process group (rank 0 passes the store it hosts); returns this rank's
+    """Joins the process group (rank 0 hosts the store on `port`, or passes one it already hosts); returns this rank's
     TensorParallel (the model's collectives) and the gloo group of the step channel."""
     import torch.distributed as dist
 
     if store is None:
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                              timeout=_COLLECTIVE_TIMEOUT)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=_COLLECTIVE_TIMEOUT)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=_COLLECTIVE_TIMEOUT,

@@ -19,6 +19,7 @@ symmetric-memory one-shot all-reduce on CUDA) without touching the model.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +42,16 @@ class TensorParallel:
     rank: int = 0
     world_size: int = 1
     group: Any = None  # torch.distributed.ProcessGroup; None when world_size == 1
+    # Replaces the NCCL/gloo all-reduce (e.g. SymmetricMemoryAllReduce); returns the sum.
+    reducer: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sums x over the ranks, in place (the partial products of a row-parallel layer)."""
+        """Sums x over the ranks (the partial products of a row-parallel layer): in place, unless a
+        `reducer` returns the sum in a buffer of its own."""
         if self.world_size == 1:
             return x
+        if self.reducer is not None:
+            return self.reducer(x)
         import torch.distributed as dist
 
         dist.all_reduce(x, group=self.group)
@@ -74,6 +80,27 @@ class TensorParallel:
         """(first row, rows per rank) of this rank's vocabulary shard; the last shard may be padded."""
         per_rank = -(-vocab_size // self.world_size)
         return self.rank * per_rank, per_rank
+
+
+class SymmetricMemoryAllReduce:
+    """torch's symmetric-memory one-shot all-reduce (CUDA, NVLink): every rank reads the others'
+    buffers directly, one kernel, no NCCL. Inputs are copied into one symmetric buffer of
+    [max_rows, hidden] allocated (and rendezvoused across the group) once, so captured graphs keep
+    its address. Measured against NCCL by bench/tp_decode_bench.py (--all-reduce symm)."""
+
+    def __init__(self, max_rows: int, hidden: int, dtype: torch.dtype, device: torch.device, group: Any) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name = group.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.8, harmless after
+            symm_mem.enable_symm_mem_for_group(self.group_name)
+        self.buf = symm_mem.empty((max_rows, hidden), dtype=dtype, device=device)
+        symm_mem.rendezvous(self.buf, self.group_name)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        part = self.buf[: x.shape[0]]  # storage offset 0: the buffer's own address
+        part.copy_(x)
+        return torch.ops.symm_mem.one_shot_all_reduce(part, "sum", self.group_name)
 
 
 def _all_gather_single(output: torch.Tensor, x: torch.Tensor, group: Any) -> None:

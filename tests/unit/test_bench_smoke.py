@@ -47,3 +47,13 @@ def test_serve_bench(tmp_path: pathlib.Path) -> None:
         assert row["ok"] == 8 and row["tokens"] == 64 and row["short_requests"] == 0
         assert {"ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "req_per_s", "tok_per_s"} <= row.keys()
     assert record["grpc_over_engine_token_throughput"] > 0
+
+
+def test_tp_decode_bench(tmp_path: pathlib.Path) -> None:
+    record = _run("tp_decode_bench.py", [
+        "--model", "builtin:tiny", "--device", "cpu", "--tp-sizes", "1,2", "--batches", "1,2", "--context", "8",
+        "--iters", "2", "--warmup", "1"], tmp_path)
+    rows = record["rows"]
+    assert [(r["tp"], r["batch"]) for r in rows] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert all(r["eager_ms"] > 0 for r in rows)
+    assert rows[2]["eager_vs_tp1"] > 0
