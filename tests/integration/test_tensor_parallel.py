@@ -90,6 +90,24 @@ def test_a_killed_rank_fails_streams_turns_unhealthy_and_the_server_exits(tmp_pa
         proc.close()
 
 
+def test_sigterm_stops_every_rank_and_the_server_exits_0(tmp_path, model_cache_dir) -> None:  # noqa: ANN001
+    proc = ServerProcess(["--model-cache-dir", str(model_cache_dir), "--tensor-parallel-size", "2"],
+                         log_path=tmp_path / "server.log")
+    try:
+        proc.wait_for_health(health_pb2.HealthCheckResponse.SERVING)
+        lines = [json.loads(line) for line in proc.log_text().splitlines() if line.startswith("{")]
+        rank_pid = next(line["pids"][0] for line in lines if line.get("event") == "ranks_started")
+        stub = inference_pb2_grpc.InferenceStub(proc.channel)
+        _, finished = generate(stub, timeout=60, **greedy("Once upon a time", 8))
+        assert finished.usage.completion_tokens == 8
+        proc.terminate()
+        assert proc.wait(60) == 0
+        assert _gone_within(rank_pid, 10)
+        assert "rank_stopped" in proc.log_text() and "rank_kill" not in proc.log_text()
+    finally:
+        proc.close()
+
+
 def _gone_within(pid: int, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
