@@ -3,16 +3,15 @@ with its all-reduces inside, against one GPU's logits; and a gRPC server with tw
 
 from __future__ import annotations
 
-import multiprocessing
 import pathlib
-import queue
 
 import pytest
 import torch
 
 from service.model.loader import load_model
 from service.model.step_batch import ChunkSpec, build_step_batch
-from tests.support.server import free_port, generate, greedy, running_server
+from tests.support.ranks import run_ranks
+from tests.support.server import generate, greedy, running_server
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
@@ -43,37 +42,21 @@ def _decode_logits(model, device: torch.device, graphed: bool) -> tuple[torch.Te
     return eager, replayed
 
 
-def _rank(rank: int, port: int, cache_dir: str, out: multiprocessing.Queue) -> None:
+def _rank(rank: int, world: int, port: int, cache_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     from service.engine.ranks import join_group, rank_device
 
     device = rank_device(torch.device("cuda"), rank)
-    tp, _ = join_group(rank, 2, port, device)
+    tp, _ = join_group(rank, world, port, device)
     model = load_model("builtin:tiny", device, torch.bfloat16, pathlib.Path(cache_dir), tp=tp).model
     eager, replayed = _decode_logits(model, device, graphed=True)
-    if rank == 0:
-        out.put((eager.cpu(), replayed.cpu()))
+    return eager.cpu(), replayed.cpu()
 
 
 def test_two_gpu_graphed_decode_is_within_bf16_tolerance_of_one_gpu(model_cache_dir) -> None:  # noqa: ANN001
     device = torch.device("cuda", 0)
     one = load_model("builtin:tiny", device, torch.bfloat16, model_cache_dir).model
-    ref, _ = _decode_logits(one, device, graphed=False)
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(model_cache_dir), out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        eager, replayed = out.get(timeout=300)
-    except queue.Empty:
-        pytest.fail("the two ranks did not answer within 300 s")
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-    ref = ref.cpu()
+    ref = _decode_logits(one, device, graphed=False)[0].cpu()
+    eager, replayed = run_ranks(_rank, 2, str(model_cache_dir), timeout=300)[0]
     torch.testing.assert_close(replayed, eager, atol=1e-3, rtol=1e-3)  # the graph replays the same step
     scale = ref.abs().max().item()
     assert (eager - ref).abs().max().item() <= 0.05 * scale, "TP=2 is not within bf16 tolerance of TP=1"

@@ -9,6 +9,7 @@ import os
 import shlex
 import signal
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -64,48 +65,53 @@ def test_grpc_server_with_two_ranks_streams_what_one_rank_streams(server: Server
         assert texts(tp_server) == texts(server)
 
 
-def test_a_killed_rank_fails_streams_turns_unhealthy_and_the_server_exits(tmp_path, model_cache_dir) -> None:  # noqa: ANN001
+@pytest.fixture
+def tp_process(tmp_path, model_cache_dir) -> Iterator[tuple[ServerProcess, dict[str, int]]]:  # noqa: ANN001
+    """A serving `graphserve serve --tensor-parallel-size 2` process and its pids (engine, rank 1)."""
     proc = ServerProcess(["--model-cache-dir", str(model_cache_dir), "--tensor-parallel-size", "2"],
                          log_path=tmp_path / "server.log")
     try:
         proc.wait_for_health(health_pb2.HealthCheckResponse.SERVING)
         lines = [json.loads(line) for line in proc.log_text().splitlines() if line.startswith("{")]
-        rank_pid = next(line["pids"][0] for line in lines if line.get("event") == "ranks_started")
-        engine_pid = next(line["engine_pid"] for line in lines if line.get("event") == "model_loaded")
-        stub = inference_pb2_grpc.InferenceStub(proc.channel)
-        call = stub.Generate(inference_pb2.GenerateRequest(**greedy("Once upon a time", 2000)), timeout=60)
-        next(iter(call))  # streaming
-        os.kill(rank_pid, signal.SIGKILL)
-        started = time.monotonic()
-        with pytest.raises(grpc.RpcError) as info:
-            for _ in call:
-                pass
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "engine failed" in info.value.details()
-        assert time.monotonic() - started < 15
-        assert proc.wait(60) == 1
-        assert "rank_died" in proc.log_text() or "Connection closed" in proc.log_text()
-        assert _gone_within(engine_pid, 10)
+        pids = {"rank": next(line["pids"][0] for line in lines if line.get("event") == "ranks_started"),
+                "engine": next(line["engine_pid"] for line in lines if line.get("event") == "model_loaded")}
+        yield proc, pids
     finally:
         proc.close()
 
 
-def test_sigterm_stops_every_rank_and_the_server_exits_0(tmp_path, model_cache_dir) -> None:  # noqa: ANN001
-    proc = ServerProcess(["--model-cache-dir", str(model_cache_dir), "--tensor-parallel-size", "2"],
-                         log_path=tmp_path / "server.log")
-    try:
-        proc.wait_for_health(health_pb2.HealthCheckResponse.SERVING)
-        lines = [json.loads(line) for line in proc.log_text().splitlines() if line.startswith("{")]
-        rank_pid = next(line["pids"][0] for line in lines if line.get("event") == "ranks_started")
-        stub = inference_pb2_grpc.InferenceStub(proc.channel)
-        _, finished = generate(stub, timeout=60, **greedy("Once upon a time", 8))
-        assert finished.usage.completion_tokens == 8
-        proc.terminate()
-        assert proc.wait(60) == 0
-        assert _gone_within(rank_pid, 10)
-        assert "rank_stopped" in proc.log_text() and "rank_kill" not in proc.log_text()
-    finally:
-        proc.close()
+def test_a_killed_rank_fails_streams_and_the_server_exits_1(tp_process) -> None:  # noqa: ANN001
+    proc, pids = tp_process
+    rank_pid, engine_pid = pids["rank"], pids["engine"]
+    stub = inference_pb2_grpc.InferenceStub(proc.channel)
+    call = stub.Generate(inference_pb2.GenerateRequest(**greedy("Once upon a time", 2000)), timeout=60)
+    next(iter(call))  # streaming
+    os.kill(rank_pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in call:
+            pass
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "engine failed" in info.value.details()
+    assert time.monotonic() - started < 15
+    deadline = time.monotonic() + 10
+    while proc.health_status() == health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.health_status() in (health_pb2.HealthCheckResponse.NOT_SERVING, None)  # None: already gone
+    assert proc.wait(60) == 1
+    assert "rank_died" in proc.log_text()
+    assert _gone_within(engine_pid, 10)
+
+
+def test_sigterm_stops_every_rank_and_the_server_exits_0(tp_process) -> None:  # noqa: ANN001
+    proc, pids = tp_process
+    stub = inference_pb2_grpc.InferenceStub(proc.channel)
+    _, finished = generate(stub, timeout=60, **greedy("Once upon a time", 8))
+    assert finished.usage.completion_tokens == 8
+    proc.terminate()
+    assert proc.wait(60) == 0
+    assert _gone_within(pids["rank"], 10)
+    assert "rank_stopped" in proc.log_text() and "rank_kill" not in proc.log_text()
 
 
 def _gone_within(pid: int, seconds: float) -> bool:

@@ -3,9 +3,7 @@ gloo ranks on the CPU), the refusal of a model that does not split, and the per-
 
 from __future__ import annotations
 
-import multiprocessing
 import pathlib
-import queue
 import types
 
 import pytest
@@ -19,48 +17,25 @@ from service.model.loader import load_model
 from service.model.parallel import TensorParallel, read_shard, shard_spec
 from service.model.spec import ModelLoadError, ModelSpec
 from service.model.step_batch import ChunkSpec
-from tests.support.server import free_port
+from tests.support.ranks import run_ranks
 
 IDS = [[1, 5, 9, 200, 767, 3, 42, 11]]
 SHARDED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head")
 
 
-def _rank(rank: int, world: int, port: int, cache_dir: str, out: multiprocessing.Queue) -> None:
-    import torch.distributed as dist
+def _rank(rank: int, world: int, port: int, cache_dir: str) -> tuple[dict[str, int], torch.Tensor]:
+    from service.engine.ranks import join_group
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        tp = TensorParallel(rank, world, dist.group.WORLD)
-        model = load_model("builtin:tiny", torch.device("cpu"), torch.float32, pathlib.Path(cache_dir), tp=tp).model
-        sizes = {name: p.numel() for name, p in model.named_parameters()}
-        out.put((rank, sizes, model.forward_full(torch.tensor(IDS))))
-    finally:
-        dist.destroy_process_group()
+    tp, _ = join_group(rank, world, port, torch.device("cpu"))
+    model = load_model("builtin:tiny", torch.device("cpu"), torch.float32, pathlib.Path(cache_dir), tp=tp).model
+    return {name: p.numel() for name, p in model.named_parameters()}, model.forward_full(torch.tensor(IDS))
 
 
 @pytest.fixture(scope="module")
 def two_ranks(model_cache_dir) -> dict[int, tuple[dict[str, int], torch.Tensor]]:  # noqa: ANN001
     """Each of two gloo ranks loads builtin:tiny's shards and runs the cache-free forward."""
     load_model("builtin:tiny", torch.device("cpu"), torch.float32, model_cache_dir)  # generate it once
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, str(model_cache_dir), out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = {}
-        for _ in procs:
-            rank, sizes, logits = out.get(timeout=120)
-            results[rank] = (sizes, logits)
-    except queue.Empty:
-        pytest.fail("the two ranks did not answer within 120 s")
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    return results
+    return run_ranks(_rank, 2, str(model_cache_dir))
 
 
 def test_each_rank_holds_half_of_every_sharded_weight(two_ranks, model_cache_dir) -> None:  # noqa: ANN001
