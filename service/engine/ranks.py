@@ -146,9 +146,10 @@ def join_group(rank: int, world_size: int, port: int, device: torch.device,
 class Ranks:
     """Rank 0's side: the other ranks' processes, the step channel, and a watch on their lives."""
 
-    def __init__(self, procs: list[subprocess.Popen], channel: StepChannel) -> None:
+    def __init__(self, procs: list[subprocess.Popen], channel: StepChannel, store: Any) -> None:
         self.procs = procs
         self.channel = channel
+        self.store = store  # rank 0 hosts the group's store: it lives as long as the group
         self.dead: str | None = None  # which rank died and how, once one has
         self.on_death: Callable[[], None] | None = None  # e.g. wake the engine so it fails now
         self._closing = False
@@ -234,9 +235,7 @@ def start_ranks(c: Any, device: torch.device) -> tuple[Ranks, TensorParallel, to
             p.kill()
         raise
     channel = StepChannel(channel_group, StepInputs.capacity(c.max_running_seqs, c.max_num_batched_tokens))
-    ranks = Ranks(procs, channel)
-    ranks._store = store  # noqa: SLF001 - rank 0 hosts the store: keep it alive as long as the group
-    return ranks, tp, device
+    return Ranks(procs, channel, store), tp, device
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
