@@ -64,6 +64,12 @@ def load_runner(c: ServeConfig) -> LoadedRunner:
     ranks, tp, device = start_ranks(c, device)
     try:
         lr = build_runner(c, device, tp)
+    except Exception as exc:
+        error = ranks.explain(exc)  # a rank that died while loading (out of memory, ...) is the cause
+        ranks.close(send_stop=False, timeout=0.0)
+        if error is exc:
+            raise
+        raise error from exc
     except BaseException:
         ranks.close(send_stop=False, timeout=0.0)
         raise

@@ -135,6 +135,7 @@ def join_group(rank: int, world_size: int, port: int, device: torch.device,
 
     if store is None:
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=_COLLECTIVE_TIMEOUT)
+        store.set(_joined_key(rank), "1")
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=_COLLECTIVE_TIMEOUT,
@@ -168,6 +169,19 @@ class Ranks:
         """Raises RankDied once any other rank's process has exited."""
         if self.dead is not None:
             raise RankDied(self.dead)
+
+    def explain(self, exc: BaseException, wait_s: float = 1.0) -> BaseException:
+        """The error a failed step reports: RankDied when a rank's exit caused it (a collective
+        with a dead peer fails as soon as its connection closes, maybe before the exit is reaped,
+        so this waits up to wait_s for it), else exc."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, p in enumerate(self.procs, start=1):
+                if p.poll() is not None:
+                    return RankDied(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.returncode}")
+            if time.monotonic() > deadline:
+                return exc
+            time.sleep(0.02)
 
     def _watch_loop(self) -> None:
         while not self._closing:
@@ -229,6 +243,7 @@ def start_ranks(c: Any, device: torch.device) -> tuple[Ranks, TensorParallel, to
         procs.append(p)
     log.info("ranks_started", world_size=n, pids=[p.pid for p in procs], port=store.port)
     try:
+        _wait_for_ranks(store, procs)
         tp, channel_group = join_group(0, n, store.port, device, store=store)
     except BaseException:
         for p in procs:
@@ -236,6 +251,25 @@ def start_ranks(c: Any, device: torch.device) -> tuple[Ranks, TensorParallel, to
         raise
     channel = StepChannel(channel_group, StepInputs.capacity(c.max_running_seqs, c.max_num_batched_tokens))
     return Ranks(procs, channel, store), tp, device
+
+
+def _wait_for_ranks(store: Any, procs: list[subprocess.Popen]) -> None:
+    """Until every other rank has reached the store: a rank that exits first (a broken install, no
+    such device) fails the start at once, instead of init_process_group waiting out its timeout."""
+    keys = [_joined_key(rank) for rank in range(1, len(procs) + 1)]
+    deadline = time.monotonic() + _COLLECTIVE_TIMEOUT.total_seconds()
+    while not store.check(keys):
+        for rank, p in enumerate(procs, start=1):
+            if p.poll() is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} exited with code {p.returncode} while starting; "
+                                   "see its log above")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel ranks did not start within {_COLLECTIVE_TIMEOUT}")
+        time.sleep(0.05)
+
+
+def _joined_key(rank: int) -> str:
+    return f"graphserve/rank{rank}/started"
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:

@@ -89,9 +89,14 @@ class ModelRunner:
         running decodes and the prompt chunks. A decode whose input token is still pending (sampled
         by the previous launch, not yet read by the host) takes it from that launch's device tokens."""
         assert decodes or prefills, "an empty step"
-        tokens = self.mixed(decodes, prefills) if prefills else self.decode(decodes)
-        if self.ranks is not None and tokens.numel():
-            self.tp.broadcast(tokens)  # the other ranks may feed them back next step
+        try:
+            tokens = self.mixed(decodes, prefills) if prefills else self.decode(decodes)
+            if self.ranks is not None and tokens.numel():
+                self.tp.broadcast(tokens)  # the other ranks may feed them back next step
+        except Exception as exc:
+            if self.ranks is None:
+                raise
+            raise self.ranks.explain(exc) from exc
         sampling = decodes + [c.seq for c in prefills if c.completes_prompt]
         self._previous = {seq.key: row for row, seq in enumerate(sampling)}, tokens
         if self._tokens_ready is None:
