@@ -20,6 +20,7 @@ from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
 from service.model.loader import LoadedModel, load_model, read_model_spec
 from service.model.parallel import TensorParallel, shard_spec
+from service.model.spec import ModelLoadError
 
 log = structlog.get_logger("graphserve.builder")
 
@@ -64,15 +65,15 @@ def load_runner(c: ServeConfig) -> LoadedRunner:
     ranks, tp, device = start_ranks(c, device)
     try:
         lr = build_runner(c, device, tp)
-    except Exception as exc:
-        error = ranks.explain(exc)  # a rank that died while loading (out of memory, ...) is the cause
+    except BaseException as exc:
+        # A rank that died while loading (out of memory, ...) is the cause; a bad model fails every
+        # rank the same way, and rank 0's own message says why.
+        explain = isinstance(exc, Exception) and not isinstance(exc, ModelLoadError)
+        error = ranks.explain(exc) if explain else exc
         ranks.close(send_stop=False, timeout=0.0)
         if error is exc:
             raise
         raise error from exc
-    except BaseException:
-        ranks.close(send_stop=False, timeout=0.0)
-        raise
     lr.runner.ranks = ranks
     return lr
 
