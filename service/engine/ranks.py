@@ -20,6 +20,7 @@ same sizes in the same order): TP steps run eagerly.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pathlib
@@ -238,8 +239,10 @@ def start_ranks(c: Any, device: torch.device) -> tuple[Ranks, TensorParallel, to
         p = subprocess.Popen([sys.executable, "-m", "service.engine.ranks", str(rank), str(n), str(store.port),
                               str(os.getpid())], stdin=subprocess.PIPE, env=env, cwd=root)
         assert p.stdin is not None
-        p.stdin.write(payload)
-        p.stdin.close()
+        with contextlib.suppress(BrokenPipeError):  # it exited already: _wait_for_ranks says so
+            p.stdin.write(payload)
+        with contextlib.suppress(BrokenPipeError):  # closes the pipe even when the flush fails
+            p.stdin.close()
         procs.append(p)
     log.info("ranks_started", world_size=n, pids=[p.pid for p in procs], port=store.port)
     try:
