@@ -22,10 +22,11 @@ import torch
 
 from cache_manager import Fingerprint, GraphCache, GraphCacheConfig
 from service.engine.decode_step import ModelDecodeStep
-from service.engine.ranks import Ranks, StepInputs
+from service.engine.ranks import Ranks
 from service.engine.sampler import SamplingBatch, sample
 from service.engine.scheduler import PrefillChunk
 from service.engine.sequence import Sequence
+from service.engine.step_channel import StepInputs
 from service.model.kv_cache import KVCache
 from service.model.loader import LoadedModel
 from service.model.pieces import PiecewiseForward

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from service.engine.ranks import StepInputs
+from service.engine.step_channel import StepInputs
 from service.model.builtin import BUILTIN_SHAPES, _hf_config
 from service.model.loader import load_model
 from service.model.parallel import TensorParallel, read_shard, shard_spec
