@@ -8,7 +8,7 @@ PROTO_SRC := protos/graphserve/v1
 PROTO_OUT := service/proto
 STUBS := $(PROTO_OUT)/inference_pb2.py $(PROTO_OUT)/admin_pb2.py
 
-.PHONY: setup protos run test test-gpu bench bench-cpu lint clean
+.PHONY: setup protos run test test-gpu bench bench-tp bench-cpu lint clean
 
 setup: $(VENV)/.installed protos
 
@@ -40,6 +40,13 @@ bench: setup
 	$(PY) bench/decode_bench.py --model builtin:llama-1b --device cuda --random-init
 	$(PY) bench/decode_bench.py --model builtin:llama-1b --device cuda --random-init --buckets all
 	$(PY) bench/serve_bench.py --model builtin:llama-1b --device cuda --dtype bfloat16 --concurrency 64 --requests 256 --output-tokens 128 --client-procs 4
+
+# Tensor parallelism on 2 GPUs (Llama-3.1-8B shape, bf16): the decode step at TP=1 and TP=2 (random
+# weights on the device), then 64 streams through gRPC at each (the 16 GB checkpoint is generated once).
+bench-tp: setup
+	$(PY) bench/tp_decode_bench.py --model builtin:llama-8b --tp-sizes 1,2 --batches 1,64
+	$(PY) bench/serve_bench.py --model builtin:llama-8b --device cuda --dtype bfloat16 --concurrency 64 --requests 256 --output-tokens 128 --client-procs 4 --skip-engine --tensor-parallel-size 1
+	$(PY) bench/serve_bench.py --model builtin:llama-8b --device cuda --dtype bfloat16 --concurrency 64 --requests 256 --output-tokens 128 --client-procs 4 --skip-engine --tensor-parallel-size 2
 
 bench-cpu: setup
 	$(PY) bench/decode_bench.py --model builtin:tiny --device cpu --batches 1,4,16 --context 64

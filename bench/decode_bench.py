@@ -32,6 +32,7 @@ from service.engine.decode_step import ModelDecodeStep
 from service.model import KVCache, LlamaForCausalLM, ModelSpec, ensure_builtin
 from service.model.builtin import BUILTIN_PREFIX, BUILTIN_SHAPES, _hf_config
 from service.model.loader import default_cache_dir, load_model
+from service.model.parallel import TensorParallel
 
 # gpt-fast (untied head, torch.compile) measured earlier on an H200, not re-run: batch -> ms per step.
 GPT_FAST_MS = {1: 1.15, 8: 1.55, 64: 2.87}
@@ -86,15 +87,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- model -----------------------------------------------------------------------------------
 
 
-def _random_init(name: str, device: torch.device, dtype: torch.dtype) -> tuple[LlamaForCausalLM, dict]:
+def _random_init(name: str, device: torch.device, dtype: torch.dtype,
+                 tp: TensorParallel | None = None) -> tuple[LlamaForCausalLM, dict]:
     """The built-in shape with random weights made on the device (same distributions as the files,
-    not the same values): seconds instead of generating and reading a 2.5 GB checkpoint."""
+    not the same values): seconds instead of generating and reading a 2.5 GB checkpoint. With `tp`,
+    this rank's shards only."""
     shape = BUILTIN_SHAPES[name]
     num_regular = shape["vocab_size"] - shape["num_special"]
     config = _hf_config({**shape, "dtype": str(dtype).removeprefix("torch.")}, num_regular, num_regular + 1)
     spec = ModelSpec.from_hf_config(types.SimpleNamespace(**config))
-    model = LlamaForCausalLM(spec, device, dtype)
-    gen = torch.Generator(device).manual_seed(1234)
+    model = LlamaForCausalLM(spec, device, dtype, tp=tp)
+    gen = torch.Generator(device).manual_seed(1234 + (tp.rank if tp is not None else 0))
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("norm.weight"):

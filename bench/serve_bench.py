@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--max-running-seqs", type=int, default=None, help="default: --concurrency")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) the served model is split across")
     p.add_argument("--target", default=None, help="HOST:PORT of a running server (default: start one here)")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--requests", type=int, default=256)
@@ -205,7 +206,7 @@ def start_server(args: argparse.Namespace) -> Any:
 
     argv = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
             "--max-running-seqs", str(args.max_running_seqs), "--max-seq-len", str(args.max_seq_len),
-            "--admin-port", "0", "--log-level", "warning"]
+            "--admin-port", "0", "--log-level", "warning", "--tensor-parallel-size", str(args.tensor_parallel_size)]
     if not args.overlap_steps:
         argv.append("--no-overlap-steps")
     if args.cache_dir is not None:
@@ -246,7 +247,8 @@ class EngineAlone:
         shorten_switch_interval()  # as in the gRPC process
         config = ServeConfig(model=args.model, model_cache_dir=args.cache_dir, device=args.device, dtype=args.dtype,
                              max_running_seqs=args.max_running_seqs, max_seq_len=args.max_seq_len,
-                             overlap_steps=args.overlap_steps, log_level="warning")
+                             overlap_steps=args.overlap_steps, log_level="warning",
+                             tensor_parallel_size=args.tensor_parallel_size)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="engine-pipe", daemon=True)
         self.thread.start()

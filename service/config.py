@@ -28,6 +28,7 @@ class ServeConfig:
     model_cache_dir: Path | None = None
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    tensor_parallel_size: int = 1  # ranks (processes, GPUs) one model is split across
     host: str = "0.0.0.0"
     port: int = 50051
     max_running_seqs: int = 32
@@ -115,6 +116,7 @@ class ServeConfig:
             value = getattr(self, name)
             need(0 <= value <= 65535, f"--{name.replace('_', '-')} must be a port in 0..65535, got {value}")
         positive = (
+            "tensor_parallel_size",
             "max_running_seqs", "max_seq_len", "max_num_batched_tokens", "default_max_tokens", "max_tokens_limit",
             "max_prompt_bytes", "max_stop_string_bytes", "max_waiting_requests", "max_waiting_tokens",
             "max_concurrent_streams", "max_receive_message_bytes", "max_streams_per_connection",
@@ -131,6 +133,9 @@ class ServeConfig:
              f"({self.max_running_seqs}): every running sequence may decode in the same step")
         need(self.default_max_tokens <= self.max_tokens_limit, "--default-max-tokens must be <= --max-tokens-limit")
         need(self.max_loras >= 0, f"--max-loras must be >= 0 (0: adapters off), got {self.max_loras}")
+        need(self.tensor_parallel_size == 1 or not (self.max_loras or self.lora_modules),
+             "LoRA adapters are not served with tensor parallelism yet: use --tensor-parallel-size 1 with "
+             "--lora-modules / --max-loras, or no adapters")
         need(self.max_lora_rank >= 1, f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
         need(self.lora_kernel in ("stacked", "gather"), f"--lora-kernel must be stacked or gather, not {self.lora_kernel!r}")
         self.lora_module_paths()
@@ -206,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-cache-dir", type=Path, default=None, help="where built-in models are generated")
     g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                   help="split the model across N ranks (one process each; N GPUs on cuda, gloo on cpu)")
     g = p.add_argument_group("server")
     g.add_argument("--host", default=d.host)
     g.add_argument("--port", type=int, default=d.port)

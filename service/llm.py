@@ -153,7 +153,8 @@ def _config_of(model: str, o: _Options) -> ServeConfig:
     dtype = o.dtype if isinstance(o.dtype, str) else str(o.dtype).removeprefix("torch.")
     config = ServeConfig(
         model=str(model), model_cache_dir=None if o.model_cache_dir is None else Path(o.model_cache_dir),
-        device=o.device, dtype=dtype, max_running_seqs=max_running, max_seq_len=o.max_seq_len,
+        device=o.device, dtype=dtype, tensor_parallel_size=o.tensor_parallel_size,
+        max_running_seqs=max_running, max_seq_len=o.max_seq_len,
         max_num_batched_tokens=o.max_num_batched_tokens, default_max_tokens=o.default_max_tokens,
         max_tokens_limit=max(ServeConfig.max_tokens_limit, o.default_max_tokens), overlap_steps=o.overlap_steps,
         cudagraph_mode=str(mode).lower(), capture_sizes=sizes, graph_memory_budget=o.graph_memory_budget,
@@ -174,9 +175,6 @@ def _check_unavailable(o: _Options) -> None:
     tp = o.tensor_parallel_size
     if not _is_int(tp) or tp < 1:
         raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
-    if tp > 1:
-        raise NotImplementedError(f"tensor_parallel_size={tp}: tensor parallelism is not available yet; graphserve "
-                                  "runs a model on one device (tensor_parallel_size=1)")
     for _, path in _lora_entries(o.lora_weights):
         if not Path(path).is_dir():
             raise ConfigError(f"lora_weights: {path!r} is not a directory; give PEFT adapter directories "

@@ -10,17 +10,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import structlog
 import torch
 
 from cache_manager import CudaGraphMode, GraphCache, GraphCacheConfig, parse_capture_sizes
 from service.config import ServeConfig
 from service.engine.adapters import AdapterRegistry, AdaptersOff
 from service.engine.engine import Engine, EngineObserver, Publish, deliver
+from service.engine.ranks import start_ranks
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
-from service.model.loader import LoadedModel, load_model
+from service.model.loader import LoadedModel, load_model, read_model_spec
 from service.model.lora import LoraAdapter, LoraError, read_adapter
+from service.model.parallel import TensorParallel, shard_spec
 from service.model.spec import ModelLoadError
+
+log = structlog.get_logger("graphserve.builder")
 
 
 @dataclass
@@ -67,12 +72,43 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load_runner(c: ServeConfig) -> LoadedRunner:
     """Load the model, build its runner and graph cache, and run one eager step: a broken model
-    fails here, not on the first request."""
+    fails here, not on the first request. With --tensor-parallel-size N > 1 this is rank 0: it
+    starts the other N - 1 ranks (service.engine.ranks), which load their shards beside it."""
     device = resolve_device(c.device)
+    if c.tensor_parallel_size == 1:
+        return build_runner(c, device)
+    # A model that does not split into N shards fails here, before any rank starts.
+    shard_spec(read_model_spec(c.model, c.model_cache_dir), TensorParallel(0, c.tensor_parallel_size))
+    ranks, tp, device = start_ranks(c, device)
+    try:
+        lr = build_runner(c, device, tp)
+    except BaseException as exc:
+        # A rank that died while loading (out of memory, ...) is the cause; a bad model fails every
+        # rank the same way, and rank 0's own message says why.
+        explain = isinstance(exc, Exception) and not isinstance(exc, ModelLoadError)
+        error = ranks.explain(exc) if explain else exc
+        ranks.close(send_stop=False, timeout=0.0)
+        if error is exc:
+            raise
+        raise error from exc
+    lr.runner.ranks = ranks
+    return lr
+
+
+def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None = None,
+                 follower: bool = False) -> LoadedRunner:
+    """This rank's model (its shards with `tp`), runner and graph cache, warmed up. A follower rank
+    (tensor parallelism, rank > 0) keeps no stats and captures no graphs."""
     dtype = resolve_dtype(c.dtype, device)
-    loaded = load_model(c.model, device, dtype, c.model_cache_dir)
+    loaded = load_model(c.model, device, dtype, c.model_cache_dir, tp=tp)
     max_seq_len = min(c.max_seq_len, loaded.spec.max_position_embeddings)
     mode = CudaGraphMode.parse(c.cudagraph_mode) if device.type == "cuda" else CudaGraphMode.NONE
+    if tp is not None and tp.world_size > 1 and mode is not CudaGraphMode.NONE:
+        # Every rank would have to capture, replay and evict the same sizes in the same order.
+        if not follower:
+            log.warning("tensor_parallel_graphs_off", world_size=tp.world_size,
+                        reason="CUDA graphs are not yet captured with tensor parallelism: steps run eagerly")
+        mode = CudaGraphMode.NONE
     largest = max(c.max_running_seqs, c.max_num_batched_tokens)
     graph_config = GraphCacheConfig(
         mode=mode,
@@ -80,7 +116,7 @@ def load_runner(c: ServeConfig) -> LoadedRunner:
         max_batch=c.max_running_seqs,
         max_tokens=c.max_num_batched_tokens,
         memory_budget=c.graph_memory_budget,
-        stats_file=c.stats_file,
+        stats_file=None if follower else c.stats_file,
         warm_start=c.warm_start,
     )
     runner = ModelRunner(loaded, c.max_running_seqs, max_seq_len, graph_config,
@@ -101,8 +137,11 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
     """An engine (not started) over the runner; between steps it commits the graphs the capture
     thread finished, warm-starts graphs and saves stats."""
     caches = lr.runner.graph_caches
+    ranks = lr.runner.ranks
 
     def between_steps() -> None:
+        if ranks is not None:
+            ranks.check()  # a dead rank fails the engine even while it is idle
         for graphs in caches:
             graphs.poll()
             graphs.warm_step()
@@ -114,6 +153,8 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
                     between_steps=between_steps, overlap=c.overlap_steps)
     for graphs in caches:
         graphs.notify = engine.wake  # a finished capture is committed between steps, even when idle
+    if ranks is not None:
+        ranks.on_death = engine.wake
     return engine
 
 
@@ -125,4 +166,7 @@ def close_engine(engine: Engine, graphs: GraphCache | list[GraphCache]) -> bool:
     saved = True
     for cache in graphs if isinstance(graphs, list) else [graphs]:
         saved &= cache.close() if not engine.thread_alive else cache.save()
+    ranks = getattr(engine.runner, "ranks", None)
+    if ranks is not None:  # a stop message only when no step is left half-run on the other ranks
+        ranks.close(send_stop=not engine.thread_alive and engine.error is None)
     return saved

@@ -4,7 +4,8 @@ It owns the KV cache, the static decode inputs and the graph cache, and turns a 
 (decodes and prompt chunks) into one forward pass and one sampled token per sampling sequence. A
 uniform-decode step (every row one decode token) replays a full decode graph through the graph
 cache; a step with any prompt chunk runs the forward split at attention (service.model.pieces),
-eagerly for now. `launch` queues a step without waiting; `collect` is the step's one host sync
+replayed from piecewise graphs. With tensor parallelism rank 0 sends each step's inputs to the
+other ranks, which run the same `forward`. `launch` queues a step without waiting; `collect` is the step's one host sync
 (the token ids coming back to the CPU). The engine launches step t+1 before it collects step t,
 so the host's work on step t overlaps the device's work on step t+1.
 """
@@ -21,9 +22,11 @@ from cache_manager import Fingerprint, GraphBackend, GraphCache, GraphCacheConfi
 from cache_manager.sizes import FULL, PIECEWISE
 from service.engine.decode_step import LoraDecodeStep, ModelDecodeStep
 from service.engine.piecewise_step import LoraPiecewiseStep, PiecewiseStep
+from service.engine.ranks import Ranks
 from service.engine.sampler import SamplingBatch, sample
 from service.engine.scheduler import PrefillChunk
 from service.engine.sequence import Sequence
+from service.engine.step_channel import StepInputs
 from service.model.kv_cache import KVCache
 from service.model.loader import LoadedModel
 from service.model.lora import LoraSlots
@@ -39,7 +42,10 @@ class ModelRunner:
         max_loras > 0: adapter slots (service.model.lora) and a second graph cache for batches with adapters."""
         self.loaded = loaded
         self.device = loaded.device
-        self.kv = KVCache(loaded.spec, max_running, max_seq_len, loaded.device, loaded.dtype)
+        self.tp = loaded.model.tp
+        self.ranks: Ranks | None = None  # the other tensor-parallel ranks (rank 0 only)
+        # The model's spec: with tensor parallelism, this rank's share of the KV heads.
+        self.kv = KVCache(loaded.model.spec, max_running, max_seq_len, loaded.device, loaded.dtype)
         self.decode_step = ModelDecodeStep(loaded.model, self.kv, max_running, loaded.device)
         self.pieces = PiecewiseForward(loaded.model, self.kv)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -115,10 +121,14 @@ class ModelRunner:
         running decodes and the prompt chunks. A decode whose input token is still pending (sampled
         by the previous launch, not yet read by the host) takes it from that launch's device tokens."""
         assert decodes or prefills, "an empty step"
-        # Dispatch: uniform decode -> FULL graphs (or eager decode kernels); anything else, and
-        # uniform decode when the mode keeps only PIECEWISE graphs -> the pieces.
-        as_pieces = bool(prefills) or (self.graphs.serves(PIECEWISE) and not self.graphs.serves(FULL))
-        tokens = self.mixed(decodes, prefills) if as_pieces else self.decode(decodes)
+        try:
+            tokens = self.mixed(decodes, prefills) if prefills else self.decode(decodes)
+            if self.ranks is not None and tokens.numel():
+                self.tp.broadcast(tokens)  # the other ranks may feed them back next step
+        except Exception as exc:
+            if self.ranks is None:
+                raise
+            raise self.ranks.explain(exc) from exc
         sampling = decodes + [c.seq for c in prefills if c.completes_prompt]
         self._previous = {seq.key: row for row, seq in enumerate(sampling)}, tokens
         if self._tokens_ready is None:
@@ -143,57 +153,78 @@ class ModelRunner:
         rows); returns a token for each decode and each chunk that completes its prompt (on device)."""
         rows, previous_tokens = self._previous
         pending_rows = [rows[s.key] if s.num_pending else -1 for s in decodes]
-        any_pending = any(r >= 0 for r in pending_rows)
+        sampling = decodes + [c.seq for c in chunks if c.completes_prompt]
         lora_slots = None
         if any(s.lora_slot for s in decodes) or any(c.seq.lora_slot for c in chunks):
             lora_slots = [s.lora_slot for s in decodes] + [c.seq.lora_slot for c in chunks for _ in range(c.num_tokens)]
-        batch = build_step_batch(
+        inputs = StepInputs(
+            [0 if s.num_pending else s.last_token_id() for s in decodes] + [t for c in chunks for t in c.token_ids()],
             [s.next_position() for s in decodes],
             [_slot(s) for s in decodes],
             [ChunkSpec(_slot(c.seq), c.start, c.num_tokens, c.completes_prompt) for c in chunks],
-            [0 if s.num_pending else s.last_token_id() for s in decodes] + [t for c in chunks for t in c.token_ids()],
-            self.kv.max_seq_len,
-            self.kv.scratch_slot,
-            self.device,
-            pending_rows=pending_rows if any_pending else None,
-            lora_slots=lora_slots,
+            pending_rows if any(r >= 0 for r in pending_rows) else None,
+            len(sampling),
+            lora_slots,
         )
-        if batch.pending_rows is not None:
-            d = len(decodes)
-            from_previous = previous_tokens[batch.pending_rows.clamp(min=0)]
-            batch.input_ids[:d] = torch.where(batch.pending_rows >= 0, from_previous, batch.input_ids[:d])
-        # A step with adapter rows replays the LoRA cache's pieces (captured with the LoRA products).
-        graphs, step = (self.graphs, self.piecewise_step) if lora_slots is None else (self.lora_graphs, self.lora_piecewise)
-        if step is not None and graphs.serves(PIECEWISE):
-            step.write(batch)
-            hidden = graphs.run(batch.size, PIECEWISE)  # replayed pieces, or eager above the largest
-            logits = self.loaded.model.logits(hidden[batch.sample_rows])
-        else:
-            logits = self.pieces.forward(batch)
-        sampling = decodes + [c.seq for c in chunks if c.completes_prompt]
+        logits = self.forward(inputs, previous_tokens)
         if not sampling:  # every chunk leaves part of its prompt for a later step
             return torch.zeros(0, dtype=torch.long, device=self.device)
         return self._sample(logits, sampling)
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One decode step for the running batch, through the graph cache (the LoRA graph cache when
-        any row has an adapter); tokens on device."""
+        """One decode step for the running batch; tokens on device."""
         rows, previous_tokens = self._previous
         # Pending input tokens come from the previous launch's row on the device, the others from the host.
         pending_rows = [rows[s.key] if s.num_pending else -1 for s in seqs]
-        with_lora = any(s.lora_slot for s in seqs)
-        self.decode_step.write_rows(
+        inputs = StepInputs(
             [0 if s.num_pending else s.last_token_id() for s in seqs],
             [s.next_position() for s in seqs],
-            [s.slot for s in seqs],
-            pending_rows,
-            previous_tokens,
-            lora_slots=[s.lora_slot for s in seqs] if with_lora else None,
+            [_slot(s) for s in seqs],
+            [],
+            pending_rows if any(r >= 0 for r in pending_rows) else None,
+            len(seqs),
+            [s.lora_slot for s in seqs] if any(s.lora_slot for s in seqs) else None,
         )
+        return self._sample(self.forward(inputs, previous_tokens), seqs)
+
+    def forward(self, inputs: StepInputs, previous_tokens: torch.Tensor) -> torch.Tensor:
+        """The step's forward pass -> float32 logits of its sampling rows. The dispatcher: a uniform
+        decode replays a FULL graph (the decode kernels, eagerly, without graphs); any other step,
+        and a uniform decode when the mode keeps only PIECEWISE graphs, runs as pieces, replayed
+        from PIECEWISE graphs when the mode has them. Rows with an adapter go to the LoRA cache.
+        Every tensor-parallel rank runs this for the same inputs (rank 0 sends them first)."""
+        if self.ranks is not None:
+            self.ranks.send(inputs)
+        with_lora = inputs.lora_slots is not None
         graphs = self.lora_graphs if with_lora else self.graphs
         assert graphs is not None, "an adapter row on a server without adapter slots"
-        logits = graphs.run(len(seqs))
-        return self._sample(logits, seqs)
+        pieces_only = graphs.serves(PIECEWISE) and not graphs.serves(FULL)
+        if not inputs.chunks and not pieces_only:
+            self.decode_step.write_rows(inputs.token_ids, inputs.positions, inputs.slots, inputs.pending_rows,
+                                        previous_tokens, lora_slots=inputs.lora_slots)
+            return graphs.run(len(inputs.positions))
+        batch = build_step_batch(
+            inputs.positions,
+            inputs.slots,
+            inputs.chunks,
+            inputs.token_ids,
+            self.kv.max_seq_len,
+            self.kv.scratch_slot,
+            self.device,
+            pending_rows=inputs.pending_rows,
+            lora_slots=inputs.lora_slots,
+        )
+        if batch.pending_rows is not None:
+            d = len(inputs.positions)
+            from_previous = previous_tokens[batch.pending_rows.clamp(min=0)]
+            batch.input_ids[:d] = torch.where(batch.pending_rows >= 0, from_previous, batch.input_ids[:d])
+        # A step with adapter rows replays the LoRA cache's pieces (captured with the LoRA products).
+        step = self.lora_piecewise if with_lora else self.piecewise_step
+        if step is not None and graphs.serves(PIECEWISE):
+            step.write(batch)
+            hidden = graphs.run(batch.size, PIECEWISE)  # replayed pieces, or eager above the largest
+            return self.loaded.model.logits(hidden[batch.sample_rows])
+        return self.pieces.forward(batch)
 
     @property
     def graph_caches(self) -> list[GraphCache]:

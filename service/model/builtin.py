@@ -50,6 +50,7 @@ _LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+_LLAMA31_ROPE = {**_LLAMA3_ROPE, "factor": 8.0}
 BUILTIN_SHAPES: dict[str, dict] = {
     # Fast on a laptop CPU. Untied head, and layer weights with std 0.1 instead of 0.02: at 0.02 a
     # 128-wide random model mostly echoes one token; at 0.1 greedy text varies with the context.
@@ -82,6 +83,23 @@ BUILTIN_SHAPES: dict[str, dict] = {
         "rope_theta": 500000.0,
         "rope_scaling": _LLAMA3_ROPE,
         "tie_word_embeddings": True,
+        "dtype": "bfloat16",
+    },
+    # Llama-3.1-8B shape (16 GB in bf16) for tensor-parallel benchmarks; use it with --random-init
+    # (bench/decode_bench.py) rather than generating the checkpoint.
+    "llama-8b": {
+        "layer_std": 0.02,
+        "vocab_size": 128256,
+        "num_special": 256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rope_scaling": _LLAMA31_ROPE,
+        "tie_word_embeddings": False,
         "dtype": "bfloat16",
     },
 }

@@ -27,6 +27,7 @@ from service.model.kernels.decode_attention import decode_attention_torch, decod
 from service.model.kernels.norm import add_rmsnorm_torch, add_rmsnorm_triton
 from service.model.kernels.rope import apply_rope, rope_kv_write_torch, rope_kv_write_triton, split_qkv
 from service.model.kv_cache import KVCache
+from service.model.parallel import RowParallelLinear, TensorParallel, VocabParallelEmbedding, shard_spec
 from service.model.spec import ModelLoadError, ModelSpec
 from service.model.step_batch import ChunkSpec, StepBatch, build_step_batch
 
@@ -148,15 +149,6 @@ class FusedLinear(nn.Module):
         return y if self.lora is None else self.lora(x, y)
 
 
-class Embedding(nn.Module):
-    def __init__(self, num: int, dim: int, device: torch.device | str, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = _empty(num, dim, device=device, dtype=dtype)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
@@ -173,7 +165,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
         hd, bias = spec.head_dim, spec.attention_bias
         kw = {"device": device, "dtype": dtype}
@@ -182,17 +174,17 @@ class Attention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj = self.qkv_proj.parts
         # Llama's attention_bias also covers o_proj; Qwen2 biases only q/k/v.
         o_bias = bias and spec.architecture != "Qwen2ForCausalLM"
-        self.o_proj = Linear(spec.num_heads * hd, spec.hidden_size, o_bias, **kw)
+        self.o_proj = RowParallelLinear(spec.num_heads * hd, spec.hidden_size, o_bias, tp, **kw)
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype, "bias": False}
         inter = spec.intermediate_size
         self.gate_up_proj = FusedLinear(spec.hidden_size, (inter, inter), **kw)
         self.gate_proj, self.up_proj = self.gate_up_proj.parts
-        self.down_proj = Linear(inter, spec.hidden_size, **kw)
+        self.down_proj = RowParallelLinear(inter, spec.hidden_size, tp=tp, **kw)
 
     def forward(self, x: torch.Tensor, fast: bool) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [N, 2 * intermediate]
@@ -202,10 +194,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, device, dtype)
-        self.mlp = MLP(spec, device, dtype)
+        self.self_attn = Attention(spec, device, dtype, tp)
+        self.mlp = MLP(spec, device, dtype, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -241,10 +233,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, device, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(spec, device, dtype) for _ in range(spec.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp, device, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(spec, device, dtype, tp) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
 
 
@@ -254,19 +246,26 @@ class LlamaForCausalLM(nn.Module):
     On CUDA with fp16/bf16 and Triton importable, `fast` enables fused Triton kernels (each
     self-checked here against its torch reference, see service.model.kernels); `fast_path=False`
     or any failed check keeps the torch path, which is also the CPU path.
+
+    With `tp` of world size N (service.model.parallel) this rank's model holds 1/N of the heads,
+    the MLP and the vocabulary; `spec` is then this rank's share (shard_spec) and `load_weights`
+    takes this rank's slices of the checkpoint.
     """
 
     def __init__(
-        self, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype, fast_path: bool = True
+        self, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype, fast_path: bool = True,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
+        self.tp = tp = tp or TensorParallel()
+        spec = shard_spec(spec, tp)
         self.spec, self.dtype = spec, dtype
-        self.model = LlamaModel(spec, device, dtype)
+        self.model = LlamaModel(spec, device, dtype, tp)
         # Tied heads reuse embed_tokens.weight at logits time, so no lm_head parameter exists.
         self.lm_head = (
             None
             if spec.tie_word_embeddings
-            else Linear(spec.hidden_size, spec.vocab_size, False, device, dtype)
+            else Linear(spec.hidden_size, tp.vocab_rows(spec.vocab_size)[1], False, device, dtype)
         )
         self.register_buffer("inv_freq", rope_inv_freq(spec).to(device), persistent=False)
         self.fast = (
@@ -328,7 +327,7 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states [R, hidden] -> float32 logits [R, V]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()
+        return self.tp.gather_vocab(F.linear(h, weight), self.spec.vocab_size).float()
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, slot: int, kv: KVCache) -> torch.Tensor:

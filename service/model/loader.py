@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from service.model.builtin import BUILTIN_PREFIX, ensure_builtin
 from service.model.llama import LlamaForCausalLM
+from service.model.parallel import TensorParallel, read_shard
 from service.model.spec import ModelLoadError, ModelSpec
 
 if TYPE_CHECKING:
@@ -61,13 +62,16 @@ def _weight_files(path: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def _read_weights(files: list[pathlib.Path], device: torch.device) -> dict[str, torch.Tensor]:
+def _read_weights(
+    files: list[pathlib.Path], device: torch.device, tp: TensorParallel | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint; with tensor parallelism only this rank's slices of them."""
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device=str(device)) as sf:
                 for key in sf.keys():  # noqa: SIM118 (safe_open is not iterable)
-                    state[key] = sf.get_tensor(key)
+                    state[key] = sf.get_tensor(key) if tp is None else read_shard(sf.get_slice(key), key, tp)
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
             raise ModelLoadError(f"cannot read weights {f}: {e}") from e
     return state
@@ -110,25 +114,38 @@ def read_tokenizer(path: pathlib.Path) -> transformers.PreTrainedTokenizerBase:
         raise ModelLoadError(f"{path}: tokenizer cannot be loaded: {e}") from e
 
 
-def load_model(
-    model: str, device: torch.device, dtype: torch.dtype, cache_dir: pathlib.Path | None = None
-) -> LoadedModel:
-    """ "builtin:<name>" (generated once into cache_dir) or a local HF directory -> LoadedModel."""
-    device = torch.device(device)
+def _model_dir(model: str, cache_dir: pathlib.Path | None) -> pathlib.Path:
     if model.startswith(BUILTIN_PREFIX):
-        path = ensure_builtin(model[len(BUILTIN_PREFIX) :], cache_dir or default_cache_dir())
-    else:
-        path = pathlib.Path(model).expanduser()
-        if not path.is_dir():
-            raise ModelLoadError(
-                f"model directory {path} does not exist; pass a local Hugging Face directory "
-                "or builtin:<name>"
-            )
+        return ensure_builtin(model[len(BUILTIN_PREFIX) :], cache_dir or default_cache_dir())
+    path = pathlib.Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"model directory {path} does not exist; pass a local Hugging Face directory "
+            "or builtin:<name>"
+        )
+    return path
+
+
+def read_model_spec(model: str, cache_dir: pathlib.Path | None = None) -> ModelSpec:
+    """The spec of "builtin:<name>" or a local HF directory, without loading its weights."""
+    return _read_spec(_model_dir(model, cache_dir))
+
+
+def load_model(
+    model: str, device: torch.device, dtype: torch.dtype, cache_dir: pathlib.Path | None = None,
+    tp: TensorParallel | None = None,
+) -> LoadedModel:
+    """ "builtin:<name>" (generated once into cache_dir) or a local HF directory -> LoadedModel.
+    With `tp` of world size N this rank's model holds (and reads) only its 1/N shards; the
+    LoadedModel's spec stays the whole model's (the model's own spec is the rank's share)."""
+    device = torch.device(device)
+    path = _model_dir(model, cache_dir)
     spec = _read_spec(path)
     files = _weight_files(path)
     tokenizer = read_tokenizer(path)
-    net = LlamaForCausalLM(spec, device, dtype)
-    net.load_weights(_read_weights(files, device))
+    sharded = tp is not None and tp.world_size > 1
+    net = LlamaForCausalLM(spec, device, dtype, tp=tp)
+    net.load_weights(_read_weights(files, device, tp if sharded else None))
     net.eval()
     return LoadedModel(
         name=model, path=path, spec=spec, model=net, tokenizer=tokenizer, device=device, dtype=dtype

@@ -47,6 +47,7 @@ GRAPH_OPS = frozenset({"capture", "evict", "set_budget", "reset_stats", "persist
 ADAPTER_OPS = frozenset({"load_adapter", "unload_adapter", "list_adapters"})
 
 _STATUS_INTERVAL_S = 0.2
+_RANK_DEATH_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,8 @@ class _Worker:
         self.runner = lr
         self.engine = new_engine(c, lr, publish=self.publish, observer=self.metrics)
         graphs.on_capture_stall = self.metrics.graph_capture_stall.observe
+        if lr.runner.ranks is not None:
+            lr.runner.ranks.on_death = self.on_rank_death
         loaded = lr.loaded
         return WorkerReady(
             model_path=str(loaded.path), spec=loaded.spec, max_seq_len=lr.max_seq_len, device=str(loaded.device),
@@ -172,6 +175,18 @@ class _Worker:
             adapters=tuple(lr.adapters.names) if lr.adapters is not None else (), max_loras=c.lora_slots,
             max_lora_rank=c.max_lora_rank if lr.adapters is not None else 0,
         )
+
+    def on_rank_death(self) -> None:
+        """A tensor-parallel rank died: the engine fails at its next step boundary. A step stuck in a
+        collective with the dead rank may not get there: then this process exits, as a dead engine."""
+        self.engine.wake()
+
+        def exit_if_stuck() -> None:
+            time.sleep(_RANK_DEATH_GRACE_S)
+            if self.engine.thread_alive and self.engine.error is None:
+                os._exit(1)
+
+        threading.Thread(target=exit_if_stuck, name="graphserve-rank-death", daemon=True).start()
 
     # ---- pipe thread --------------------------------------------------------------------------
 

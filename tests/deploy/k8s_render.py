@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-KUSTOMIZATIONS = ("base", "overlays/gpu", "overlays/cpu-dev")
+KUSTOMIZATIONS = ("base", "overlays/gpu", "overlays/gpu-tp2", "overlays/cpu-dev")
 
 
 def find_kubectl() -> str | None:

@@ -317,6 +317,16 @@ def test_gpu_overlay_reads_the_model_from_a_read_only_claim(rendered):
     assert claim["claimName"] == "graphserve-models" and claim.get("readOnly") is True
 
 
+def test_gpu_tp2_overlay_splits_one_model_across_two_gpus_of_a_pod(rendered):
+    docs = rendered["overlays/gpu-tp2"]
+    c = container(docs)
+    assert str(c["resources"]["requests"]["nvidia.com/gpu"]) == str(c["resources"]["limits"]["nvidia.com/gpu"]) == "2"
+    f = flags(docs)
+    assert f["--tensor-parallel-size"] == "2"
+    assert (f["--device"], f["--dtype"], f["--model"]) == ("cuda", "bfloat16", "/models/Llama-3.1-8B-Instruct")
+    assert mount_for(docs, f["--model"])["readOnly"] is True
+
+
 def test_cpu_dev_overlay_has_no_gpu(rendered):
     docs = rendered["overlays/cpu-dev"]
     c = container(docs)

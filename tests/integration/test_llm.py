@@ -15,6 +15,7 @@ import pytest
 from service import LLM, SamplingParams
 from service.chat import ChatError
 from service.config import ConfigError, load_config
+from service.model.spec import ModelLoadError
 from service.proto import inference_pb2
 from tests.support.server import ServerThread, generate, greedy
 
@@ -132,8 +133,9 @@ def test_graph_cache_state_is_the_admin_view(llm: LLM) -> None:
 def test_the_seeds_snippets_run_as_written(model_cache_dir, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setenv("XDG_CACHE_HOME", str(model_cache_dir.parent))  # where builtin models are generated
     model = "builtin:tiny"
-    # Tensor parallelism does not exist yet: the seed's first line says so clearly.
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size=4: tensor parallelism is not available yet"):
+    # The seed's first line asks for 4 ranks: the tiny model's 2 KV heads do not split 4 ways, which is
+    # said before any rank starts.
+    with pytest.raises(ModelLoadError, match="num_key_value_heads 2 does not divide by tensor_parallel_size 4"):
         LLM(model=model, tensor_parallel_size=4, cudagraph_mode="FULL", cudagraph_capture_sizes=[64, 128, 256])
     llm = LLM(model=model, tensor_parallel_size=1, cudagraph_mode="FULL", cudagraph_capture_sizes=[64, 128, 256])
     sampling_params = SamplingParams(temperature=0.8, max_tokens=50)

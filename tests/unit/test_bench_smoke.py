@@ -56,3 +56,13 @@ def test_lora_bench(tmp_path: pathlib.Path) -> None:
     assert [r["batch"] for r in record["rows"]] == [1, 2]
     assert all({"base_ms", "stacked_ms", "gather_ms", "stacked_ratio", "gather_ratio"} <= r.keys() for r in record["rows"])
     assert record["load"]["streams"] == 2 and record["load"]["step_gap_max_during_ms"] > 0
+
+
+def test_tp_decode_bench(tmp_path: pathlib.Path) -> None:
+    record = _run("tp_decode_bench.py", [
+        "--model", "builtin:tiny", "--device", "cpu", "--tp-sizes", "1,2", "--batches", "1,2", "--context", "8",
+        "--iters", "2", "--warmup", "1"], tmp_path)
+    rows = record["rows"]
+    assert [(r["tp"], r["batch"]) for r in rows] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert all(r["eager_ms"] > 0 for r in rows)
+    assert rows[2]["eager_vs_tp1"] > 0

@@ -118,7 +118,7 @@ def test_tiny_greedy_completion_is_varied(tiny_cache: pathlib.Path):
 
 
 def test_unknown_name_lists_known(tmp_path: pathlib.Path):
-    with pytest.raises(ModelLoadError, match="known: llama-1b, tiny"):
+    with pytest.raises(ModelLoadError, match="known: llama-1b, llama-8b, tiny"):
         ensure_builtin("nope", tmp_path)
     with pytest.raises(ModelLoadError, match="unknown builtin model 'nope'"):
         load_model("builtin:nope", CPU, torch.float32, cache_dir=tmp_path)

@@ -1,0 +1,255 @@
+"""Tensor parallelism across processes: rank 0 runs the engine, ranks 1..N-1 follow its steps.
+
+Rank 0 is the process that builds the engine (the engine process, or the caller of service.llm.LLM):
+it schedules, samples and publishes. It starts one process per other rank (`python -m
+service.engine.ranks`, the config on stdin), and every rank joins one torch.distributed group:
+NCCL on CUDA (rank r on cuda:r), gloo on the CPU. Per step rank 0 sends the step's inputs (token
+ids, positions, KV slots, prompt chunks, the rows to feed back from the previous step) to the
+others with one broadcast of a fixed-size int64 buffer over a gloo group of its own (host memory,
+so no rank syncs its device to read it); every rank then runs the same runner forward, whose
+collectives (service.model.parallel) meet in the same order; rank 0 samples and broadcasts the
+tokens, which the next step may feed back on the device.
+
+A rank that dies ends the engine: rank 0 watches the other processes and fails its next step (the
+engine then fails every stream and the server exits as on any engine failure); collectives with a
+dead peer raise (gloo) or time out; a rank whose rank 0 is gone exits.
+
+CUDA graphs stay off with N > 1 for now (every rank would have to capture, replay and evict the
+same sizes in the same order): TP steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pathlib
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+import torch
+
+from service.engine.step_channel import StepChannel, StepInputs
+from service.model.parallel import TensorParallel
+
+log = structlog.get_logger("graphserve.ranks")
+
+# Collectives of a step are quick; a peer that is alive but stuck fails the step after this long.
+# Loading is included (the first collective waits for every rank's load).
+_COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+# The step channel waits for the next step however long the server is idle.
+_IDLE_TIMEOUT = datetime.timedelta(days=3650)
+_WATCH_INTERVAL_S = 0.2
+
+
+class RankDied(RuntimeError):
+    """A tensor-parallel rank's process exited: the engine cannot run another step."""
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r's device: cuda:r on CUDA (the visible GPUs in order), the CPU otherwise."""
+    if device.type != "cuda":
+        return device
+    torch.cuda.set_device(rank)
+    return torch.device("cuda", rank)
+
+
+def join_group(rank: int, world_size: int, port: int, device: torch.device,
+               store: Any = None) -> tuple[TensorParallel, Any]:
+    """Joins the process group (rank 0 hosts the store on `port`, or passes one it already hosts); returns this rank's
+    TensorParallel (the model's collectives) and the gloo group of the step channel."""
+    import torch.distributed as dist
+
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=_COLLECTIVE_TIMEOUT)
+        store.set(_joined_key(rank), "1")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=_COLLECTIVE_TIMEOUT,
+                            **kwargs)
+    channel_group = dist.new_group(list(range(world_size)), backend="gloo", timeout=_IDLE_TIMEOUT)
+    return TensorParallel(rank, world_size, dist.group.WORLD), channel_group
+
+
+class Ranks:
+    """Rank 0's side: the other ranks' processes, the step channel, and a watch on their lives."""
+
+    def __init__(self, procs: list[subprocess.Popen], channel: StepChannel, store: Any) -> None:
+        self.procs = procs
+        self.channel = channel
+        self.store = store  # rank 0 hosts the group's store: it lives as long as the group
+        self.dead: str | None = None  # which rank died and how, once one has
+        self.on_death: Callable[[], None] | None = None  # e.g. wake the engine so it fails now
+        self._closing = False
+        self._watch = threading.Thread(target=self._watch_loop, name="graphserve-ranks-watch", daemon=True)
+        self._watch.start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def send(self, inputs: StepInputs) -> None:
+        self.check()
+        self.channel.send(inputs)
+
+    def check(self) -> None:
+        """Raises RankDied once any other rank's process has exited."""
+        if self.dead is not None:
+            raise RankDied(self.dead)
+
+    def explain(self, exc: BaseException, wait_s: float = 1.0) -> BaseException:
+        """The error a failed step reports: RankDied when a rank's exit caused it (a collective
+        with a dead peer fails as soon as its connection closes, maybe before the exit is reaped,
+        so this waits up to wait_s for it), else exc."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, p in enumerate(self.procs, start=1):
+                if p.poll() is not None:
+                    return RankDied(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.returncode}")
+            if time.monotonic() > deadline:
+                return exc
+            time.sleep(0.02)
+
+    def _watch_loop(self) -> None:
+        while not self._closing:
+            for rank, p in enumerate(self.procs, start=1):
+                code = p.poll()
+                if code is not None and not self._closing:
+                    self.dead = f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {code}"
+                    log.error("rank_died", rank=rank, pid=p.pid, exit_code=code)
+                    if self.on_death is not None:
+                        self.on_death()
+                    return
+            time.sleep(_WATCH_INTERVAL_S)
+
+    def close(self, send_stop: bool, timeout: float = 10.0) -> None:
+        """Stop the other ranks (a stop message when the channel is free, else a kill) and leave the group."""
+        import torch.distributed as dist
+
+        self._closing = True
+        if not send_stop:  # a rank may be waiting in a collective that will never complete
+            for p in self.procs:
+                p.kill()
+        elif self.dead is None:
+            try:
+                self.channel.send(None)
+            except Exception as exc:  # noqa: BLE001 - a rank died meanwhile: kill below
+                log.warning("rank_stop_failed", error=repr(exc))
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("rank_kill", pid=p.pid, reason=f"did not stop within {timeout} s")
+                p.kill()
+                p.wait(5)
+        if dist.is_initialized() and self.dead is None and send_stop:
+            dist.destroy_process_group()
+
+
+def start_ranks(c: Any, device: torch.device) -> tuple[Ranks, TensorParallel, torch.device]:
+    """Rank 0: start ranks 1..N-1 for config `c` and join the group with them. Returns the ranks,
+    rank 0's TensorParallel and its device."""
+    import torch.distributed as dist
+
+    n = c.tensor_parallel_size
+    if device.type == "cuda" and torch.cuda.device_count() < n:
+        raise RuntimeError(f"--tensor-parallel-size {n} needs {n} GPUs; {torch.cuda.device_count()} are visible")
+    device = rank_device(device, 0)
+    store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, timeout=_COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    payload = pickle.dumps((c, str(device.type)))
+    procs = []
+    for rank in range(1, n):
+        p = subprocess.Popen([sys.executable, "-m", "service.engine.ranks", str(rank), str(n), str(store.port),
+                              str(os.getpid())], stdin=subprocess.PIPE, env=env, cwd=root)
+        assert p.stdin is not None
+        with contextlib.suppress(BrokenPipeError):  # it exited already: _wait_for_ranks says so
+            p.stdin.write(payload)
+        with contextlib.suppress(BrokenPipeError):  # closes the pipe even when the flush fails
+            p.stdin.close()
+        procs.append(p)
+    log.info("ranks_started", world_size=n, pids=[p.pid for p in procs], port=store.port)
+    try:
+        _wait_for_ranks(store, procs)
+        tp, channel_group = join_group(0, n, store.port, device, store=store)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    channel = StepChannel(channel_group, StepInputs.capacity(c.max_running_seqs, c.max_num_batched_tokens))
+    return Ranks(procs, channel, store), tp, device
+
+
+def _wait_for_ranks(store: Any, procs: list[subprocess.Popen]) -> None:
+    """Until every other rank has reached the store: a rank that exits first (a broken install, no
+    such device) fails the start at once, instead of init_process_group waiting out its timeout."""
+    keys = [_joined_key(rank) for rank in range(1, len(procs) + 1)]
+    deadline = time.monotonic() + _COLLECTIVE_TIMEOUT.total_seconds()
+    while not store.check(keys):
+        for rank, p in enumerate(procs, start=1):
+            if p.poll() is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} exited with code {p.returncode} while starting; "
+                                   "see its log above")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel ranks did not start within {_COLLECTIVE_TIMEOUT}")
+        time.sleep(0.05)
+
+
+def _joined_key(rank: int) -> str:
+    return f"graphserve/rank{rank}/started"
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def follow(rank: int, world_size: int, port: int, c: Any, device_type: str) -> None:
+    """Ranks > 0: join the group, load this rank's shards, then run rank 0's steps until it stops."""
+    from service.engine.builder import build_runner
+
+    device = rank_device(torch.device(device_type), rank)
+    tp, channel_group = join_group(rank, world_size, port, device)
+    lr = build_runner(c, device, tp, follower=True)
+    runner = lr.runner
+    channel = StepChannel(channel_group, StepInputs.capacity(c.max_running_seqs, c.max_num_batched_tokens))
+    log.info("rank_ready", rank=rank, device=str(device))
+    previous = torch.zeros(0, dtype=torch.long, device=device)
+    with torch.inference_mode():
+        while (inputs := channel.recv()) is not None:
+            runner.forward(inputs, previous)
+            if inputs.num_sampling:
+                previous = tp.broadcast(torch.empty(inputs.num_sampling, dtype=torch.long, device=device))
+    log.info("rank_stopped", rank=rank)
+
+
+def main(argv: list[str]) -> None:
+    import signal
+
+    rank, world_size, port, parent_pid = (int(a) for a in argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 owns the shutdown
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    c, device_type = pickle.loads(sys.stdin.buffer.read())
+    from service.telemetry.log import configure_logging
+
+    configure_logging(c.log_format, c.log_level)
+    try:
+        follow(rank, world_size, port, c, device_type)
+    except BaseException as exc:  # noqa: BLE001 - rank 0 sees the exit and fails its engine
+        log.error("rank_failed", rank=rank, error=repr(exc))
+        os._exit(1)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
