@@ -306,7 +306,7 @@ def test_gpu_overlay_requests_a_gpu(rendered):
     assert any(t["key"] == "nvidia.com/gpu" for t in tolerations)
     assert pod_spec(docs)["nodeSelector"]
     f = flags(docs)
-    assert (f["--device"], f["--dtype"], f["--cudagraph-mode"]) == ("cuda", "bfloat16", "full")
+    assert (f["--device"], f["--dtype"], f["--cudagraph-mode"]) == ("cuda", "bfloat16", "full_and_piecewise")
 
 
 def test_gpu_overlay_reads_the_model_from_a_read_only_claim(rendered):
