@@ -136,6 +136,14 @@ class GraphCache:
     def graphs_enabled(self) -> bool:
         return self.mode is not CudaGraphMode.NONE
 
+    def share_budget_with(self, other: GraphCache) -> None:
+        """Both caches under one budget: each counts what the other holds and has reserved, so that
+        together they never exceed it (each evicts only its own graphs). Both must be driven by one
+        engine thread."""
+        mine, theirs = self.residency, other.residency
+        mine.shared_bytes = lambda: theirs.used_bytes + theirs.reserved_bytes
+        theirs.shared_bytes = lambda: mine.used_bytes + mine.reserved_bytes
+
     def serves(self, kind: CudaGraphMode) -> bool:
         """Whether steps of this kind (FULL: uniform decode; PIECEWISE: any step) can replay graphs."""
         return kind in self.mode.kinds

@@ -70,6 +70,8 @@ class Residency:
         self.unreclaimed_bytes = 0
         self.releasing_bytes = 0  # evicted graphs not yet released by the capture thread
         self.pending: dict[BatchDescriptor, CaptureJob] = {}  # submitted, not yet committed
+        # Bytes another cache under the same budget holds or has reserved (GraphCache.share_budget_with).
+        self.shared_bytes: Callable[[], int] = lambda: 0
 
     def larger_captured(self, key: BatchDescriptor) -> BatchDescriptor | None:
         larger = [k for k, b in self.buckets.items()
@@ -81,6 +83,11 @@ class Residency:
         """Device memory the graphs hold now: live, being released, and never given back."""
         held = sum(b.graph.nbytes for b in self.buckets.values() if b.graph is not None)
         return held + self.unreclaimed_bytes + self.releasing_bytes
+
+    @property
+    def committed_bytes(self) -> int:
+        """What budget decisions count: used and reserved here, and what a sharing cache holds."""
+        return self.used_bytes + self.reserved_bytes + self.shared_bytes()
 
     @property
     def reserved_bytes(self) -> int:
@@ -129,12 +136,12 @@ class Residency:
         b = self.buckets[key]
         now = self._clock()
         estimate = estimate_bytes(key.padded_size, self.stats.measured_bytes(key.mode))
-        need = self.used_bytes + self.reserved_bytes + estimate - self.budget_bytes
+        need = self.committed_bytes + estimate - self.budget_bytes
         if need > 0:
             victims = self._victims_for(b, estimate, need, protect, evict, now)
             if victims is None:
                 return OpOutcome.OVER_BUDGET, (
-                    f"needs about {estimate} bytes; {self.used_bytes + self.reserved_bytes} of "
+                    f"needs about {estimate} bytes; {self.committed_bytes} of "
                     f"{self.budget_bytes} used or reserved and nothing evictable frees enough"
                 )
             for v in victims:
@@ -166,7 +173,7 @@ class Residency:
         graph = job.graph
         self.stats.capture(key, graph.nbytes, graph.capture_ms)
         protect = set(job.protect) | {key} | ({in_use} if in_use is not None else set())
-        over = self.used_bytes + self.reserved_bytes + graph.nbytes - self.budget_bytes
+        over = self.committed_bytes + graph.nbytes - self.budget_bytes
         if over > 0:
             victims = self._victims_for(b, graph.nbytes, over, protect, job.evict, now)
             if victims is None:

@@ -82,6 +82,7 @@ class ModelRunner:
             lora_fingerprint = dataclasses.replace(fingerprint, model=f"{loaded.name}+lora:{max_loras}x{max_lora_rank}")
             self.lora_graphs = GraphCache(self.lora_step, lora_config, self.device, lora_fingerprint, graph_backend,
                                           piecewise_step=self.lora_piecewise)
+            self.graphs.share_budget_with(self.lora_graphs)  # one --graph-memory-budget for both
         # Sampled tokens come back through pinned buffers; waiting on an event (which releases the
         # GIL) instead of a blocking copy lets other threads run while the GPU works.
         on_cuda = self.device.type == "cuda"

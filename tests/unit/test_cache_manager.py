@@ -456,3 +456,23 @@ def test_full_and_piecewise_entries_share_one_budget_and_evict_each_other():
         cache.capture([3], "piecewise")
     assert cache.evict([16], "piecewise")[16].outcome is OpOutcome.EVICTED
     cache.close()
+
+
+def test_two_caches_sharing_a_budget_never_exceed_it_together():
+    """The base and LoRA caches: each counts what the other holds, so their graphs together stay
+    within the one budget; each evicts only its own graphs."""
+    a, _, fake_a, _ = make(budget=8000, bytes_for=lambda s: 3000)
+    b, _, fake_b, _ = make(budget=8000, bytes_for=lambda s: 3000)
+    a.share_budget_with(b)
+    run_settled(a, 1)
+    run_settled(a, 2)  # 6000 held by a
+    run_settled(b, 1)  # b measures 3000 more: 9000 > 8000 and a's graphs are not b's to evict: dropped
+    assert fake_b.captured == [1] and fake_b.live_bytes == 0
+    assert b.snapshot().requested_detail[0].eager_fallbacks == {"capturing": 1}
+    run_settled(b, 1)  # now estimated at 3000 from its own measurement: not attempted
+    assert fake_b.captured == [1] and fake_a.live_bytes + fake_b.live_bytes <= 8000
+    a.evict([1, 2])
+    run_settled(b, 1)
+    assert fake_b.live_bytes == 3000 and fake_a.live_bytes + fake_b.live_bytes <= 8000
+    a.close()
+    b.close()
