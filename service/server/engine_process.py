@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import multiprocessing
+import multiprocessing.connection
 import pathlib
 import threading
 import time
@@ -230,12 +231,13 @@ class EngineProcess:
             self.process.join(5)
             self._ops.shutdown(wait=False, cancel_futures=True)
             return True
-        self.process.join(timeout)
-        killed = self.process.is_alive()
+        # The sentinel, not is_alive(): another thread's is_alive() may reap the process first, and
+        # then a racing is_alive() here reports a process that has exited as alive.
+        killed = not multiprocessing.connection.wait([self.process.sentinel], timeout)
         if killed:
             log.warning("engine_process_kill", reason=f"did not stop within {timeout:g} s (--engine-stop-timeout)")
             self.process.kill()
-            self.process.join(5)
+        self.process.join(5)
         self._exited.wait(5)  # the loop has read the last events
         self._ops.shutdown(wait=False, cancel_futures=True)
         if not killed and not self.stats_saved:
