@@ -69,7 +69,6 @@ class Capturer:
         self._done: collections.deque[Job] = collections.deque()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.running: Job | None = None  # the job on the thread now (read by tests and state)
 
     def submit(self, job: Job) -> None:
         assert not self._closed, "submit after close"
@@ -113,9 +112,7 @@ class Capturer:
             if self._closed and isinstance(job, CaptureJob):
                 job.cancelled = True
             else:
-                self.running = job
                 self._run(job, bind_error)
-                self.running = None
             self._done.append(job)
             if self.notify is not None:
                 try:

@@ -148,10 +148,6 @@ class GraphCache:
         """Whether steps of this kind (FULL: uniform decode; PIECEWISE: any step) can replay graphs."""
         return kind in self.mode.kinds
 
-    @property
-    def captures_pending(self) -> int:
-        return len(self.residency.pending)
-
     def descriptor(self, n: int, kind: CudaGraphMode = FULL) -> BatchDescriptor | None:
         """The key of the graph that would serve n rows (FULL) or tokens (PIECEWISE); None: eager
         above the largest size."""

@@ -31,6 +31,14 @@ class Segments:
     between: list[Callable[[], None]]
     output: Callable[[], torch.Tensor]
 
+    def run(self) -> torch.Tensor:
+        """Eagerly, in the order a replay runs them: piece 0, attention 0, piece 1, ..."""
+        for i, piece in enumerate(self.pieces):
+            piece()
+            if i < len(self.between):
+                self.between[i]()
+        return self.output()
+
 
 class PiecewiseStep:
     def __init__(self, pieces: PiecewiseForward, kv: KVCache, max_tokens: int, device: torch.device) -> None:
@@ -72,24 +80,14 @@ class PiecewiseStep:
     def run(self, size: int) -> torch.Tensor:
         """Eager: the final normed hidden states [size, hidden] of rows [0, size) of the static inputs."""
         assert self.batch is not None, "write() a step before running it"
-        segments = self._segments(size, self.input_ids, self.positions, self.slot_ids, self.attn_out, self.batch)
-        for i, piece in enumerate(segments.pieces):
-            piece()
-            if i < len(segments.between):
-                segments.between[i]()
-        return segments.output()
+        return self._segments(size, self.input_ids, self.positions, self.slot_ids, self.attn_out, self.batch).run()
 
     def run_scratch(self, size: int) -> torch.Tensor:
         """Like `run`, on private inputs that write only the scratch slot (the capture warm-up)."""
         ids, positions, slots, out = (t[:size] for t in self._scratch)
         meta = AttentionMetadata(num_decodes=size, prompts=[], contexts=[], num_tokens=size)
         batch = StepBatch(ids, positions, slots, torch.arange(size, device=self.device), meta)
-        segments = self._segments(size, *self._scratch[:3], self._scratch[3], batch)
-        for i, piece in enumerate(segments.pieces):
-            piece()
-            if i < len(segments.between):
-                segments.between[i]()
-        return segments.output()
+        return self._segments(size, *self._scratch[:3], self._scratch[3], batch).run()
 
     def segments(self, size: int) -> Segments:
         """The pieces of a `size`-token bucket over the serving buffers, for capture: attention

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 import time
 
@@ -13,6 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from service.proto import inference_pb2, inference_pb2_grpc
+from tests.support.process import kill_mid_stream
 from tests.support.server import generate, greedy
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -109,18 +108,10 @@ def test_a_killed_engine_process_fails_streams_and_the_server_exits_nonzero(proc
     proc = process_factory()
     proc.wait_for_health(SERVING)
     loaded = next(json.loads(line) for line in proc.log_text().splitlines() if '"model_loaded"' in line)
-    engine_pid = loaded["engine_pid"]
-    stub = inference_pb2_grpc.InferenceStub(proc.channel)
-    call = stub.Generate(inference_pb2.GenerateRequest(**greedy("Once upon a time", 2000)), timeout=60)
-    next(iter(call))  # streaming
-    os.kill(engine_pid, signal.SIGKILL)
-    started = time.monotonic()
-    with pytest.raises(grpc.RpcError) as info:
-        for _ in call:
-            pass
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "engine process exited" in info.value.details()
-    assert time.monotonic() - started < 10
+    error, seconds = kill_mid_stream(proc.channel, loaded["engine_pid"])
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "engine process exited" in error.details()
+    assert seconds < 10
     assert proc.wait(60) == 1
     assert "engine_dead" in proc.log_text()
 

@@ -64,3 +64,22 @@ class ServerProcess:
         self.channel.close()
         if self._log is not subprocess.DEVNULL:
             self._log.close()
+
+
+def kill_mid_stream(channel: grpc.Channel, pid: int) -> tuple[grpc.RpcError, float]:
+    """Start a long greedy stream, SIGKILL `pid` once tokens flow, read the stream to its end; returns
+    the error it ended with and the seconds from the kill to that end."""
+    from service.proto import inference_pb2, inference_pb2_grpc
+    from tests.support.server import greedy
+
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    call = stub.Generate(inference_pb2.GenerateRequest(**greedy("Once upon a time", 2000)), timeout=60)
+    next(iter(call))  # streaming
+    os.kill(pid, signal.SIGKILL)
+    started = time.monotonic()
+    try:
+        for _ in call:
+            pass
+    except grpc.RpcError as exc:
+        return exc, time.monotonic() - started
+    raise AssertionError("the stream ended normally after the kill")
