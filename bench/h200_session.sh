@@ -4,6 +4,9 @@
 #   bash bench/h200_session.sh tests    # the GPU test suite
 #   bash bench/h200_session.sh stall prefill decode  # capture stalls, prefill (piecewise vs eager), decode steps
 #   bash bench/h200_session.sh serve    # through gRPC: first-token latency, cold ramps, ITL by mode
+#   bash bench/h200_session.sh lora     # LoRA: GPU tests, the integration tests on cuda, the step and load bench
+#   bash bench/h200_session.sh tp tp-serve  # two GPUs: TP tests, the TP decode step, 64 streams at TP=1 and 2
+#   bash bench/h200_session.sh profile  # the decode step's kernel budget
 set -uo pipefail
 OUT=${OUT:-bench/results/h200-$(date -u +%Y%m%dT%H%MZ)}
 mkdir -p "$OUT"
@@ -23,5 +26,18 @@ for part in "$@"; do
       run cold-16x512 100 $S --concurrency 16 --requests 16 --prompt-tokens 512 --output-tokens 8
       run ramp64-fp 150 $S --concurrency 64 --requests 192 --prompt-tokens 128 --output-tokens 64 --client-procs 4
       run ramp64-full 150 $S --concurrency 64 --requests 192 --prompt-tokens 128 --output-tokens 64 --client-procs 4 --server-args "--cudagraph-mode full" ;;
+    lora)
+      TAIL=8 run lora-gpu-tests 240 python3 -m pytest -q -m gpu tests/gpu/test_lora_gpu.py -p no:cacheprovider --timeout 120
+      TAIL=8 GRAPHSERVE_TEST_ARGS="--device cuda --dtype bfloat16" run lora-integration 300 \
+        python3 -m pytest -q tests/integration/test_lora.py -p no:cacheprovider --timeout 150
+      run lora-bench 300 python3 bench/lora_bench.py $M --random-init ;;
+    tp)
+      TAIL=8 run tp-gpu-tests 300 python3 -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py -p no:cacheprovider --timeout 240
+      run tp-decode 300 python3 bench/tp_decode_bench.py --model builtin:llama-8b --tp-sizes 1,2 --batches 1,64 ;;
+    tp-serve)
+      S="python3 bench/serve_bench.py --model builtin:llama-8b --device cuda --dtype bfloat16 --skip-engine --concurrency 64 --requests 192 --output-tokens 64 --client-procs 4"
+      run serve-8b-tp1 280 $S --tensor-parallel-size 1
+      run serve-8b-tp2 280 $S --tensor-parallel-size 2 ;;
+    profile) run decode-profile 150 python3 bench/profile_decode.py $M --random-init --batches 1,8,64,256 ;;
   esac
 done
