@@ -27,8 +27,8 @@ for part in "$@"; do
       run ramp64-fp 150 $S --concurrency 64 --requests 192 --prompt-tokens 128 --output-tokens 64 --client-procs 4
       run ramp64-full 150 $S --concurrency 64 --requests 192 --prompt-tokens 128 --output-tokens 64 --client-procs 4 --server-args "--cudagraph-mode full" ;;
     lora)
-      TAIL=8 run lora-gpu-tests 240 python3 -m pytest -q -m gpu tests/gpu/test_lora_gpu.py -p no:cacheprovider --timeout 120
-      TAIL=8 GRAPHSERVE_TEST_ARGS="--device cuda --dtype bfloat16" run lora-integration 300 \
+      TAIL=8 run lora-gpu-tests 240 python3 -m pytest -q -m gpu tests/gpu/test_lora_gpu.py tests/gpu/test_graph_cache.py::test_two_caches_on_one_device_capture_at_once -p no:cacheprovider --timeout 120
+      TAIL=8 GRAPHSERVE_TEST_ARGS="--device cuda --dtype float32" run lora-integration 300 \
         python3 -m pytest -q tests/integration/test_lora.py -p no:cacheprovider --timeout 150
       run lora-bench 300 python3 bench/lora_bench.py $M --random-init ;;
     tp)

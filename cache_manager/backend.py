@@ -7,6 +7,7 @@ chosen sizes, so budget and eviction decisions are tested without a GPU.
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from typing import Protocol
 
@@ -87,6 +88,18 @@ class CudaGraph:
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_DEVICE_LOCKS: dict[int, threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def _device_lock(device: torch.device) -> threading.Lock:
+    """One lock per device for every backend in the process (the base and the LoRA graph caches each
+    run a capture thread): captures share the side stream and the scratch inputs, and a capture's
+    bytes are a free-memory drop that another capture at the same time would blur. So captures and
+    releases on one device take turns; the engine thread never takes this lock."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _LOCKS_GUARD:
+        return _DEVICE_LOCKS.setdefault(index, threading.Lock())
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -187,6 +200,10 @@ class CudaGraphBackend:
     def capture(self, step: DecodeStep, size: int) -> CudaGraph | PiecewiseGraph:
         """A step with `segments` (PIECEWISE) is recorded piece by piece into one pool, attention
         left out; any other step as one graph."""
+        with _device_lock(self.device):
+            return self._capture(step, size)
+
+    def _capture(self, step: DecodeStep, size: int) -> CudaGraph | PiecewiseGraph:
         device = self.device
         stream = _side_stream(device)
         with torch.inference_mode(), torch.cuda.stream(stream):
@@ -231,6 +248,10 @@ class CudaGraphBackend:
         assert isinstance(graph, (CudaGraph, PiecewiseGraph))
         if after is not None:
             after.synchronize()  # the last replay (and the reads of its output) finished
+        with _device_lock(self.device):
+            return self._release(graph)
+
+    def _release(self, graph: CapturedGraph) -> int:
         pool = graph.pool
         before, free0 = pool_bytes(self.device, pool), torch.cuda.mem_get_info(self.device)[0]
         graph.drop()
@@ -241,5 +262,6 @@ class CudaGraphBackend:
         return max(pool_freed, min(torch.cuda.mem_get_info(self.device)[0] - free0, graph.nbytes), 0)
 
     def cleanup_after_failure(self) -> None:
-        _side_stream(self.device).synchronize()
-        torch.cuda.empty_cache()
+        with _device_lock(self.device):
+            _side_stream(self.device).synchronize()
+            torch.cuda.empty_cache()

@@ -242,18 +242,22 @@ class LoraProjection:
         tokens: LoraTokens | None = getattr(_local, "tokens", None)
         if tokens is None:
             return y
-        return y.add_(lora_delta(x, tokens, self.a, self.b, self.lora.kernel))
+        return add_lora(y, x, tokens, self.a, self.b, self.lora.kernel)
 
 
-def lora_delta(x: torch.Tensor, tokens: LoraTokens, a: torch.Tensor, b: torch.Tensor, kernel: str) -> torch.Tensor:
-    """x [N, in] -> [N, out]: row n gets (x[n] @ a[s]^T) @ b[:, s]^T with s = tokens.slots[n]."""
+def add_lora(y: torch.Tensor, x: torch.Tensor, tokens: LoraTokens, a: torch.Tensor, b: torch.Tensor,
+             kernel: str) -> torch.Tensor:
+    """y [N, out] += per-row LoRA of x [N, in], in place: row n gets (x[n] @ a[s]^T) @ b[:, s]^T with
+    s = tokens.slots[n]. "stacked" is three kernels (shrink against every slot, the slot mask, and
+    the expand accumulated into y by the GEMM itself)."""
     num_slots, rank, n_in = a.shape
     n = x.shape[0]
     if kernel == "gather":
         h = torch.bmm(a[tokens.slots], x[:, :, None])  # [N, R, 1]
-        return torch.bmm(b.permute(1, 0, 2)[tokens.slots], h)[:, :, 0]  # [N, out]
-    h = (x @ a.view(num_slots * rank, n_in).T).view(n, num_slots, rank) * tokens.mask[:, :, None]
-    return h.view(n, num_slots * rank) @ b.view(b.shape[0], num_slots * rank).T
+        return y.add_(torch.bmm(b.permute(1, 0, 2)[tokens.slots], h)[:, :, 0])
+    h = torch.mm(x, a.view(num_slots * rank, n_in).T).view(n, num_slots, rank)
+    h.mul_(tokens.mask[:, :, None])
+    return y.addmm_(h.view(n, num_slots * rank), b.view(b.shape[0], num_slots * rank).T)
 
 
 class LoraSlots:

@@ -412,3 +412,29 @@ def test_captures_beside_serving_steps_leave_their_outputs_and_kv_intact(model):
             assert rel_err(got, ref_step.run(n)) < 1e-2, n
     finally:
         cache.close()
+
+
+def test_two_caches_on_one_device_capture_at_once(model):
+    """Two graph caches (as the base and the LoRA cache of one server) each run a capture thread; their
+    captures share the device's side stream and take turns, so every size of both gets captured and
+    replays what eager gives."""
+    kv = new_kv()
+    steps = [new_step(model, kv), new_step(model, kv)]
+    caches = [new_cache(step) for step in steps]
+    try:
+        for cache in caches:  # both capture threads start before either is waited for
+            cache.capture_async([1, 2, 4, 8])
+        for cache in caches:
+            cache.wait_idle(timeout=120)
+        for cache in caches:
+            states = {b.size: b.state for b in cache.snapshot().buckets if b.size <= 8}
+            assert states == {n: BucketState.CAPTURED for n in (1, 2, 4, 8)}, states
+        tokens = prefill(model, kv, 3)
+        for step, cache in zip(steps, caches):
+            step.write_rows(tokens, [PROMPT_LEN] * 3, [0, 1, 2])
+            eager = step.run(3).clone()
+            step.write_rows(tokens, [PROMPT_LEN] * 3, [0, 1, 2])
+            assert rel_err(cache.run(3)[:3], eager) < 1e-2
+    finally:
+        for cache in caches:
+            cache.close()
