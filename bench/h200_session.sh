@@ -30,7 +30,7 @@ for part in "$@"; do
       TAIL=8 run lora-gpu-tests 240 python3 -m pytest -q -m gpu tests/gpu/test_lora_gpu.py tests/gpu/test_graph_cache.py::test_two_caches_on_one_device_capture_at_once -p no:cacheprovider --timeout 120
       TAIL=8 GRAPHSERVE_TEST_ARGS="--device cuda --dtype float32" run lora-integration 300 \
         python3 -m pytest -q tests/integration/test_lora.py -p no:cacheprovider --timeout 150
-      run lora-bench 300 python3 bench/lora_bench.py $M --random-init ;;
+      run lora-bench 300 python3 bench/lora_bench.py $M --random-init --watchdog-s 270 ;;
     tp)
       TAIL=8 run tp-gpu-tests 300 python3 -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py -p no:cacheprovider --timeout 240
       run tp-decode 300 python3 bench/tp_decode_bench.py --model builtin:llama-8b --tp-sizes 1,2 --batches 1,64 ;;

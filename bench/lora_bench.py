@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--no-load", action="store_true", help="skip the load-while-serving part")
     p.add_argument("--cache-dir", type=pathlib.Path, default=None)
+    p.add_argument("--watchdog-s", type=float, default=0.0, help="dump every thread's stack and exit after this long")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
     args.dtype = getattr(torch, args.dtype) if args.dtype else (
@@ -175,7 +176,10 @@ def bench_load(args: argparse.Namespace) -> list[dict]:
 
     for i in range(args.streams):
         engine.submit(request(i), sink)
+    deadline = time.monotonic() + 120
     while len(steps) < 300:  # every stream decoding, the warm captures committed
+        if engine.error is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the engine ran {len(steps)} steps; error: {engine.error!r}")
         time.sleep(0.01)
 
     def load_one(name: str, index: int) -> dict:
@@ -222,6 +226,10 @@ def bench_load(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.watchdog_s:  # a hung run prints every thread's stack instead of dying silently
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
     rows = bench_step(args)
     load = None if args.no_load else bench_load(args)
     summary = {"model": args.model, "dtype": str(args.dtype).removeprefix("torch."), "max_loras": args.max_loras,
