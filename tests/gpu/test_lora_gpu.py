@@ -85,9 +85,12 @@ def test_mixed_adapter_decode_graph_equals_eager_and_peft(adapters, kernel: str)
         assert _rel(eager[i], want) < 5e-2, f"row {i} (slot {slot})"  # bf16 against a float32 reference
         assert _rel(replayed[i], want) < 5e-2, f"row {i} (slot {slot}) replayed"
 
-    # Swapping the adapter of slot 3 needs no recapture: the same graph reads the new weights.
+    # Swapping the adapter of slot 3 needs no recapture: the same graph reads the new weights. Row 3's
+    # prompt is prefilled again with the new adapter (its KV was written with the old one).
     with torch.inference_mode():
         lora.load(3, read_adapter("swap", paths[3], loaded.spec, 8, pin=True, dtype=torch.bfloat16))
+        pieces.forward(build_step_batch([], [], [ChunkSpec(3, 0, len(PROMPTS[3]))], PROMPTS[3], kv.max_seq_len,
+                                        kv.scratch_slot, device, lora_slots=[SLOTS[3]] * len(PROMPTS[3])))
         base.write_rows(NEXT, [len(p) for p in PROMPTS], list(range(n)), lora_slots=SLOTS)
         step.set_padding_rows(n, 8)
         swapped = graph.replay()[3].clone()
