@@ -26,7 +26,8 @@ class CapturedGraph(Protocol):
 
 
 class GraphBackend(Protocol):
-    """Captures and releases graphs on the capture thread (capturer.py); `fence` runs on the engine thread.
+    """Captures and releases graphs on the capture thread (capturer.py; inline capture: on the engine
+    thread); `fence` runs on the engine thread.
 
     `capture` raises on failure (the cache turns that into back-off)."""
 
