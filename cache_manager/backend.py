@@ -27,7 +27,8 @@ class CapturedGraph(Protocol):
 
 
 class GraphBackend(Protocol):
-    """Captures and releases graphs on the capture thread (capturer.py); `fence` runs on the engine thread.
+    """Captures and releases graphs on the capture thread (capturer.py; inline capture: on the engine
+    thread); `fence` runs on the engine thread.
 
     `capture` raises on failure (the cache turns that into back-off)."""
 
@@ -183,13 +184,16 @@ class CudaGraphBackend:
       allocates beside it) and the driver's free-memory drop (which also sees the instantiated
       graph). A private pool is what makes eviction real: deleting one graph of a shared pool frees
       nothing until every graph of it is gone.
+    - `synchronize` (inline capture, tensor parallelism): the device finishes the steps queued before
+      the warm-up starts, so the warm-up's collectives never run beside a step's.
     """
 
-    def __init__(self, device: torch.device, warmup_iters: int = 1) -> None:
+    def __init__(self, device: torch.device, warmup_iters: int = 1, synchronize: bool = False) -> None:
         assert device.type == "cuda", device
         # An explicit index: the capture thread binds to it (a bare "cuda" means the current device here).
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.warmup_iters = warmup_iters
+        self.synchronize = synchronize
 
     def total_memory(self) -> int:
         return torch.cuda.get_device_properties(self.device).total_memory
@@ -206,6 +210,8 @@ class CudaGraphBackend:
     def _capture(self, step: DecodeStep, size: int) -> CudaGraph | PiecewiseGraph:
         device = self.device
         stream = _side_stream(device)
+        if self.synchronize:
+            torch.cuda.synchronize(device)
         with torch.inference_mode(), torch.cuda.stream(stream):
             for _ in range(self.warmup_iters):
                 step.run_scratch(size)

@@ -9,6 +9,12 @@ commits results between steps; this thread does the slow device work and reports
 Contract: `submit_*` and `take_done` are called by the engine thread only. Jobs run one at a time,
 in order. The engine thread is woken through `notify` when a job finishes so an idle engine commits
 it without waiting for traffic. The thread starts with the first job and is stopped by `close`.
+
+Inline (tensor parallelism): no thread. NCCL communicators are not thread-safe, and a capture's
+warm-up collectives beside the serving stream's could meet other ranks' collectives in another
+order and deadlock. Jobs wait in `queued` until the engine thread runs them with `run_queued`, at a
+step boundary, after rank 0 has told the other ranks to run the same ones (mirror.py); the engine
+thread stalls for the capture, and the stall is what the job reports (`stall_s`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 import structlog
 
 from cache_manager.backend import CapturedGraph, GraphBackend
+from cache_manager.mirror import CAPTURE, RELEASE, GraphOp
 from cache_manager.sizes import BatchDescriptor
 from cache_manager.step import DecodeStep
 
@@ -49,7 +56,7 @@ class CaptureJob:
 @dataclass
 class ReleaseJob:
     graph: CapturedGraph
-    key: str
+    key: BatchDescriptor
     reason: str
     after: Any = None  # the backend's fence: the graph's last replay is queued before it
     freed: int = 0  # measured when released
@@ -62,9 +69,12 @@ Job = CaptureJob | ReleaseJob
 class Capturer:
     """One background thread that runs capture and release jobs for the cache, in submission order."""
 
-    def __init__(self, backend: GraphBackend, notify: Callable[[], None] | None = None) -> None:
+    def __init__(self, backend: GraphBackend, notify: Callable[[], None] | None = None, inline: bool = False) -> None:
         self.backend = backend
         self.notify = notify
+        self.inline = inline
+        self.queued: list[Job] = []  # inline: submitted, not yet run
+        self._bound = False
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._done: collections.deque[Job] = collections.deque()
         self._thread: threading.Thread | None = None
@@ -72,6 +82,9 @@ class Capturer:
 
     def submit(self, job: Job) -> None:
         assert not self._closed, "submit after close"
+        if self.inline:
+            self.queued.append(job)
+            return
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="graphserve-capture", daemon=True)
             self._thread.start()
@@ -84,9 +97,36 @@ class Capturer:
             out.append(self._done.popleft())
         return out
 
+    def queued_ops(self) -> list[GraphOp]:
+        """Inline: what the queued jobs do, in order (what the other ranks must do at the same point)."""
+        return [GraphOp(CAPTURE if isinstance(job, CaptureJob) else RELEASE, job.key) for job in self.queued]
+
+    def run_queued(self) -> int:
+        """Inline: run the queued jobs on this thread, in order; `take_done` then has them. Returns how many."""
+        jobs, self.queued = self.queued, []
+        if jobs and not self._bound:
+            self.backend.bind_thread()
+            self._bound = True
+        for job in jobs:
+            started = time.perf_counter()
+            self._run(job, None)
+            if isinstance(job, CaptureJob):
+                job.stall_s += time.perf_counter() - started  # the engine thread waited for all of it
+            self._done.append(job)
+        return len(jobs)
+
     def close(self, timeout: float = 30.0) -> bool:
         """Stop after the job in hand (queued captures are not started); False if it did not end in time."""
         self._closed = True
+        if self.inline:  # queued releases run (no other rank waits on them); captures are cancelled
+            for job in self.queued:
+                if isinstance(job, CaptureJob):
+                    job.cancelled = True
+                else:
+                    self._run(job, None)
+                self._done.append(job)
+            self.queued = []
+            return True
         if self._thread is None:
             return True
         self._jobs.put(None)
@@ -136,5 +176,5 @@ class Capturer:
         try:
             job.freed = self.backend.release(job.graph, job.after)
         except Exception:  # noqa: BLE001 - the graph is dropped either way; its bytes count as unreclaimed
-            log.warning("graph_release_failed", bucket=job.key, exc_info=True)
+            log.warning("graph_release_failed", bucket=str(job.key), exc_info=True)
             job.freed = 0

@@ -22,6 +22,8 @@ class GraphCacheConfig:
     FULL graphs use those up to max_batch, PIECEWISE graphs those up to max_tokens. None means
     `default_capture_sizes(max_batch)` for FULL and `default_piecewise_sizes(max_tokens)` for PIECEWISE.
     max_tokens: the largest step in tokens (0: no piecewise graphs).
+    inline_capture: capture and release on the engine thread at step boundaries instead of on the
+    capture thread (tensor parallelism: every rank must run them at the same point; capturer.py).
     """
 
     mode: CudaGraphMode | str
@@ -37,6 +39,7 @@ class GraphCacheConfig:
     heat_half_life_s: float = 300.0  # decay of "recent replays" in the eviction score
     replay_log_interval_s: float = 60.0  # period of the graph_replay_totals log event
     max_tokens: int = 0
+    inline_capture: bool = False
     piecewise_sizes: tuple[int, ...] = field(default=(), init=False)  # derived: PIECEWISE token counts
 
     def __post_init__(self) -> None:

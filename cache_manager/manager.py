@@ -8,6 +8,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import structlog
 import torch
@@ -16,6 +17,7 @@ from cache_manager.backend import CudaGraphBackend, GraphBackend
 from cache_manager.budget import resolve_budget
 from cache_manager.capturer import CaptureJob
 from cache_manager.config import DEFAULT_BUDGET_FRACTION, GraphCacheConfig
+from cache_manager.mirror import GraphOp
 from cache_manager.ops import GraphsUnavailableError, OpOutcome, OpResult
 from cache_manager.recorder import StatsRecorder
 from cache_manager.residency import Residency
@@ -46,6 +48,12 @@ class GraphCache:
     traffic. Graphs run only in mode FULL on a CUDA device (or with an explicit backend, as tests
     do); otherwise every step is eager and only requested sizes are counted. `notify` (any thread)
     is called when the capture thread has a result to commit, so an idle engine can wake to `poll`.
+
+    `run` is `plan` (which graph, or eager; queue captures and evictions) then `execute`. With
+    `config.inline_capture` (tensor parallelism) captures and releases wait in a queue until the
+    engine thread runs them: rank 0 plans a step, sends the queued ops and the planned descriptor
+    with it (`queued_ops`), runs them (`run_queued`), then executes; `poll` first hands the queued
+    ops to `publish_ops` (the other ranks) and runs them, then commits.
     """
 
     def __init__(
@@ -85,7 +93,8 @@ class GraphCache:
         self.backend: GraphBackend | None = None
         budget_bytes = 0
         if self.graphs_enabled:
-            self.backend = backend if backend is not None else CudaGraphBackend(self.device)
+            self.backend = (backend if backend is not None
+                            else CudaGraphBackend(self.device, synchronize=config.inline_capture))
             budget_bytes = resolve_budget(
                 config.memory_budget, self.backend.total_memory(), DEFAULT_BUDGET_FRACTION
             )
@@ -107,7 +116,10 @@ class GraphCache:
             config.max_failure_backoff_s,
             notify=lambda: self.notify() if self.notify is not None else None,
             on_stall=lambda seconds: self.on_capture_stall(seconds) if self.on_capture_stall is not None else None,
+            inline=config.inline_capture,
         )
+        # Inline capture with other ranks: called with the queued ops just before `poll` runs them here.
+        self.publish_ops: Callable[[list[GraphOp]], None] | None = None
         # Both settable after construction: the engine that wakes and the metrics come later.
         self.notify = notify
         self.on_capture_stall = on_capture_stall
@@ -157,20 +169,32 @@ class GraphCache:
     def run(self, n: int, kind: CudaGraphMode = FULL) -> torch.Tensor:
         """Run the step of this kind over rows (FULL) or tokens (PIECEWISE) [0, n) of its static
         inputs: replayed from the smallest captured size >= n, or eager."""
+        return self.execute(self.plan(n, kind))
+
+    def plan(self, n: int, kind: CudaGraphMode = FULL) -> StepPlan:
+        """Decide how the step of n rows or tokens runs: the captured graph that replays it, or eager
+        and why. Commits finished captures first; may submit a capture and evictions."""
         step = self.steps[kind]
         if not 1 <= n <= step.max_batch:
             raise ValueError(f"{kind.value} step size {n} is outside [1, {step.max_batch}]")
         now = self._clock()
         requested = BatchDescriptor(kind, n)
         if not self.serves(kind):
-            return self._eager(requested, None, "mode_none", now)
-        self.poll()
+            return StepPlan(requested, None, None, "mode_none", now)
+        self._commit_done()
         key = self.descriptor(n, kind)
         if key is None:
-            return self._eager(requested, None, "above_max", now)
+            return StepPlan(requested, None, None, "above_max", now)
         target, reason = self._select(key, now)
+        return StepPlan(requested, key, target, reason, now)
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Run a planned step (before any other call into the cache)."""
+        requested, target, now = plan.requested, plan.target, plan.now
+        step, n = self.steps[requested.mode], requested.padded_size
         if target is None:
-            return self._eager(requested, key, reason, now)
+            self.stats.eager(requested, plan.bucket, plan.reason, now)
+            return step.run(n)
         b = self._buckets[target]
         if self.config.debug_check_addresses and step.input_addresses() != b.addresses:
             raise RuntimeError(
@@ -203,16 +227,35 @@ class GraphCache:
         larger = self.residency.larger_captured(key)
         return (larger, "") if larger is not None else (None, reason)
 
-    def _eager(
-        self, requested: BatchDescriptor, bucket: BatchDescriptor | None, reason: str, now: float
-    ) -> torch.Tensor:
-        self.stats.eager(requested, bucket, reason, now)
-        return self.steps[requested.mode].run(requested.padded_size)
-
     # ---- results from the capture thread --------------------------------------------------------
 
     def poll(self) -> int:
-        """Between steps: commit finished captures and account finished releases; returns how many."""
+        """Between steps: commit finished captures and account finished releases; returns how many.
+        Inline capture: first runs the queued captures and releases (after `publish_ops`), and again
+        for what the commits queued (evictions), until none is left."""
+        capturer = self.residency.capturer
+        if capturer is None or not capturer.inline:
+            return self._commit_done()
+        count = self._commit_done()  # what the last step ran (it travelled with the step)
+        while capturer.queued:
+            if self.publish_ops is not None:
+                self.publish_ops(capturer.queued_ops())
+            capturer.run_queued()
+            count += self._commit_done()
+        return count
+
+    def queued_ops(self) -> list[GraphOp]:
+        """Inline capture: the captures and releases waiting to run, in order (for the other ranks)."""
+        capturer = self.residency.capturer
+        return capturer.queued_ops() if capturer is not None else []
+
+    def run_queued(self) -> None:
+        """Inline capture: run the queued captures and releases now, on this thread; the next `poll`
+        or `plan` commits them."""
+        if self.residency.capturer is not None:
+            self.residency.capturer.run_queued()
+
+    def _commit_done(self) -> int:
         capturer = self.residency.capturer
         if capturer is None:
             return 0
@@ -409,6 +452,17 @@ class GraphCache:
                 stats_file=str(self.stats.store.path) if self.stats.store else None,
                 last_save_time=self.stats.last_save_time,
             )
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """How one step runs: `target`'s graph replays it, or (None) it runs eagerly for `reason`."""
+
+    requested: BatchDescriptor  # kind and real size n
+    bucket: BatchDescriptor | None  # the size n pads to; None above the largest
+    target: BatchDescriptor | None  # the graph replayed (the bucket's or a larger captured one)
+    reason: str  # why eager ("" when replayed)
+    now: float
 
 
 class _Results:

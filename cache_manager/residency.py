@@ -51,10 +51,11 @@ class Residency:
         max_backoff_s: float,
         notify: Callable[[], None] | None = None,
         on_stall: Callable[[float], None] | None = None,
+        inline: bool = False,
     ) -> None:
         self.steps = steps
         self.backend = backend
-        self.capturer = Capturer(backend, notify) if backend is not None else None
+        self.capturer = Capturer(backend, notify, inline) if backend is not None else None
         self.buckets = {key: Bucket(key) for key in (BatchDescriptor(k, s) for k, ss in sizes.items() for s in ss)}
         self.budget_bytes = budget_bytes
         self.stats = stats
@@ -179,7 +180,7 @@ class Residency:
             if victims is None:
                 with self._lock:
                     b.state = BucketState.EVICTED if job.prior_state is BucketState.EVICTED else BucketState.NOT_CAPTURED
-                self._release(graph, str(key), "dropped")
+                self._release(graph, key, "dropped")
                 log.info("graph_capture_dropped", bucket=str(key), bytes=graph.nbytes, used=self.used_bytes,
                          budget=self.budget_bytes)
                 return OpResult(OpOutcome.OVER_BUDGET, f"measured {graph.nbytes} bytes does not fit the budget; dropped")
@@ -188,7 +189,8 @@ class Residency:
         with self._lock:
             b.captured(graph, job.step.input_addresses())
         # What the engine thread spent on this capture: the request and this commit. The recording,
-        # warm-up and measurement ran on the capture thread (`ms` is the recording alone).
+        # warm-up and measurement ran on the capture thread (`ms` is the recording alone), or on the
+        # engine thread with inline capture (tensor parallelism), which then counts them too.
         stall_s = job.stall_s + time.perf_counter() - started
         if self.on_stall is not None:
             self.on_stall(stall_s)
@@ -219,11 +221,11 @@ class Residency:
         self.stats.eviction(key)
         if self.last_replayed == key:
             self.last_replayed = None
-        self._release(graph, str(key), reason, waiter)
+        self._release(graph, key, reason, waiter)
         return graph.nbytes
 
     def _release(
-        self, graph: CapturedGraph, key: str, reason: str, waiter: Callable[[OpResult], None] | None = None
+        self, graph: CapturedGraph, key: BatchDescriptor, reason: str, waiter: Callable[[OpResult], None] | None = None
     ) -> None:
         assert self.capturer is not None
         job = ReleaseJob(graph, key, reason, self.backend.fence())
@@ -241,7 +243,7 @@ class Residency:
             # A release can also free more than measured at capture (memory an earlier graph left behind).
             self.unreclaimed_bytes = max(0, self.unreclaimed_bytes + graph.nbytes - job.freed)
         if job.reason != "dropped":
-            log.info("graph_evicted", bucket=job.key, bytes=graph.nbytes, bytes_freed=job.freed, reason=job.reason)
+            log.info("graph_evicted", bucket=str(job.key), bytes=graph.nbytes, bytes_freed=job.freed, reason=job.reason)
         return OpResult(OpOutcome.EVICTED, f"evicted {job.key}; {job.freed} bytes returned", job.freed)
 
     def close(self, timeout: float) -> bool:

@@ -91,24 +91,24 @@ def load_runner(c: ServeConfig) -> LoadedRunner:
         if error is exc:
             raise
         raise error from exc
-    lr.runner.ranks = ranks
+    lr.runner.attach_ranks(ranks)
     return lr
 
 
 def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None = None,
                  follower: bool = False) -> LoadedRunner:
     """This rank's model (its shards with `tp`), runner and graph cache, warmed up. A follower rank
-    (tensor parallelism, rank > 0) keeps no stats and captures no graphs."""
+    (tensor parallelism, rank > 0) keeps no stats and decides nothing: its graphs mirror rank 0's."""
     dtype = resolve_dtype(c.dtype, device)
     loaded = load_model(c.model, device, dtype, c.model_cache_dir, tp=tp)
     max_seq_len = min(c.max_seq_len, loaded.spec.max_position_embeddings)
     mode = CudaGraphMode.parse(c.cudagraph_mode) if device.type == "cuda" else CudaGraphMode.NONE
-    if tp is not None and tp.world_size > 1 and mode is not CudaGraphMode.NONE:
-        # Every rank would have to capture, replay and evict the same sizes in the same order.
-        if not follower:
-            log.warning("tensor_parallel_graphs_off", world_size=tp.world_size,
-                        reason="CUDA graphs are not yet captured with tensor parallelism: steps run eagerly")
-        mode = CudaGraphMode.NONE
+    # Tensor parallelism: every rank captures, replays and releases the same graphs in the same
+    # order, as rank 0 decides; captures run on the engine thread (service/engine/ranks.py).
+    inline = tp is not None and tp.world_size > 1
+    if inline and mode is not CudaGraphMode.NONE and not follower:
+        log.info("tensor_parallel_graphs", world_size=tp.world_size, mode=mode.value, capture="inline",
+                 budget="per rank")
     largest = max(c.max_running_seqs, c.max_num_batched_tokens)
     graph_config = GraphCacheConfig(
         mode=mode,
@@ -117,11 +117,14 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
         max_tokens=c.max_num_batched_tokens,
         memory_budget=c.graph_memory_budget,
         stats_file=None if follower else c.stats_file,
-        warm_start=c.warm_start,
+        warm_start=c.warm_start and not follower,
+        inline_capture=inline,
     )
     runner = ModelRunner(loaded, c.max_running_seqs, max_seq_len, graph_config,
                          max_loras=c.lora_slots, max_lora_rank=c.max_lora_rank, lora_kernel=c.lora_kernel)
     runner.warmup()
+    if follower:
+        runner.follow_graphs()
     adapters = AdapterRegistry(c.lora_slots, runner.lora) if runner.lora is not None else None
     lr = LoadedRunner(loaded, runner, max_seq_len, mode, adapters)
     for name, path in c.lora_module_paths():  # a bad adapter fails the start, naming its file
@@ -135,7 +138,8 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
 def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
                observer: EngineObserver | None = None) -> Engine:
     """An engine (not started) over the runner; between steps it commits the graphs the capture
-    thread finished, warm-starts graphs and saves stats."""
+    thread finished (with inline capture: captures them, on every rank), warm-starts graphs and
+    saves stats."""
     caches = lr.runner.graph_caches
     ranks = lr.runner.ranks
 
@@ -144,7 +148,8 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
             ranks.check()  # a dead rank fails the engine even while it is idle
         for graphs in caches:
             graphs.poll()
-            graphs.warm_step()
+            if graphs.warm_step() and graphs.config.inline_capture:
+                graphs.poll()  # captured and committed now, at this step boundary
             graphs.maybe_save()
 
     scheduler = Scheduler(c.max_running_seqs, c.max_num_batched_tokens, adapters=lr.adapters)

@@ -10,12 +10,19 @@ so no rank syncs its device to read it); every rank then runs the same runner fo
 collectives (service.model.parallel) meet in the same order; rank 0 samples and broadcasts the
 tokens, which the next step may feed back on the device.
 
+CUDA graphs (the all-reduces captured inside) are per rank, and their collectives only meet when
+every rank captures, replays and releases the same graphs in the same order. Rank 0's graph cache
+decides everything (what to capture, evict, replay; the budget, which is per rank; the stats and
+the warm start) and the step's message carries it: the graph operations to run before the step,
+in order, and the graph the step replays. The other ranks follow with a GraphMirror
+(cache_manager/mirror.py). Captures run inline on every rank's engine thread, at the same point in
+the step sequence (NCCL communicators are not thread-safe, and a warm-up's collectives beside a
+step's could deadlock across ranks): the engine stalls for each capture, as `stall_ms` shows.
+Operations decided between steps (warm start, graphctl) go out in a message without a step.
+
 A rank that dies ends the engine: rank 0 watches the other processes and fails its next step (the
 engine then fails every stream and the server exits as on any engine failure); collectives with a
 dead peer raise (gloo) or time out; a rank whose rank 0 is gone exits.
-
-CUDA graphs stay off with N > 1 for now (every rank would have to capture, replay and evict the
-same sizes in the same order): TP steps run eagerly.
 """
 
 from __future__ import annotations
@@ -220,16 +227,24 @@ def follow(rank: int, world_size: int, port: int, c: Any, device_type: str) -> N
     device = rank_device(torch.device(device_type), rank)
     tp, channel_group = join_group(rank, world_size, port, device)
     lr = build_runner(c, device, tp, follower=True)
-    runner = lr.runner
     channel = StepChannel(channel_group, StepInputs.capacity(c.max_running_seqs, c.max_num_batched_tokens))
     log.info("rank_ready", rank=rank, device=str(device))
-    previous = torch.zeros(0, dtype=torch.long, device=device)
+    follow_steps(lr.runner, channel, tp)
+    log.info("rank_stopped", rank=rank)
+
+
+def follow_steps(runner: Any, channel: StepChannel, tp: TensorParallel) -> None:
+    """Ranks > 0: run rank 0's steps (and graph operations) with `runner` until it stops."""
+    assert runner.mirror is not None, "a follower's runner mirrors rank 0's graphs (follow_graphs)"
+    previous = torch.zeros(0, dtype=torch.long, device=runner.device)
     with torch.inference_mode():
         while (inputs := channel.recv()) is not None:
+            if not inputs.runs_forward:  # graph operations decided between steps
+                runner.mirror.apply(inputs.graph_ops)
+                continue
             runner.forward(inputs, previous)
             if inputs.num_sampling:
-                previous = tp.broadcast(torch.empty(inputs.num_sampling, dtype=torch.long, device=device))
-    log.info("rank_stopped", rank=rank)
+                previous = tp.broadcast(torch.empty(inputs.num_sampling, dtype=torch.long, device=runner.device))
 
 
 def main(argv: list[str]) -> None:

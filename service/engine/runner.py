@@ -5,7 +5,9 @@ It owns the KV cache, the static decode inputs and the graph cache, and turns a 
 uniform-decode step (every row one decode token) replays a full decode graph through the graph
 cache; a step with any prompt chunk runs the forward split at attention (service.model.pieces),
 replayed from piecewise graphs. With tensor parallelism rank 0 sends each step's inputs to the
-other ranks, which run the same `forward`. `launch` queues a step without waiting; `collect` is the step's one host sync
+other ranks, which run the same `forward`: rank 0's graph cache plans the step first, and the
+message carries its graph operations and the graph to replay, which the other ranks' mirrors
+(cache_manager/mirror.py) follow. `launch` queues a step without waiting; `collect` is the step's one host sync
 (the token ids coming back to the CPU). The engine launches step t+1 before it collects step t,
 so the host's work on step t overlaps the device's work on step t+1.
 """
@@ -19,7 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from cache_manager import Fingerprint, GraphBackend, GraphCache, GraphCacheConfig
-from cache_manager.sizes import FULL, PIECEWISE
+from cache_manager.manager import StepPlan
+from cache_manager.mirror import GraphMirror
+from cache_manager.sizes import FULL, PIECEWISE, CudaGraphMode
 from service.engine.decode_step import LoraDecodeStep, ModelDecodeStep
 from service.engine.piecewise_step import LoraPiecewiseStep, PiecewiseStep
 from service.engine.ranks import Ranks
@@ -44,6 +48,7 @@ class ModelRunner:
         self.device = loaded.device
         self.tp = loaded.model.tp
         self.ranks: Ranks | None = None  # the other tensor-parallel ranks (rank 0 only)
+        self.mirror: GraphMirror | None = None  # ranks > 0: the graphs rank 0's cache decides (follow_graphs)
         # The model's spec: with tensor parallelism, this rank's share of the KV heads.
         self.kv = KVCache(loaded.model.spec, max_running, max_seq_len, loaded.device, loaded.dtype)
         self.decode_step = ModelDecodeStep(loaded.model, self.kv, max_running, loaded.device)
@@ -91,6 +96,17 @@ class ModelRunner:
         self._turn = 0
         # The latest launch: each sequence's row in it and its sampled tokens (on device).
         self._previous: tuple[dict[str, int], torch.Tensor] = ({}, torch.zeros(0, dtype=torch.long))
+
+    def attach_ranks(self, ranks: Ranks) -> None:
+        """Rank 0 of N > 1: send every step (with its graph operations) to the other ranks; graph
+        operations decided between steps go to them in a message of their own."""
+        assert self.lora_graphs is None, "adapters are not served with tensor parallelism"
+        self.ranks = ranks
+        self.graphs.publish_ops = lambda ops: ranks.send(StepInputs.only_ops(ops))
+
+    def follow_graphs(self) -> None:
+        """Ranks > 0: hold the graphs rank 0's cache captures and releases; decide nothing."""
+        self.mirror = GraphMirror(self.graphs.steps, self.graphs.backend)
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -193,17 +209,21 @@ class ModelRunner:
         decode replays a FULL graph (the decode kernels, eagerly, without graphs); any other step,
         and a uniform decode when the mode keeps only PIECEWISE graphs, runs as pieces, replayed
         from PIECEWISE graphs when the mode has them. Rows with an adapter go to the LoRA cache.
-        Every tensor-parallel rank runs this for the same inputs (rank 0 sends them first)."""
-        if self.ranks is not None:
-            self.ranks.send(inputs)
+        Every tensor-parallel rank runs this for the same inputs (rank 0 plans its graphs, then sends
+        them)."""
         with_lora = inputs.lora_slots is not None
         graphs = self.lora_graphs if with_lora else self.graphs
         assert graphs is not None, "an adapter row on a server without adapter slots"
+        # A step with adapter rows replays the LoRA cache's pieces (captured with the LoRA products).
+        step = self.lora_piecewise if with_lora else self.piecewise_step
         pieces_only = graphs.serves(PIECEWISE) and not graphs.serves(FULL)
-        if not inputs.chunks and not pieces_only:
+        full = not inputs.chunks and not pieces_only
+        kind = FULL if full else PIECEWISE if step is not None and graphs.serves(PIECEWISE) else None
+        plan = self._share(graphs, inputs, kind)
+        if full:
             self.decode_step.write_rows(inputs.token_ids, inputs.positions, inputs.slots, inputs.pending_rows,
                                         previous_tokens, lora_slots=inputs.lora_slots)
-            return graphs.run(len(inputs.positions))
+            return self._run_graphs(graphs, FULL, len(inputs.positions), plan, inputs)
         batch = build_step_batch(
             inputs.positions,
             inputs.slots,
@@ -219,13 +239,36 @@ class ModelRunner:
             d = len(inputs.positions)
             from_previous = previous_tokens[batch.pending_rows.clamp(min=0)]
             batch.input_ids[:d] = torch.where(batch.pending_rows >= 0, from_previous, batch.input_ids[:d])
-        # A step with adapter rows replays the LoRA cache's pieces (captured with the LoRA products).
-        step = self.lora_piecewise if with_lora else self.piecewise_step
-        if step is not None and graphs.serves(PIECEWISE):
+        if kind is PIECEWISE:
             step.write(batch)
-            hidden = graphs.run(batch.size, PIECEWISE)  # replayed pieces, or eager above the largest
+            hidden = self._run_graphs(graphs, PIECEWISE, batch.size, plan, inputs)  # or eager above the largest
             return self.loaded.model.logits(hidden[batch.sample_rows])
         return self.pieces.forward(batch)
+
+    def _share(self, graphs: GraphCache, inputs: StepInputs, kind: CudaGraphMode | None) -> StepPlan | None:
+        """Tensor parallelism: every rank runs the same graph operations at this point, then replays
+        the same graph. Rank 0 plans the step (its cache decides), sends it with the queued ops and
+        the planned graph, and runs the ops; a follower runs the ops it received. One GPU: nothing."""
+        if self.ranks is None:
+            if self.mirror is not None:
+                self.mirror.apply(inputs.graph_ops)
+            return None
+        plan = None
+        if kind is not None:
+            plan = graphs.plan(len(inputs.positions) if kind is FULL else len(inputs.token_ids), kind)
+            inputs.replay = plan.target
+        inputs.graph_ops = graphs.queued_ops()
+        self.ranks.send(inputs)
+        graphs.run_queued()
+        return plan
+
+    def _run_graphs(self, graphs: GraphCache, kind: CudaGraphMode, n: int, plan: StepPlan | None,
+                    inputs: StepInputs) -> torch.Tensor:
+        if plan is not None:
+            return graphs.execute(plan)
+        if self.mirror is not None:
+            return self.mirror.run(inputs.replay, kind, n)
+        return graphs.run(n, kind)
 
     @property
     def graph_caches(self) -> list[GraphCache]:

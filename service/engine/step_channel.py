@@ -1,21 +1,28 @@
 """The per-step message of tensor parallelism: what rank 0 sends the other ranks before each step.
 
-`StepInputs` is everything a rank needs to run a step's forward (rank 0 alone knows the sequences);
-`StepChannel` sends it with one broadcast of a fixed-size int64 host buffer over a gloo group, so
-no rank has to sync its device to read it.
+`StepInputs` is everything a rank needs to run a step's forward (rank 0 alone knows the sequences),
+with the graph operations every rank runs before it and the graph the step replays (rank 0's graph
+cache decides both); `StepChannel` sends it with one broadcast of a fixed-size int64 host buffer
+over a gloo group, so no rank has to sync its device to read it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from cache_manager import BatchDescriptor, CudaGraphMode
+from cache_manager.mirror import CAPTURE, RELEASE, GraphOp
 from service.model.step_batch import ChunkSpec
 
-STOP, STEP = 0, 1
-_HEADER = 6  # kind, decodes, chunks, token ids, has pending rows, sampling rows
+STOP, STEP, MORE_OPS = 0, 1, 2  # MORE_OPS: graph ops of the next message that did not fit in it
+# kind, decodes, chunks, token ids, has pending rows, sampling rows, graph ops, replayed graph (kind, size)
+_HEADER = 9
+MAX_OPS = 16  # graph ops per broadcast; a step rarely has any (a capture, a few evictions)
+_KINDS = (None, CudaGraphMode.FULL, CudaGraphMode.PIECEWISE)
+_ACTIONS = (CAPTURE, RELEASE)
 
 
 @dataclass
@@ -31,16 +38,35 @@ class StepInputs:
     # Per token row, the LoRA adapter slot (0: base). Not sent: adapters and tensor parallelism are
     # not served together (the config refuses it), so the other ranks never see an adapter row.
     lora_slots: list[int] | None = None
+    # Rank 0's graph cache's decisions: the captures and releases every rank runs before the step,
+    # in order, and the graph the step replays (None: eager).
+    graph_ops: list[GraphOp] = field(default_factory=list)
+    replay: BatchDescriptor | None = None
+
+    @classmethod
+    def only_ops(cls, ops: list[GraphOp]) -> StepInputs:
+        """A message with graph operations and no step (decided between steps: warm start, operators)."""
+        return cls([], [], [], [], None, 0, graph_ops=list(ops))
+
+    @property
+    def runs_forward(self) -> bool:
+        return bool(self.token_ids)
 
     @staticmethod
     def capacity(max_running: int, max_num_batched_tokens: int) -> int:
-        """int64 words of the largest step: a header, 3 per decode, 4 per chunk, the token ids."""
-        return _HEADER + 7 * max_running + max_num_batched_tokens
+        """int64 words of the largest step: a header, 3 per graph op (up to MAX_OPS), 3 per decode,
+        4 per chunk, the token ids."""
+        return _HEADER + 3 * MAX_OPS + 7 * max_running + max_num_batched_tokens
 
-    def encode(self, buf: torch.Tensor) -> None:
+    def encode(self, buf: torch.Tensor, ops: list[GraphOp] | None = None) -> None:
+        """Into buf: the step with `ops` (default: all of graph_ops, at most MAX_OPS)."""
+        ops = self.graph_ops if ops is None else ops
+        assert len(ops) <= MAX_OPS, f"{len(ops)} graph ops in one message (StepChannel splits them)"
         d, c = len(self.positions), len(self.chunks)
-        words = [STEP, d, c, len(self.token_ids), int(self.pending_rows is not None), self.num_sampling,
-                 *self.positions, *self.slots, *(self.pending_rows or ()),
+        replay = self.replay
+        words = [STEP, d, c, len(self.token_ids), int(self.pending_rows is not None), self.num_sampling, len(ops),
+                 _KINDS.index(replay.mode if replay else None), replay.padded_size if replay else 0,
+                 *_op_words(ops), *self.positions, *self.slots, *(self.pending_rows or ()),
                  *(v for ch in self.chunks for v in (ch.slot, ch.start, ch.length, int(ch.sample))),
                  *self.token_ids]
         assert len(words) <= buf.numel(), f"a step of {len(words)} words exceeds the channel's {buf.numel()}"
@@ -48,21 +74,33 @@ class StepInputs:
 
     @classmethod
     def decode(cls, buf: torch.Tensor) -> StepInputs:
-        kind, d, c, t, pending, sampling = buf[:_HEADER].tolist()
+        kind, d, c, t, pending, sampling, num_ops, replay_kind, replay_size = buf[:_HEADER].tolist()
         assert kind == STEP
-        n = 2 * d + (d if pending else 0) + 4 * c + t
+        n = 3 * num_ops + 2 * d + (d if pending else 0) + 4 * c + t
         words = buf[_HEADER : _HEADER + n].tolist()
-        positions, slots, at = words[:d], words[d : 2 * d], 2 * d
+        ops, at = _ops_from(words, num_ops), 3 * num_ops
+        positions, slots, at = words[at : at + d], words[at + d : at + 2 * d], at + 2 * d
         pending_rows = None
         if pending:
             pending_rows, at = words[at : at + d], at + d
         chunks = [ChunkSpec(*words[at + 4 * i : at + 4 * i + 3], bool(words[at + 4 * i + 3])) for i in range(c)]
         at += 4 * c
-        return cls(words[at : at + t], positions, slots, chunks, pending_rows, sampling)
+        replay = BatchDescriptor(_KINDS[replay_kind], replay_size) if replay_kind else None
+        return cls(words[at : at + t], positions, slots, chunks, pending_rows, sampling, graph_ops=ops, replay=replay)
+
+
+def _op_words(ops: list[GraphOp]) -> list[int]:
+    return [v for op in ops for v in (_ACTIONS.index(op.action), _KINDS.index(op.key.mode), op.key.padded_size)]
+
+
+def _ops_from(words: list[int], n: int) -> list[GraphOp]:
+    return [GraphOp(_ACTIONS[words[3 * i]], BatchDescriptor(_KINDS[words[3 * i + 1]], words[3 * i + 2]))
+            for i in range(n)]
 
 
 class StepChannel:
-    """One broadcast per step from rank 0 over a gloo group: a fixed-size host buffer."""
+    """One broadcast per step from rank 0 over a gloo group: a fixed-size host buffer (graph ops
+    beyond MAX_OPS go first, in MORE_OPS broadcasts that the receiver joins to the step)."""
 
     def __init__(self, group: Any, capacity: int) -> None:
         self.group = group
@@ -70,17 +108,36 @@ class StepChannel:
 
     def send(self, inputs: StepInputs | None) -> None:
         """Rank 0: the next step's inputs (None: stop)."""
-        import torch.distributed as dist
-
         if inputs is None:
             self.buf[0] = STOP
-        else:
-            inputs.encode(self.buf)
-        dist.broadcast(self.buf, src=0, group=self.group)
+            self._broadcast()
+            return
+        ops = inputs.graph_ops
+        while len(ops) > MAX_OPS:
+            words = [MORE_OPS, MAX_OPS, *_op_words(ops[:MAX_OPS])]
+            self.buf[: len(words)] = torch.tensor(words, dtype=torch.long)
+            self._broadcast()
+            ops = ops[MAX_OPS:]
+        inputs.encode(self.buf, ops)
+        self._broadcast()
 
     def recv(self) -> StepInputs | None:
         """Ranks > 0: rank 0's next step, or None when rank 0 stops."""
+        earlier: list[GraphOp] = []
+        while True:
+            self._broadcast()
+            kind = int(self.buf[0])
+            if kind != MORE_OPS:
+                break
+            n = int(self.buf[1])
+            earlier += _ops_from(self.buf[2 : 2 + 3 * n].tolist(), n)
+        if kind == STOP:
+            return None
+        inputs = StepInputs.decode(self.buf)
+        inputs.graph_ops[:0] = earlier
+        return inputs
+
+    def _broadcast(self) -> None:
         import torch.distributed as dist
 
         dist.broadcast(self.buf, src=0, group=self.group)
-        return None if int(self.buf[0]) == STOP else StepInputs.decode(self.buf)

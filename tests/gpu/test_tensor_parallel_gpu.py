@@ -1,5 +1,6 @@
 """Tensor parallelism on two GPUs (NCCL): the sharded decode step, eager and captured as a CUDA graph
-with its all-reduces inside, against one GPU's logits; and a gRPC server with two ranks."""
+with its all-reduces inside, against one GPU's logits; and a gRPC server with two ranks, eager and
+with graphs (every rank capturing and replaying what rank 0's graph cache decides)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,14 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
 
 PROMPTS = [[1, 5, 9, 200, 767, 3, 42, 11], [300, 301, 302], [17] * 20]
+# The decode step's input tokens, the same in every run: each run's own prefill argmax may differ
+# in bf16 between one GPU and two, and a row fed another token has incomparable logits.
+NEXT = [100, 101, 102]
+ADMIN_TOKEN = "gpu-tp-admin-test-token"
 
 
 def _decode_logits(model, device: torch.device, graphed: bool) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
-    """Prefill PROMPTS into slots 0..2, then one decode step of their next tokens: eager logits and,
+    """Prefill PROMPTS into slots 0..2, then one decode step of the tokens NEXT: eager logits and,
     with `graphed`, the same step replayed from a CUDA graph."""
     from cache_manager import CudaGraphBackend
     from service.engine.decode_step import ModelDecodeStep
@@ -29,9 +34,9 @@ def _decode_logits(model, device: torch.device, graphed: bool) -> tuple[torch.Te
     kv = KVCache(model.spec, 4, 64, device, model.dtype)
     chunks = [ChunkSpec(slot, 0, len(p)) for slot, p in enumerate(PROMPTS)]
     tokens = [t for p in PROMPTS for t in p]
-    first = model.forward_step(build_step_batch([], [], chunks, tokens, kv.max_seq_len, kv.scratch_slot, device), kv)
+    model.forward_step(build_step_batch([], [], chunks, tokens, kv.max_seq_len, kv.scratch_slot, device), kv)
     step = ModelDecodeStep(model, kv, 4, device)
-    step.write_rows(first.argmax(-1).tolist(), [len(p) for p in PROMPTS], [0, 1, 2])
+    step.write_rows(NEXT, [len(p) for p in PROMPTS], [0, 1, 2])
     eager = step.run(3).clone()
     if not graphed:
         return eager, eager
@@ -82,3 +87,31 @@ def test_grpc_server_on_two_gpus_serves_bf16(model_cache_dir) -> None:  # noqa: 
     with running_server(argv) as srv:
         chunks, finished = generate(srv.stub(), timeout=120, **greedy("Once upon a time", 32))
     assert sum(len(c.token_ids) for c in chunks) == 32 and finished.usage.completion_tokens == 32
+
+
+def test_grpc_server_on_two_gpus_with_graphs_streams_what_one_gpu_with_graphs_streams(
+        model_cache_dir, tmp_path, capsys) -> None:  # noqa: ANN001
+    """float32, both kinds of graph: each prompt's prefill replays (or pads into) piecewise graphs and
+    its decodes full ones, captured inline on both ranks; a second pass replays what the first captured."""
+    from tests.gpu.test_admin_gpu import Ctl
+
+    token_file = tmp_path / "token"
+    token_file.write_text(ADMIN_TOKEN)
+    argv = ["--model-cache-dir", str(model_cache_dir), "--device", "cuda", "--dtype", "float32",
+            "--cudagraph-mode", "full_and_piecewise", "--max-running-seqs", "8", "--max-seq-len", "256"]
+    prompts = ["Explain CUDA graphs", "The quick brown fox", "Once upon a time"]
+
+    def serve(args: list[str]) -> tuple[list[list[int]], dict]:
+        with running_server(args, environ={"GRAPHSERVE_ADMIN_TOKEN": ADMIN_TOKEN}) as srv:
+            stub = srv.stub()
+            tokens = [[t for c in generate(stub, timeout=120, **greedy(p, 24))[0] for t in c.token_ids]
+                      for p in [*prompts, *prompts]]
+            state = Ctl(f"127.0.0.1:{srv.app.admin_port}", str(token_file), capsys).json("state")
+        return tokens, state
+
+    one, _ = serve(argv)
+    two, state = serve([*argv, "--tensor-parallel-size", "2"])
+    assert two == one
+    captured = [b for b in state["buckets"] if b["state"] == "BUCKET_STATE_CAPTURED"]
+    assert {b.get("kind", "full") for b in captured} == {"full", "piecewise"}, state["buckets"]
+    assert sum(int(b.get("replays", 0)) for b in state["buckets"]) > 0

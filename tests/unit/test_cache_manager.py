@@ -15,6 +15,7 @@ from cache_manager import (
     GraphsUnavailableError,
     OpOutcome,
 )
+from cache_manager.sizes import FULL
 from cache_manager.testing import CountingStep, FakeGraphBackend, full_sizes
 
 SIZES = (1, 2, 4, 8)
@@ -368,6 +369,47 @@ def test_capture_log_reports_the_engine_threads_stall_apart_from_the_capture_tim
     assert event["bucket"] == "full:4" and event["ms"] == 1.0
     assert returned_after < 0.2 and event["ready_ms"] >= 200
     assert event["stall_ms"] < 200 and stalls == [pytest.approx(event["stall_ms"] / 1000, abs=1e-3)]
+
+
+def test_inline_capture_runs_on_the_calling_thread_at_the_next_poll_after_publishing_its_ops():
+    """Inline capture (tensor parallelism): the step that asked runs eagerly and queues the capture;
+    `poll` hands the queued ops to `publish_ops` (the other ranks), runs them on this thread and
+    commits them at once; the stall is the whole capture; evictions travel the same way."""
+    from cache_manager.mirror import CAPTURE, RELEASE, GraphOp
+
+    class SlowCapture(FakeGraphBackend):
+        def capture(self, step, size):  # noqa: ANN001, ANN201
+            time.sleep(0.05)
+            return super().capture(step, size)
+
+    stalls: list[float] = []
+    published: list[list[GraphOp]] = []
+    step, fake = CountingStep(8), SlowCapture()
+    cfg = GraphCacheConfig("full", SIZES, 8, memory_budget=20_000, inline_capture=True)
+    cache = GraphCache(step, cfg, torch.device("cpu"), FP, fake, on_capture_stall=stalls.append)
+    cache.publish_ops = published.append
+    expected = write(step, 3)
+    assert torch.equal(cache.run(3), expected)  # eager; the capture waits for the step boundary
+    assert cache.queued_ops() == [GraphOp(CAPTURE, BatchDescriptor(FULL, 4))] and fake.captured == []
+    assert bucket(cache, 4).state is BucketState.CAPTURING
+    assert cache.poll() == 1
+    assert published == [[GraphOp(CAPTURE, BatchDescriptor(FULL, 4))]]
+    assert fake.captured == [4] and fake.threads == {threading.current_thread().name}
+    assert bucket(cache, 4).state is BucketState.CAPTURED and stalls and stalls[0] >= 0.05
+    assert torch.equal(cache.run(3), expected)  # replayed
+    # An operator's eviction, then a step's capture: both queued, in order, until rank 0 sends them.
+    evicted = cache.evict_async([4])
+    plan = cache.plan(2)
+    assert plan.target is None and cache.queued_ops() == [GraphOp(RELEASE, BatchDescriptor(FULL, 4)),
+                                                          GraphOp(CAPTURE, BatchDescriptor(FULL, 2))]
+    cache.run_queued()  # as rank 0 does after sending them with the step
+    assert fake.released == [4] and fake.captured == [4, 2]
+    cache.execute(plan)
+    cache.poll()
+    assert bucket(cache, 2).state is BucketState.CAPTURED and bucket(cache, 4).state is BucketState.EVICTED
+    assert evicted.result(0)[4].outcome is OpOutcome.EVICTED
+    assert len(published) == 1  # those two went with the step, not through publish_ops
+    cache.close()
 
 
 def test_eviction_while_another_capture_is_pending_takes_the_graph_out_at_once():

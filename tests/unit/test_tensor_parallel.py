@@ -1,5 +1,6 @@
 """Tensor-parallel model pieces: shard loading, the sharded forward against the whole model (two
-gloo ranks on the CPU), the refusal of a model that does not split, and the per-step message."""
+gloo ranks on the CPU), the refusal of a model that does not split, and the per-step message (with
+its graph operations)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from service.engine.step_channel import StepInputs
+from cache_manager import BatchDescriptor
+from cache_manager.mirror import CAPTURE, RELEASE, GraphOp
+from cache_manager.sizes import FULL, PIECEWISE
+from service.engine.step_channel import MAX_OPS, StepChannel, StepInputs
 from service.model.builtin import BUILTIN_SHAPES, _hf_config
 from service.model.loader import load_model
 from service.model.parallel import TensorParallel, read_shard, shard_spec
@@ -89,6 +93,50 @@ def test_a_step_crosses_the_channel_unchanged() -> None:
     plain = StepInputs([7], [4], [0], [], None, 1)
     plain.encode(buf)
     assert StepInputs.decode(buf) == plain
+
+
+def test_graph_operations_and_the_replayed_graph_cross_with_the_step() -> None:
+    ops = [GraphOp(RELEASE, BatchDescriptor(PIECEWISE, 64)), GraphOp(CAPTURE, BatchDescriptor(FULL, 4)),
+           GraphOp(CAPTURE, BatchDescriptor(PIECEWISE, 16))]
+    step = StepInputs([7, 8, 1, 2, 3], [4, 9], [0, 3], [ChunkSpec(5, 16, 3, True)], [-1, 1], 3,
+                      graph_ops=ops, replay=BatchDescriptor(PIECEWISE, 8))
+    buf = torch.zeros(StepInputs.capacity(4, 16), dtype=torch.long)
+    step.encode(buf)
+    assert StepInputs.decode(buf) == step
+    eager = StepInputs([7], [4], [0], [], None, 1, graph_ops=ops[:1])
+    eager.encode(buf)
+    assert StepInputs.decode(buf) == eager and StepInputs.decode(buf).replay is None
+    between = StepInputs.only_ops(ops)
+    between.encode(buf)
+    assert StepInputs.decode(buf) == between and not StepInputs.decode(buf).runs_forward
+
+
+class _LoopbackChannel(StepChannel):
+    """Both ends of a channel in one process: what one broadcast sends, the next receive reads."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(None, capacity)
+        self.sent: list[torch.Tensor] = []
+        self.receiving = False
+
+    def _broadcast(self) -> None:
+        if self.receiving:
+            self.buf.copy_(self.sent.pop(0))
+        else:
+            self.sent.append(self.buf.clone())
+
+
+def test_more_graph_operations_than_one_message_holds_arrive_in_order_before_the_step() -> None:
+    channel = _LoopbackChannel(StepInputs.capacity(2, 8))
+    ops = [GraphOp(CAPTURE if i % 3 else RELEASE, BatchDescriptor(FULL if i % 2 else PIECEWISE, i + 1))
+           for i in range(2 * MAX_OPS + 3)]
+    step = StepInputs([5, 6], [3, 4], [0, 1], [], None, 2, graph_ops=ops, replay=BatchDescriptor(FULL, 2))
+    channel.send(step)
+    channel.send(None)
+    assert len(channel.sent) == 4  # two with ops only, the step with the last three, the stop
+    channel.receiving = True
+    assert channel.recv() == step
+    assert channel.recv() is None
 
 
 
