@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, time_ms, write_result
+from bench.common import print_table, write_result
 from bench.decode_bench import bench_ours, copy_rate, kv_bytes_read, load, make_step, weight_bytes
 
 # Kernel-name patterns, first match wins: the groups of the budget.
