@@ -6,6 +6,10 @@ decode rows through the decode kernel (Triton on CUDA, torch otherwise), chunks 
 prompt through batched causal attention by length bucket, chunks that continue a prompt against
 their slot's earlier KV plus causally within the chunk. It runs eagerly, between the pieces that
 CUDA graphs may capture, on the real lengths; padding rows of the output stay zero.
+
+`rowwise_step_attention` is the batch-invariant mode's: every row, prompt token or decode, goes
+through the decode kernel (a token attends to its slot's positions up to its own), so a token's
+result is the same whether its prompt arrives whole, in chunks, or beside other requests.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ from service.model.step_batch import StepBatch
 
 # (q [B, H, D], k_cache, v_cache, slot_ids [B], positions [B]) -> [B, H * D]
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Rows per decode-kernel call in rowwise_step_attention: bounds the torch kernel's gathered slots
+# ([rows, KVH, T, D]) and the Triton kernel's split buffers on long prompts.
+ROWS_PER_CALL = 64
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -86,4 +94,26 @@ def step_attention(
         out[c.row: c.row + c.length] = context_attention(
             q[c.row: c.row + c.length], k_cache[c.slot, :, :end], v_cache[c.slot, :, :end]
         )
+    return out
+
+
+def rowwise_step_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: StepBatch,
+    decode_attention: DecodeAttention,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """As step_attention, with every real row as a decode row: [0, num_tokens) in calls of
+    ROWS_PER_CALL rows. The decode kernel computes each row on its own, so neither the calls'
+    boundaries nor the other rows change a row's result."""
+    n = batch.attention.num_tokens
+    if out is None:
+        out = q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
+    elif n < out.shape[0]:
+        out[n:].zero_()
+    for start in range(0, n, ROWS_PER_CALL):
+        rows = slice(start, min(n, start + ROWS_PER_CALL))
+        out[rows] = decode_attention(q[rows], k_cache, v_cache, batch.slot_ids[rows], batch.positions[rows])
     return out
