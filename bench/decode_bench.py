@@ -110,16 +110,18 @@ def _random_init(name: str, device: torch.device, dtype: torch.dtype,
 
 
 def load(args: argparse.Namespace) -> Setup:
+    """The model of args (its --batch-invariant when the bench has the flag)."""
     t0 = time.perf_counter()
+    invariant = getattr(args, "batch_invariant", False)
     if args.random_init:
         if not args.model.startswith(BUILTIN_PREFIX):
             raise SystemExit("--random-init needs a builtin:<name> model")
         model, config = _random_init(args.model[len(BUILTIN_PREFIX):], args.device, args.dtype,
-                                     batch_invariant=args.batch_invariant)
+                                     batch_invariant=invariant)
         path = None
     else:
         loaded = load_model(args.model, args.device, args.dtype, args.cache_dir or default_cache_dir(),
-                            batch_invariant=args.batch_invariant)
+                            batch_invariant=invariant)
         model, path = loaded.model, loaded.path
         import json
 

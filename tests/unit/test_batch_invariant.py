@@ -48,23 +48,25 @@ def test_blocked_matmul_row_does_not_depend_on_the_other_rows(dtype: torch.dtype
     assert matmul_blocked_torch(x[:0], w, b).shape == (0, 96)
 
 
-def invariant_model(dtype: torch.dtype, **over) -> LlamaForCausalLM:  # noqa: ANN003
-    model = LlamaForCausalLM(spec(**over), CPU, dtype, batch_invariant=True)
-    gen = torch.Generator().manual_seed(0)
+def invariant_model(dtype: torch.dtype, device: torch.device = CPU, std: float = 0.1, **over) -> LlamaForCausalLM:  # noqa: ANN003
+    model = LlamaForCausalLM(spec(**over), device, dtype, batch_invariant=True)
+    gen = torch.Generator(device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_((1.0 if name.endswith("norm.weight") else 0.0) + 0.1 * torch.randn(p.shape, generator=gen))
+            noise = std * torch.randn(p.shape, generator=gen, device=device)
+            p.copy_((1.0 if name.endswith("norm.weight") else 0.0) + noise)
     return model.eval()
 
 
-def follow_prompt_zero(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+def follow_prompt_zero(model: LlamaForCausalLM, max_seq: int = MAX_SEQ) -> dict[str, torch.Tensor]:
     """Prompt 0's last-token logits and its next decode's, computed four ways."""
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, model.spec.vocab_size, (n,), generator=gen) for n in LENS]
-    dtype = model.dtype
+    dtype, device = model.dtype, model.inv_freq.device
+    prompts = [p.to(device) for p in prompts]
 
     def cache() -> KVCache:
-        return KVCache(model.spec, len(LENS), MAX_SEQ, CPU, dtype)
+        return KVCache(model.spec, len(LENS), max_seq, device, dtype)
 
     kv_solo, kv_packed, kv_chunked = cache(), cache(), cache()
     got = {"solo": model.prefill(prompts[0], 0, kv_solo)}
@@ -82,13 +84,16 @@ def follow_prompt_zero(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
         else:
             decodes = ([LENS[2] + start // 10 - 1], [2])
             ids = [7, *ids]
-        batch = build_step_batch(*decodes, chunks, ids, MAX_SEQ, s, CPU, pad_to=len(ids) + 3)
+        batch = build_step_batch(*decodes, chunks, ids, max_seq, s, device, pad_to=len(ids) + 3)
         got["chunked"] = model.forward_step(batch, kv_chunked)[len(decodes[0])]
     token = int(got["solo"].argmax())
-    got["decode_solo"] = model.decode(torch.tensor([token]), torch.tensor([LENS[0]]), torch.tensor([0]), kv_solo)[0]
-    ids = torch.tensor([3, 5, token, *[11] * (len(LENS) - 3), 0])  # prompt 0 in row 2, a padding row last
-    positions = torch.tensor([LENS[1], LENS[2], LENS[0], *LENS[3:], 0])
-    slots = torch.tensor([1, 2, 0, *range(3, len(LENS)), s])
+    def t(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, device=device)
+
+    got["decode_solo"] = model.decode(t([token]), t([LENS[0]]), t([0]), kv_solo)[0]
+    ids = t([3, 5, token, *[11] * (len(LENS) - 3), 0])  # prompt 0 in row 2, a padding row last
+    positions = t([LENS[1], LENS[2], LENS[0], *LENS[3:], 0])
+    slots = t([1, 2, 0, *range(3, len(LENS)), s])
     got["decode_batch"] = model.decode(ids, positions, slots, kv_packed)[2]
     return got
 
