@@ -25,10 +25,6 @@ from service.model.step_batch import StepBatch
 # (q [B, H, D], k_cache, v_cache, slot_ids [B], positions [B]) -> [B, H * D]
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-# Rows per decode-kernel call in rowwise_step_attention: bounds the torch kernel's gathered slots
-# ([rows, KVH, T, D]) and the Triton kernel's split buffers on long prompts.
-ROWS_PER_CALL = 64
-
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     # q: [L, H, D], k, v: [L, KVH, D] -> [L, H * D]
@@ -104,16 +100,17 @@ def rowwise_step_attention(
     batch: StepBatch,
     decode_attention: DecodeAttention,
     out: torch.Tensor | None = None,
+    rows_per_call: int = 64,
 ) -> torch.Tensor:
-    """As step_attention, with every real row as a decode row: [0, num_tokens) in calls of
-    ROWS_PER_CALL rows. The decode kernel computes each row on its own, so neither the calls'
-    boundaries nor the other rows change a row's result."""
+    """As step_attention, with every real row as a decode row: [0, num_tokens) in calls of at most
+    rows_per_call rows (bounding the kernel's buffers on long prompts). The decode kernel computes
+    each row on its own, so neither the calls' boundaries nor the other rows change a row's result."""
     n = batch.attention.num_tokens
     if out is None:
         out = q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
     elif n < out.shape[0]:
         out[n:].zero_()
-    for start in range(0, n, ROWS_PER_CALL):
-        rows = slice(start, min(n, start + ROWS_PER_CALL))
+    for start in range(0, n, rows_per_call):
+        rows = slice(start, min(n, start + rows_per_call))
         out[rows] = decode_attention(q[rows], k_cache, v_cache, batch.slot_ids[rows], batch.positions[rows])
     return out

@@ -297,7 +297,8 @@ class LlamaForCausalLM(nn.Module):
                                      "all-reduce's algorithm depends on the message size)")
             shapes = {(*m.weight.shape, m.bias is not None) for m in self._linears()}
             shapes.add((*self.model.embed_tokens.weight.shape, False))  # a tied head's
-            self.use_invariant(InvariantKernels.build(device, dtype, self.fast, shapes))
+            heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
+            self.use_invariant(InvariantKernels.build(device, dtype, self.fast, shapes, heads))
 
     def _linears(self) -> list[nn.Module]:
         """Every linear layer that runs (not the per-projection views of a fused one), the LM head included."""
@@ -354,8 +355,10 @@ class LlamaForCausalLM(nn.Module):
         self, layer: int, q: torch.Tensor, batch: StepBatch, kv: KVCache, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Attention of a step's rows (their K/V already in the cache) -> [S, H * D]. Eager."""
-        attend = rowwise_step_attention if self.invariant is not None else step_attention
-        return attend(q, kv.k[layer], kv.v[layer], batch, self.row_attention(), out)
+        k, v = kv.k[layer], kv.v[layer]
+        if self.invariant is not None:
+            return rowwise_step_attention(q, k, v, batch, self.invariant.attention, out, self.invariant.rows_per_call)
+        return step_attention(q, k, v, batch, self.row_attention(), out)
 
     def _rope(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

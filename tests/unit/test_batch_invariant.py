@@ -120,7 +120,7 @@ def test_one_switch_routes_every_linear_and_attention() -> None:
 def test_cuda_without_its_kernels_refuses_to_load() -> None:
     """Checked before any device work: float32 has no Triton path, so the guarantee cannot be kept."""
     with pytest.raises(ModelLoadError, match="--batch-invariant on cuda needs its Triton kernels.*dtype"):
-        InvariantKernels.build("cuda", torch.float32, FastPath(), set())
+        InvariantKernels.build("cuda", torch.float32, FastPath(), set(), (4, 2, 16))
 
 
 def test_config_flag_env_and_refusals(tmp_path: pathlib.Path) -> None:

@@ -4,7 +4,8 @@
 `decode_attention_triton` is flash-decoding: a grid over (row, kv head, split of the sequence)
 reads only positions [0, positions[i]] of row i, the query heads of one kv head share its loads
 (GQA), and the softmax runs online in float32. Lengths come from the `positions` tensor, so both
-are graph-safe (fixed grid, no host syncs).
+are graph-safe (fixed grid, no host syncs). The number of splits follows the batch by default;
+the batch-invariant mode fixes the split's length by the cache length (`fixed_split_len`).
 """
 
 from __future__ import annotations

@@ -146,7 +146,9 @@ def check_matmul(
     from service.model.kernels.matmul import _sm_count, matmul_config, matmul_triton
 
     config = matmul_config(n, k, _sm_count(device))
-    n_rows = min(n, 2 * config.block_n + 3)  # a partial last tile
+    # A few tiles' rows, the last one as full as the real weight's (same N % 16 for Triton's specialisation)
+    bn = config.block_n
+    n_rows = n if n <= 4 * bn else 2 * bn + (n % bn or bn)
     gen = torch.Generator(device).manual_seed(seed)
     x = torch.randn(rows, k, device=device, dtype=dtype, generator=gen)
     w = (torch.randn(n_rows, k, device=device, dtype=torch.float32, generator=gen) / k**0.5).to(dtype)

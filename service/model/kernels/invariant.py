@@ -18,17 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
-import structlog
 import torch
 
 from service.model.kernels._triton import triton
 from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton, fixed_split_len
-from service.model.kernels.fast_path import FAST_DTYPES, FastPath, check_matmul
+from service.model.kernels.fast_path import FAST_DTYPES, FastPath, check_attention, check_matmul
 from service.model.kernels.matmul import matmul_blocked_torch, matmul_triton
 from service.model.spec import ModelLoadError
-
-log = structlog.get_logger("graphserve.model")
 
 # (x [M, K], weight [N, K], bias [N] | None) -> [M, N]
 Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -48,18 +46,21 @@ class InvariantKernels:
     matmul: Matmul
     attention: DecodeAttention
     backend: str  # "triton" | "torch", for the start-up log
+    # Rows per attention call on prompt chunks: bounds the torch kernel's gathered slots
+    # ([rows, KVH, T, D]) and the Triton kernel's split buffers ([rows, H, splits, D] float32).
+    rows_per_call: int = 64
 
     @classmethod
     def build(
-        cls, device: torch.device | str, dtype: torch.dtype, fast: FastPath, weights: set[tuple[int, int, bool]]
+        cls, device: torch.device | str, dtype: torch.dtype, fast: FastPath, weights: set[tuple[int, int, bool]],
+        heads: tuple[int, int, int],
     ) -> InvariantKernels:
-        """weights: (N, K, has bias) of every linear layer and the LM head; on CUDA each shape's
-        matmul is compiled and self-checked here (against torch, and row by row across M)."""
+        """weights: (N, K, has bias) of every linear layer and the LM head; heads: (num_heads,
+        num_kv_heads, head_dim). On CUDA each weight shape's matmul and the attention with its fixed
+        split are compiled and self-checked here (against torch, and row by row across the batch)."""
         device = torch.device(device)
         if device.type != "cuda":
-            kernels = cls(matmul_blocked_torch, decode_attention_torch, "torch")
-            log.info("batch_invariant", backend=kernels.backend)
-            return kernels
+            return cls(matmul_blocked_torch, decode_attention_torch, "torch")
         refuse = "--batch-invariant on cuda needs its Triton kernels: {}; run without --batch-invariant"
         if dtype not in FAST_DTYPES:
             raise ModelLoadError(refuse.format(f"dtype {dtype} is not supported (use --dtype bfloat16 or float16)"))
@@ -68,13 +69,14 @@ class InvariantKernels:
         if not (fast.attention and fast.norm):
             raise ModelLoadError(refuse.format(f"a fast-path kernel failed its self-check ({fast}; see the "
                                                "fast_path_disabled log)"))
-        for n, k, bias in sorted(weights):
+        checks = {f"matmul [{n}, {k}]": partial(check_matmul, device, dtype, n, k, bias)
+                  for n, k, bias in sorted(weights)}
+        checks["attention"] = partial(check_attention, device, dtype, *heads, batch=5, max_seq_len=600,
+                                      split_len=fixed_split_len(600))
+        for name, check in checks.items():
             try:
                 with torch.cuda.device(device), torch.inference_mode():
-                    check_matmul(device, dtype, n, k, bias)
+                    check()
             except Exception as e:  # noqa: BLE001  (reported as the reason the model cannot load)
-                raise ModelLoadError(refuse.format(f"matmul [{n}, {k}] failed its self-check: "
-                                                   f"{type(e).__name__}: {e}"[:500])) from e
-        kernels = cls(matmul_triton, decode_attention_fixed_split, "triton")
-        log.info("batch_invariant", backend=kernels.backend, weight_shapes=len(weights))
-        return kernels
+                raise ModelLoadError(refuse.format(f"{name} failed its self-check: {type(e).__name__}: {e}"[:500])) from e
+        return cls(matmul_triton, decode_attention_fixed_split, "triton", rows_per_call=256)

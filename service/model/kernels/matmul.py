@@ -46,7 +46,8 @@ def matmul_config(n: int, k: int, num_sms: int) -> MatmulConfig:
             block_n = width
             break
     block_k = 128 if k >= 128 else max(16, 1 << (k - 1).bit_length())
-    return MatmulConfig(block_m=64, block_n=block_n, block_k=block_k, num_warps=4, num_stages=4)
+    stages = 4 if block_n <= 64 else 3  # 3 x (64 + 128) x 128 bf16 tiles: within the SM's shared memory
+    return MatmulConfig(block_m=64, block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages)
 
 
 def matmul_blocked_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
