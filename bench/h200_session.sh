@@ -7,6 +7,7 @@
 #   bash bench/h200_session.sh lora     # LoRA: GPU tests, the integration tests on cuda, the step and load bench
 #   bash bench/h200_session.sh tp tp-serve  # two GPUs: TP tests, the TP decode step, 64 streams at TP=1 and 2
 #   bash bench/h200_session.sh profile  # the decode step's kernel budget
+#   bash bench/h200_session.sh invariant  # --batch-invariant: GPU tests, decode and prefill steps both ways
 set -uo pipefail
 OUT=${OUT:-bench/results/h200-$(date -u +%Y%m%dT%H%MZ)}
 mkdir -p "$OUT"
@@ -38,6 +39,11 @@ for part in "$@"; do
       S="python3 bench/serve_bench.py --model builtin:llama-8b --device cuda --dtype bfloat16 --skip-engine --concurrency 64 --requests 192 --output-tokens 64 --client-procs 4"
       run serve-8b-tp1 280 $S --tensor-parallel-size 1
       run serve-8b-tp2 280 $S --tensor-parallel-size 2 ;;
+    invariant)
+      TAIL=8 run invariant-gpu-tests 420 python3 -m pytest -q -m gpu tests/gpu/test_batch_invariant_gpu.py -p no:cacheprovider --timeout 300
+      run decode-default 90 python3 bench/decode_bench.py $M --random-init --batches 1,64,256 --no-anchors --no-plot
+      run decode-invariant 90 python3 bench/decode_bench.py $M --random-init --batches 1,64,256 --no-anchors --no-plot --batch-invariant
+      run prefill-invariant 150 python3 bench/prefill_bench.py $M --random-init --no-transformers --batch-invariant ;;
     profile) run decode-profile 150 python3 bench/profile_decode.py $M --random-init --batches 1,8,64,256 ;;
   esac
 done

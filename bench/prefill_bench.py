@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cases", default="1x128,16x128,1x2048,1x16,4x512", help="PROMPTSxTOKENS,...")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-transformers", dest="transformers", action="store_false")
+    p.add_argument("--batch-invariant", action="store_true", help="the model's batch-invariant mode")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
     args.dtype = getattr(torch, args.dtype)
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     columns = ["prompts", "tokens", "eager_ms", "piecewise_ms", "speedup", "transformers_ms", "capture_ms",
                "graph_mib", "max_rel_err"]
     print_table(rows, columns, title=f"prefill step, {args.model} {args.dtype}")
-    path = write_result("prefill", {"rows": rows}, device)
+    path = write_result("prefill-invariant" if args.batch_invariant else "prefill",
+                        {"batch_invariant": args.batch_invariant, "rows": rows}, device)
     print(f"wrote {path}")
 
 

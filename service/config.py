@@ -37,6 +37,9 @@ class ServeConfig:
     max_num_batched_tokens: int = 2048
     default_max_tokens: int = 256
     overlap_steps: bool = True  # launch step t+1 before reading step t's tokens
+    # Every request's tokens independent of the other requests in its step and of chunking
+    # (batch-invariant matmul, attention and norms; service.model.kernels.invariant)
+    batch_invariant: bool = False
     # LoRA adapters: "NAME=PATH[,NAME=PATH...]" loaded at start; device slots; the largest rank served
     lora_modules: str | None = None
     max_loras: int = 0  # 0: 4 slots when --lora-modules is given, else no adapter support
@@ -136,6 +139,13 @@ class ServeConfig:
         need(self.tensor_parallel_size == 1 or not (self.max_loras or self.lora_modules),
              "LoRA adapters are not served with tensor parallelism yet: use --tensor-parallel-size 1 with "
              "--lora-modules / --max-loras, or no adapters")
+        need(not self.batch_invariant or self.tensor_parallel_size == 1,
+             "--batch-invariant is not served with tensor parallelism (NCCL's all-reduce algorithm depends on "
+             "the message size, so a row's sum would depend on the batch): use --tensor-parallel-size 1, or "
+             "drop --batch-invariant")
+        need(not self.batch_invariant or not (self.max_loras or self.lora_modules),
+             "--batch-invariant is not served with LoRA adapters (their products are not batch-invariant "
+             "yet): drop --lora-modules and --max-loras, or drop --batch-invariant")
         need(self.max_lora_rank >= 1, f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
         need(self.lora_kernel in ("stacked", "gather"), f"--lora-kernel must be stacked or gather, not {self.lora_kernel!r}")
         self.lora_module_paths()
@@ -226,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlap-steps", dest="overlap_steps", action="store_true", default=d.overlap_steps,
                    help="launch step t+1 on the device before the host reads step t's tokens")
     g.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false")
+    g.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=d.batch_invariant,
+                   help="every request's results independent of the other requests in its batch and of chunked "
+                        "prefill (batch-invariant matmul, attention and norms); slower, see README")
+    g.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false")
     g = p.add_argument_group("LoRA adapters")
     g.add_argument("--lora-modules", default=None,
                    help="PEFT adapter directories loaded at start, NAME=PATH[,NAME=PATH...]; requests pick one by name")
@@ -274,18 +288,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# On/off flags: GRAPHSERVE_<FLAG>=true|false gives the flag or its negation.
+_SWITCHES = {"--warm-start": "--no-warm-start", "--overlap-steps": "--no-overlap-steps",
+             "--batch-invariant": "--no-batch-invariant"}
+
+
 def _env_argv(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> list[str]:
     """Flags from GRAPHSERVE_* variables, placed before the command line so the command line wins."""
     argv: list[str] = []
     for action in parser._actions:  # noqa: SLF001 - argparse has no public walk of its actions
         for flag in (s for s in action.option_strings if s.startswith("--")):  # aliases too
-            if flag in ("--help", "--no-warm-start"):
+            if flag == "--help" or flag in _SWITCHES.values():
                 continue
             value = environ.get(ENV_PREFIX + flag[2:].replace("-", "_").upper())
             if value is None:
                 continue
-            if flag == "--warm-start":
-                argv.append("--warm-start" if _bool(value) else "--no-warm-start")
+            if flag in _SWITCHES:
+                argv.append(flag if _bool(value) else _SWITCHES[flag])
             else:
                 argv += [flag, value]
     return argv

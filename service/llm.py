@@ -129,6 +129,8 @@ class _Options:
     max_num_batched_tokens: int = ServeConfig.max_num_batched_tokens
     default_max_tokens: int = ServeConfig.default_max_tokens
     overlap_steps: bool = ServeConfig.overlap_steps
+    # Each prompt's tokens independent of the other prompts and of chunking (ServeConfig.batch_invariant)
+    batch_invariant: bool = ServeConfig.batch_invariant
     graph_memory_budget: str | None = None
     stats_file: str | Path | None = None
     warm_start: bool = ServeConfig.warm_start
@@ -139,7 +141,7 @@ class _Options:
 
 VALID_KEYWORDS = ("model", *(f.name for f in dataclasses.fields(_Options)))
 # Config flags whose LLM keyword has another name (for error messages).
-_KEYWORD_OF_FLAG = {"capture-sizes": "cudagraph_capture_sizes"}
+_KEYWORD_OF_FLAG = {"capture-sizes": "cudagraph_capture_sizes", "lora-modules": "lora_weights"}
 
 
 def _config_of(model: str, o: _Options) -> ServeConfig:
@@ -157,6 +159,7 @@ def _config_of(model: str, o: _Options) -> ServeConfig:
         max_running_seqs=max_running, max_seq_len=o.max_seq_len,
         max_num_batched_tokens=o.max_num_batched_tokens, default_max_tokens=o.default_max_tokens,
         max_tokens_limit=max(ServeConfig.max_tokens_limit, o.default_max_tokens), overlap_steps=o.overlap_steps,
+        batch_invariant=o.batch_invariant,
         cudagraph_mode=str(mode).lower(), capture_sizes=sizes, graph_memory_budget=o.graph_memory_budget,
         stats_file=None if o.stats_file is None else Path(o.stats_file), warm_start=o.warm_start,
         log_level=o.log_level, lora_modules=_lora_modules(o.lora_weights),

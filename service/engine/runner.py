@@ -55,7 +55,8 @@ class ModelRunner:
         self.pieces = PiecewiseForward(loaded.model, self.kv)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         fingerprint = Fingerprint(
-            model=loaded.name,
+            # Other kernels, other graph sizes: the batch-invariant mode keeps its own statistics.
+            model=loaded.name + ("+batch-invariant" if loaded.model.batch_invariant else ""),
             dtype=str(loaded.dtype).removeprefix("torch."),
             device_name=device_name,
             torch_version=torch.__version__,

@@ -6,6 +6,10 @@ decode rows through the decode kernel (Triton on CUDA, torch otherwise), chunks 
 prompt through batched causal attention by length bucket, chunks that continue a prompt against
 their slot's earlier KV plus causally within the chunk. It runs eagerly, between the pieces that
 CUDA graphs may capture, on the real lengths; padding rows of the output stay zero.
+
+`rowwise_step_attention` is the batch-invariant mode's: every row, prompt token or decode, goes
+through the decode kernel (a token attends to its slot's positions up to its own), so a token's
+result is the same whether its prompt arrives whole, in chunks, or beside other requests.
 """
 
 from __future__ import annotations
@@ -86,4 +90,27 @@ def step_attention(
         out[c.row: c.row + c.length] = context_attention(
             q[c.row: c.row + c.length], k_cache[c.slot, :, :end], v_cache[c.slot, :, :end]
         )
+    return out
+
+
+def rowwise_step_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: StepBatch,
+    decode_attention: DecodeAttention,
+    out: torch.Tensor | None = None,
+    rows_per_call: int = 64,
+) -> torch.Tensor:
+    """As step_attention, with every real row as a decode row: [0, num_tokens) in calls of at most
+    rows_per_call rows (bounding the kernel's buffers on long prompts). The decode kernel computes
+    each row on its own, so neither the calls' boundaries nor the other rows change a row's result."""
+    n = batch.attention.num_tokens
+    if out is None:
+        out = q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
+    elif n < out.shape[0]:
+        out[n:].zero_()
+    for start in range(0, n, rows_per_call):
+        rows = slice(start, min(n, start + rows_per_call))
+        out[rows] = decode_attention(q[rows], k_cache, v_cache, batch.slot_ids[rows], batch.positions[rows])
     return out

@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service.model.attention import causal_attention, step_attention
+from service.model.attention import DecodeAttention, causal_attention, rowwise_step_attention, step_attention
 from service.model.kernels import FastPath
 from service.model.kernels.activation import silu_mul_torch, silu_mul_triton
 from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton
+from service.model.kernels.invariant import InvariantKernels, Matmul
 from service.model.kernels.norm import add_rmsnorm_torch, add_rmsnorm_triton
 from service.model.kernels.rope import apply_rope, rope_kv_write_torch, rope_kv_write_triton, split_qkv
 from service.model.kv_cache import KVCache
@@ -94,6 +95,8 @@ def _empty(*shape: int, device: torch.device | str, dtype: torch.dtype) -> nn.Pa
 class Linear(nn.Module):
     # Set by service.model.lora.LoraSlots on the projections it adapts: (x, y) -> y + the rows' LoRA.
     lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # (x, weight, bias) -> y; set by the model in batch-invariant mode (LlamaForCausalLM).
+    matmul: Matmul = F.linear
 
     def __init__(
         self, n_in: int, n_out: int, bias: bool, device: torch.device | str, dtype: torch.dtype
@@ -112,7 +115,7 @@ class Linear(nn.Module):
         return part
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.weight, self.bias)
         return y if self.lora is None else self.lora(x, y)
 
 
@@ -126,6 +129,7 @@ class FusedLinear(nn.Module):
     """
 
     lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # as Linear.lora
+    matmul: Matmul = F.linear  # as Linear.matmul
 
     def __init__(
         self, n_in: int, n_outs: tuple[int, ...], bias: bool, device: torch.device | str, dtype: torch.dtype
@@ -145,7 +149,7 @@ class FusedLinear(nn.Module):
             start += n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.weight, self.bias)
         return y if self.lora is None else self.lora(x, y)
 
 
@@ -250,11 +254,15 @@ class LlamaForCausalLM(nn.Module):
     With `tp` of world size N (service.model.parallel) this rank's model holds 1/N of the heads,
     the MLP and the vocabulary; `spec` is then this rank's share (shard_spec) and `load_weights`
     takes this rank's slices of the checkpoint.
+
+    `batch_invariant` is the one switch of the batch-invariant mode (service.model.kernels.invariant):
+    every linear layer and the LM head get its matmul, attention runs every row through the
+    per-row decode kernel, so a row's logits do not depend on the other rows of its step.
     """
 
     def __init__(
         self, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype, fast_path: bool = True,
-        tp: TensorParallel | None = None,
+        tp: TensorParallel | None = None, batch_invariant: bool = False,
     ) -> None:
         super().__init__()
         self.tp = tp = tp or TensorParallel()
@@ -281,6 +289,40 @@ class LlamaForCausalLM(nn.Module):
             if fast_path
             else FastPath()
         )
+        self.invariant: InvariantKernels | None = None
+        self.matmul: Matmul = F.linear  # the LM head's
+        if batch_invariant:
+            if tp.world_size > 1:
+                raise ModelLoadError("the batch-invariant mode is not served with tensor parallelism (the "
+                                     "all-reduce's algorithm depends on the message size)")
+            shapes = {(*m.weight.shape, m.bias is not None) for m in self._linears()}
+            shapes.add((*self.model.embed_tokens.weight.shape, False))  # a tied head's
+            heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
+            self.use_invariant(InvariantKernels.build(device, dtype, self.fast, shapes, heads))
+
+    def _linears(self) -> list[nn.Module]:
+        """Every linear layer that runs (not the per-projection views of a fused one), the LM head included."""
+        views = {id(p) for m in self.modules() if isinstance(m, FusedLinear) for p in m.parts}
+        return [m for m in self.modules()
+                if isinstance(m, Linear | FusedLinear | RowParallelLinear) and id(m) not in views]
+
+    def use_invariant(self, kernels: InvariantKernels) -> None:
+        """The batch-invariant mode: every linear layer and the LM head through kernels.matmul, the
+        attention of every row through kernels.attention. Called once, at construction."""
+        self.invariant = kernels
+        self.matmul = kernels.matmul
+        for m in self._linears():
+            m.matmul = kernels.matmul
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.invariant is not None
+
+    def row_attention(self) -> DecodeAttention:
+        """The per-row attention kernel: the invariant mode's, else Triton when the fast path has it."""
+        if self.invariant is not None:
+            return self.invariant.attention
+        return decode_attention_triton if self.fast.attention else decode_attention_torch
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         # input_ids, positions: [N] -> final hidden states [N, hidden]
@@ -313,8 +355,10 @@ class LlamaForCausalLM(nn.Module):
         self, layer: int, q: torch.Tensor, batch: StepBatch, kv: KVCache, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Attention of a step's rows (their K/V already in the cache) -> [S, H * D]. Eager."""
-        attention = decode_attention_triton if self.fast.attention else decode_attention_torch
-        return step_attention(q, kv.k[layer], kv.v[layer], batch, attention, out)
+        k, v = kv.k[layer], kv.v[layer]
+        if self.invariant is not None:
+            return rowwise_step_attention(q, k, v, batch, self.invariant.attention, out, self.invariant.rows_per_call)
+        return step_attention(q, k, v, batch, self.row_attention(), out)
 
     def _rope(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -327,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states [R, hidden] -> float32 logits [R, V]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.tp.gather_vocab(F.linear(h, weight), self.spec.vocab_size).float()
+        return self.tp.gather_vocab(self.matmul(h, weight, None), self.spec.vocab_size).float()
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, slot: int, kv: KVCache) -> torch.Tensor:
@@ -368,7 +412,7 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor, kv: KVCache
     ) -> torch.Tensor:
         """input_ids, positions, slot_ids: [B] -> float32 logits [B, V]. Graph-safe: no host syncs."""
-        attention = decode_attention_triton if self.fast.attention else decode_attention_torch
+        attention = self.row_attention()
 
         def attend(i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             q = self.rope_kv_write(i, qkv, cos, sin, slot_ids, positions, kv)

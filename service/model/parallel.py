@@ -170,6 +170,8 @@ class RowParallelLinear(nn.Module):
     # Set by service.model.lora.LoraSlots on the projections it adapts: (x, y) -> y + the rows' LoRA
     # (one rank only: adapters are not served with tensor parallelism).
     lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # (x, weight, bias) -> y; set by the model in batch-invariant mode (one rank only).
+    matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear
 
     def __init__(self, n_in: int, n_out: int, bias: bool, tp: TensorParallel,
                  device: torch.device | str, dtype: torch.dtype) -> None:
@@ -182,9 +184,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            y = F.linear(x, self.weight, self.bias)
+            y = self.matmul(x, self.weight, self.bias)
             return y if self.lora is None else self.lora(x, y)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.matmul(x, self.weight, None))
         return y if self.bias is None else y + self.bias
 
 

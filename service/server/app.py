@@ -152,7 +152,7 @@ class App:
             max_sequence_length=ready.max_seq_len, max_running_sequences=c.max_running_seqs, device=ready.device,
             dtype=ready.dtype, eos_token_ids=list(spec.eos_token_ids),
             max_tokens_limit=c.max_tokens_limit, default_max_tokens=c.default_max_tokens,
-            adapters=sorted(ready.adapters),
+            adapters=sorted(ready.adapters), batch_invariant=c.batch_invariant,
         )
 
     async def _set_health(self, status: int) -> None:

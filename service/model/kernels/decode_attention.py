@@ -4,7 +4,8 @@
 `decode_attention_triton` is flash-decoding: a grid over (row, kv head, split of the sequence)
 reads only positions [0, positions[i]] of row i, the query heads of one kv head share its loads
 (GQA), and the softmax runs online in float32. Lengths come from the `positions` tensor, so both
-are graph-safe (fixed grid, no host syncs).
+are graph-safe (fixed grid, no host syncs). The number of splits follows the batch by default;
+the batch-invariant mode fixes the split's length by the cache length (`fixed_split_len`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int
     return triton_cdiv(max_seq_len, split_len), split_len
 
 
+def fixed_split_len(max_seq_len: int) -> int:
+    """A split length that depends only on the cache length, never on the batch: the batch-invariant
+    mode's split (each row's positions are reduced in the same pieces whatever the batch). At least
+    256 positions per split and at most 16 splits, a multiple of BLOCK_N."""
+    return max(256, triton_cdiv(triton_cdiv(max_seq_len, 16), BLOCK_N) * BLOCK_N)
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -76,15 +84,20 @@ def decode_attention_triton(
     slot_ids: torch.Tensor,
     positions: torch.Tensor,
     num_splits: int | None = None,
+    split_len: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as decode_attention_torch. `num_splits` overrides the heuristic (tests)."""
+    """Same contract as decode_attention_torch. `num_splits` overrides the heuristic (tests), which
+    picks the split by the batch; `split_len` fixes the split's length instead (fixed_split_len)."""
     b, h, d = q.shape
     kvh, t = k_cache.shape[1], k_cache.shape[2]
     assert h % kvh == 0 and q.dtype == k_cache.dtype == v_cache.dtype
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     q = q.contiguous()
     groups = h // kvh
-    if num_splits is None:
+    if split_len is not None:
+        assert num_splits is None and split_len % BLOCK_N == 0
+        num_splits = triton_cdiv(t, split_len)
+    elif num_splits is None:
         num_splits, split_len = num_splits_for(b, kvh, t, _sm_count(q.device))
     else:
         split_len = triton_cdiv(triton_cdiv(t, num_splits), BLOCK_N) * BLOCK_N

@@ -70,6 +70,7 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, what: str, atol: float, rtol: 
 def check_attention(
     device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
     batch: int = 3, max_seq_len: int = 200, num_splits: int | None = None, seed: int = 0,
+    split_len: int | None = None,
 ) -> None:
     from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton
 
@@ -83,8 +84,14 @@ def check_attention(
     positions[0] = 0  # a padding-like row of length 1
     positions[-1] = max_seq_len - 1  # a full row
     ref = decode_attention_torch(q.float(), k.float(), v.float(), slot_ids, positions).to(dtype)
-    ours = decode_attention_triton(q, k, v, slot_ids, positions, num_splits=num_splits)
+    ours = decode_attention_triton(q, k, v, slot_ids, positions, num_splits=num_splits, split_len=split_len)
     _close(ours, ref, "decode_attention", atol=2e-2, rtol=2e-2)
+    if split_len is not None:  # a fixed split: each row alone is bit-identical to the same row in the batch
+        for row in range(batch):
+            alone = decode_attention_triton(q[row: row + 1], k, v, slot_ids[row: row + 1], positions[row: row + 1],
+                                            split_len=split_len)
+            if not torch.equal(alone, ours[row: row + 1]):
+                raise AssertionError(f"decode_attention row {row} alone differs from the same row in a batch")
 
 
 def check_norm(device: torch.device, dtype: torch.dtype, hidden: int, rows: int = 3, seed: int = 0) -> None:
@@ -129,3 +136,28 @@ def check_silu_mul(device: torch.device, dtype: torch.dtype, intermediate: int, 
     gen = torch.Generator(device).manual_seed(seed)
     gu = torch.randn(rows, 2 * intermediate, device=device, dtype=dtype, generator=gen)
     _close(silu_mul_triton(gu), silu_mul_torch(gu), "silu_mul", atol=1e-2, rtol=1e-2)
+
+
+def check_matmul(
+    device: torch.device, dtype: torch.dtype, n: int, k: int, bias: bool = False, rows: int = 70, seed: int = 0
+) -> None:
+    """The batch-invariant matmul with the tile configuration of a weight [n, k] (on a weight of at
+    most a few tiles' rows): close to torch, and every row bit-identical whatever the call's M."""
+    from service.model.kernels.matmul import _sm_count, matmul_config, matmul_triton
+
+    config = matmul_config(n, k, _sm_count(device))
+    # A few tiles' rows, the last one as full as the real weight's (same N % 16 for Triton's specialisation)
+    bn = config.block_n
+    n_rows = n if n <= 4 * bn else 2 * bn + (n % bn or bn)
+    gen = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(rows, k, device=device, dtype=dtype, generator=gen)
+    w = (torch.randn(n_rows, k, device=device, dtype=torch.float32, generator=gen) / k**0.5).to(dtype)
+    b = torch.randn(n_rows, device=device, dtype=dtype, generator=gen) if bias else None
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    ours = matmul_triton(x, w, b, config)
+    _close(ours, ref, "matmul", atol=2e-2, rtol=2e-2)
+    for first, count in ((rows - 1, 1), (5, 3), (0, min(rows, 64))):  # other M, other tile positions
+        part = matmul_triton(x[first: first + count], w, b, config)
+        if not torch.equal(part, ours[first: first + count]):
+            raise AssertionError(f"matmul rows [{first}, {first + count}) alone differ from the same rows "
+                                 f"in a call of {rows}: not batch-invariant")
