@@ -8,6 +8,7 @@
 #   bash bench/h200_session.sh tp tp-serve  # two GPUs: TP tests, the TP decode step, 64 streams at TP=1 and 2
 #   bash bench/h200_session.sh profile  # the decode step's kernel budget
 #   bash bench/h200_session.sh invariant  # --batch-invariant: GPU tests, decode and prefill steps both ways
+#   bash bench/h200_session.sh invariant-bench invariant-grpc  # the steps only; the gRPC tests on cuda
 set -uo pipefail
 OUT=${OUT:-bench/results/h200-$(date -u +%Y%m%dT%H%MZ)}
 mkdir -p "$OUT"
@@ -16,7 +17,7 @@ M="--model builtin:llama-1b --device cuda"
 run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v '^{' "$OUT/$name.log" | tail -"${TAIL:-14}"; }
 for part in "$@"; do
   case $part in
-    tests) TAIL=12 run gpu-tests 300 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider --timeout 120 ;;
+    tests) TAIL=12 run gpu-tests 420 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider --timeout 200 -k "${GPU_TESTS_K:-}" ;;
     stall) run capture-stall 150 python3 bench/capture_stall_bench.py $M --random-init ;;
     prefill) run prefill 120 python3 bench/prefill_bench.py $M --random-init ;;
     decode) run decode 90 python3 bench/decode_bench.py $M --random-init --batches 1,64,256 --no-anchors --no-plot ;;
@@ -40,10 +41,14 @@ for part in "$@"; do
       run serve-8b-tp1 280 $S --tensor-parallel-size 1
       run serve-8b-tp2 280 $S --tensor-parallel-size 2 ;;
     invariant)
-      TAIL=8 run invariant-gpu-tests 420 python3 -m pytest -q -m gpu tests/gpu/test_batch_invariant_gpu.py -p no:cacheprovider --timeout 300
+      TAIL=8 run invariant-gpu-tests 420 python3 -m pytest -q -m gpu tests/gpu/test_batch_invariant_gpu.py -p no:cacheprovider --timeout 300 ;&
+    invariant-bench)
       run decode-default 90 python3 bench/decode_bench.py $M --random-init --batches 1,64,256 --no-anchors --no-plot
       run decode-invariant 90 python3 bench/decode_bench.py $M --random-init --batches 1,64,256 --no-anchors --no-plot --batch-invariant
       run prefill-invariant 150 python3 bench/prefill_bench.py $M --random-init --no-transformers --batch-invariant ;;
+    invariant-grpc)
+      TAIL=8 GRAPHSERVE_TEST_ARGS="--device cuda --dtype bfloat16" run invariant-integration 300 \
+        python3 -m pytest -q tests/integration/test_batch_invariant.py -p no:cacheprovider --timeout 200 ;;
     profile) run decode-profile 150 python3 bench/profile_decode.py $M --random-init --batches 1,8,64,256 ;;
   esac
 done

@@ -55,7 +55,9 @@ def test_lora_bench(tmp_path: pathlib.Path) -> None:
         "--streams", "2", "--context", "16", "--cache-dir", str(tmp_path / "cache")], tmp_path)
     assert [r["batch"] for r in record["rows"]] == [1, 2]
     assert all({"base_ms", "stacked_ms", "gather_ms", "stacked_ratio", "gather_ratio"} <= r.keys() for r in record["rows"])
-    assert record["load"]["streams"] == 2 and record["load"]["step_gap_max_during_ms"] > 0
+    loads = record["load"]
+    assert [r["load"] for r in loads] == ["first", "second"]
+    assert all(r["streams"] == 2 and r["step_gap_max_during_ms"] > 0 and r["usable_ms"] > 0 for r in loads)
 
 
 def test_tp_decode_bench(tmp_path: pathlib.Path) -> None:
