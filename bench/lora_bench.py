@@ -176,9 +176,12 @@ def bench_load(args: argparse.Namespace) -> list[dict]:
 
     for i in range(args.streams):
         engine.submit(request(i), sink)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 60
     while len(steps) < 300:  # every stream decoding, the warm captures committed
         if engine.error is not None or time.monotonic() > deadline:
+            import faulthandler
+
+            faulthandler.dump_traceback(all_threads=True)  # where the engine stopped
             raise SystemExit(f"the engine ran {len(steps)} steps; error: {engine.error!r}")
         time.sleep(0.01)
 

@@ -88,7 +88,7 @@ class CudaGraph:
         self.pool = None
 
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_SIDE_STREAMS: dict[tuple[int, str], torch.cuda.Stream] = {}
 _DEVICE_LOCKS: dict[int, threading.Lock] = {}
 _LOCKS_GUARD = threading.Lock()
 
@@ -103,14 +103,39 @@ def _device_lock(device: torch.device) -> threading.Lock:
         return _DEVICE_LOCKS.setdefault(index, threading.Lock())
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One capture stream per device for the whole process: cuBLAS keeps a workspace per stream, so a
-    fresh stream per capture would leave a new workspace behind each time (memory no graph owns).
-    PyTorch makes it non-blocking, so the engine's work on the default stream never joins a capture."""
+def _side_stream(device: torch.device, purpose: str = "capture") -> torch.cuda.Stream:
+    """The capture thread's streams of a device, one per purpose for the whole process: cuBLAS keeps a
+    workspace per stream, so a fresh stream per capture would leave a new workspace behind each time
+    (memory no graph owns). PyTorch makes them non-blocking, so the engine's work on the default
+    stream never joins a capture.
+
+    Warm-up ("warmup") and recording ("capture") use different streams, hence different cuBLAS
+    workspaces: a captured GEMM keeps the workspace it was recorded with, and its replays on the
+    engine's stream must never run beside an eager GEMM using that same workspace (split-K kernels
+    keep counters there; two at once can spin forever). Only recording, which executes nothing, uses
+    the capture stream's workspace."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(torch.device("cuda", index))
-    return _SIDE_STREAMS[index]
+    key = (index, purpose)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(torch.device("cuda", index))
+    return _SIDE_STREAMS[key]
+
+
+_primed = threading.local()
+
+
+def _prime_blas_workspace(device: torch.device) -> None:
+    """Makes cuBLAS allocate this thread's workspace for the current (capture) stream now, outside a
+    capture: allocated inside one it would live in that graph's private pool and dangle once the
+    graph is evicted, while later captures on this stream kept using it."""
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    done = getattr(_primed, "keys", None)
+    if done is None:
+        done = _primed.keys = set()
+    if key not in done:
+        a = torch.ones(2, 2, device=device)
+        torch.mm(a, a)
+        done.add(key)
 
 
 def pool_bytes(device: torch.device, pool: tuple) -> int:
@@ -212,10 +237,13 @@ class CudaGraphBackend:
         stream = _side_stream(device)
         if self.synchronize:
             torch.cuda.synchronize(device)
-        with torch.inference_mode(), torch.cuda.stream(stream):
+        warmup = _side_stream(device, "warmup")
+        with torch.inference_mode(), torch.cuda.stream(warmup):
             for _ in range(self.warmup_iters):
                 step.run_scratch(size)
-            stream.synchronize()  # waits for this stream only; the engine's stream runs on
+        warmup.synchronize()  # waits for the warm-up only; the engine's stream runs on
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            _prime_blas_workspace(device)
             pool = torch.cuda.graph_pool_handle()
             free0 = torch.cuda.mem_get_info(device)[0]  # no device sync: the engine keeps running
             start = time.perf_counter()
@@ -269,5 +297,6 @@ class CudaGraphBackend:
 
     def cleanup_after_failure(self) -> None:
         with _device_lock(self.device):
+            _side_stream(self.device, "warmup").synchronize()
             _side_stream(self.device).synchronize()
             torch.cuda.empty_cache()
