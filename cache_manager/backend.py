@@ -125,16 +125,21 @@ _primed = threading.local()
 
 
 def _prime_blas_workspace(device: torch.device) -> None:
-    """Makes cuBLAS allocate this thread's workspace for the current (capture) stream now, outside a
-    capture: allocated inside one it would live in that graph's private pool and dangle once the
-    graph is evicted, while later captures on this stream kept using it."""
+    """Makes cuBLAS and cuBLASLt allocate this thread's workspaces for the current (capture) stream
+    now, outside a capture: allocated inside one they would live in that graph's private pool and
+    dangle once the graph is evicted, while later captures on this stream kept using them. (The
+    warm-up, which used to allocate them, runs on a stream of its own.)"""
     key = (device.index, torch.cuda.current_stream(device).cuda_stream)
     done = getattr(_primed, "keys", None)
     if done is None:
         done = _primed.keys = set()
     if key not in done:
-        a = torch.ones(2, 2, device=device)
+        # Tiny shapes: no split-K, nothing kept in the workspace. cuBLAS (mm) and cuBLASLt (a bf16
+        # linear with bias) each have a workspace per handle and stream.
+        a = torch.ones(16, 16, device=device)
         torch.mm(a, a)
+        b = a.to(torch.bfloat16)
+        torch.nn.functional.linear(b, b, b[0])
         done.add(key)
 
 
