@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -14,7 +14,7 @@ import structlog
 import torch
 
 from cache_manager.backend import CudaGraphBackend, GraphBackend
-from cache_manager.budget import resolve_budget
+from cache_manager.budget import choose_victims, resolve_budget
 from cache_manager.capturer import CaptureJob
 from cache_manager.config import DEFAULT_BUDGET_FRACTION, GraphCacheConfig
 from cache_manager.mirror import GraphOp
@@ -133,6 +133,7 @@ class GraphCache:
                 # step beside a capture shares the interpreter with it and slows most).
                 self._warm_queue.extend(BatchDescriptor(k, self._tables[k].largest) for k in self.mode.kinds)
         self._warming: BatchDescriptor | None = None  # the warm-start capture in flight
+        self.sharing: GraphCache | None = None  # the cache under the same budget (share_budget_with)
 
     # ---- serving ------------------------------------------------------------------------------
 
@@ -155,6 +156,7 @@ class GraphCache:
         mine, theirs = self.residency, other.residency
         mine.shared_bytes = lambda: theirs.used_bytes + theirs.reserved_bytes
         theirs.shared_bytes = lambda: mine.used_bytes + mine.reserved_bytes
+        self.sharing, other.sharing = other, self
 
     def serves(self, kind: CudaGraphMode) -> bool:
         """Whether steps of this kind (FULL: uniform decode; PIECEWISE: any step) can replay graphs."""
@@ -346,23 +348,37 @@ class GraphCache:
         return results.future
 
     def set_budget_async(self, value: str | float) -> Future:
-        """Set the budget (bytes, fraction or string) and evict by policy until the graphs fit it."""
+        """Set the budget (bytes, fraction or string) and evict by policy until the graphs fit it. The
+        future gets {key: OpResult} of this cache's evictions; a cache sharing the budget gets it too,
+        and its evictions are in `set_shared_budget_async`'s second future."""
+        return self.set_shared_budget_async(value)[0]
+
+    def set_shared_budget_async(self, value: str | float) -> list[Future]:
+        """Set the one budget of this cache and of the cache sharing it (share_budget_with), and evict
+        by policy until the graphs of both fit it together: the victims are chosen among both caches'
+        graphs, the lowest recent replays per byte first, whichever cache holds them. One future per
+        cache, this one's first, each of {key: OpResult} with that cache's evictions."""
+        caches = [self] if self.sharing is None else [self, self.sharing]
         total = self.backend.total_memory() if self.backend is not None else 0
         budget = resolve_budget(value, total)
-        with self._lock:
-            self.residency.budget_bytes = budget
-        over = self.used_bytes - budget
-        victims: list[BatchDescriptor] = []
+        for cache in caches:
+            with cache._lock:
+                cache.residency.budget_bytes = budget
+        over = sum(cache.used_bytes for cache in caches) - budget
+        victims: list[tuple[GraphCache, BatchDescriptor]] = []
         if over > 0:
-            victims = self.residency.victims(over, set(), math.inf, self._clock()) or [
-                k for k, b in self._buckets.items() if b.graph is not None
-            ]
-        # Results by size for FULL graphs (as the admin RPC reports sizes), by key for the others.
-        names = {k: k.padded_size if k.mode is FULL else str(k) for k in victims}
-        results = _Results(names.values())
+            now = self._clock()
+            candidates = [dataclasses.replace(c, size=(cache, c.size))
+                          for cache in caches for c in cache.residency.candidates(set(), now)]
+            # None: even all of them free too little (bytes still being released): evict them all.
+            victims = choose_victims(candidates, over) or [c.size for c in candidates]
+        return [cache._evict_to_fit([k for owner, k in victims if owner is cache], budget) for cache in caches]
+
+    def _evict_to_fit(self, victims: list[BatchDescriptor], budget: int) -> Future:
+        results = _Results(victims)
         for k in victims:
             self.residency.evict(k, "budget", lambda r, k=k: results.set(
-                names[k], OpResult(OpOutcome.EVICTED, f"evicted {k} to fit {budget} bytes", r.bytes)))
+                k, OpResult(OpOutcome.EVICTED, f"evicted {k} to fit {budget} bytes", r.bytes)))
         return results.future
 
     def capture(self, sizes: Iterable[int], kind: CudaGraphMode | str = FULL) -> dict[int, OpResult]:
@@ -371,7 +387,7 @@ class GraphCache:
     def evict(self, sizes: Iterable[int], kind: CudaGraphMode | str = FULL) -> dict[int, OpResult]:
         return self._wait(self.evict_async(sizes, kind))
 
-    def set_budget(self, value: str | float) -> dict[int, OpResult]:
+    def set_budget(self, value: str | float) -> dict[BatchDescriptor, OpResult]:
         return self._wait(self.set_budget_async(value))
 
     def _wait(self, future: Future) -> dict[int, OpResult]:
@@ -466,16 +482,16 @@ class StepPlan:
 
 
 class _Results:
-    """Collects one OpResult per size of an operator operation; completes its future with the last."""
+    """Collects one OpResult per size (or key) of an operator operation; completes its future with the last."""
 
-    def __init__(self, sizes: Iterable[int]) -> None:
+    def __init__(self, sizes: Iterable[Hashable]) -> None:
         self.future: Future = Future()
         self._order = list(sizes)
-        self._results: dict[int, OpResult] = {}
+        self._results: dict[Hashable, OpResult] = {}
         if not self._order:
             self.future.set_result({})
 
-    def set(self, size: int, result: OpResult) -> None:
+    def set(self, size: Hashable, result: OpResult) -> None:
         self._results[size] = result
         if len(self._results) == len(self._order) and not self.future.done():
             self.future.set_result({s: self._results[s] for s in self._order})

@@ -95,15 +95,18 @@ class Residency:
         """Estimated bytes of the captures in flight: budget decisions count them as used."""
         return sum(job.estimate for job in self.pending.values())
 
-    def victims(
-        self, need: int, protect: set[BatchDescriptor], max_score: float, now: float
-    ) -> list[BatchDescriptor] | None:
-        cands = [
+    def candidates(self, protect: set[BatchDescriptor], now: float) -> list[Candidate]:
+        """The captured graphs eviction may consider: every one not in `protect`."""
+        return [
             Candidate(s, b.graph.nbytes, b.heat_at(now, self.half_life_s), self.stats.last_use(s))
             for s, b in self.buckets.items()
             if b.graph is not None and s not in protect
         ]
-        return choose_victims(cands, need, max_score)
+
+    def victims(
+        self, need: int, protect: set[BatchDescriptor], max_score: float, now: float
+    ) -> list[BatchDescriptor] | None:
+        return choose_victims(self.candidates(protect, now), need, max_score)
 
     def _victims_for(
         self, b: Bucket, nbytes: int, need: int, protect: set[BatchDescriptor], evict: str, now: float

@@ -273,7 +273,7 @@ def test_operator_capture_evict_and_set_budget():
     cache.capture([1, 2])
     assert cache.snapshot().used_bytes == 11_000
     evicted = cache.set_budget(4000)
-    assert set(evicted) == {8} and all(r.outcome is OpOutcome.EVICTED for r in evicted.values())
+    assert set(evicted) == {BatchDescriptor(FULL, 8)} and all(r.outcome is OpOutcome.EVICTED for r in evicted.values())
     assert cache.snapshot().used_bytes <= 4000 == cache.snapshot().budget_bytes
     assert cache.capture([8])[8].outcome is OpOutcome.OVER_BUDGET
 
@@ -516,5 +516,37 @@ def test_two_caches_sharing_a_budget_never_exceed_it_together():
     a.evict([1, 2])
     run_settled(b, 1)
     assert fake_b.live_bytes == 3000 and fake_a.live_bytes + fake_b.live_bytes <= 8000
+    a.close()
+    b.close()
+
+
+def test_a_shared_budget_set_on_one_cache_binds_both_and_evicts_from_either():
+    """The base and LoRA caches under one budget: setting it sets both, and a shrink evicts by policy
+    among the graphs of both (cold LoRA graphs before hot base ones) until together they fit."""
+    a, _, fake_a, _ = make(budget=100_000)
+    b, _, fake_b, _ = make(budget=100_000)
+    a.share_budget_with(b)
+    a.capture([1, 2, 4])  # 7000 bytes
+    b.capture([2, 8])  # 10_000 bytes
+    for n in (1, 2, 4, 1, 2, 4):
+        run_settled(a, n)  # the base graphs are hot; the LoRA ones were never replayed
+
+    def shrink(budget: int) -> tuple[dict, dict]:
+        base, lora = a.set_shared_budget_async(budget)
+        a.wait_idle()
+        b.wait_idle()
+        assert a.budget_bytes == b.budget_bytes == budget
+        assert a.used_bytes + b.used_bytes == fake_a.live_bytes + fake_b.live_bytes <= budget
+        return base.result(0), lora.result(0)
+
+    base, lora = shrink(10_000)  # 7000 over: the cold LoRA graph of 8 alone frees enough
+    assert base == {} and set(lora) == {BatchDescriptor(FULL, 8)}
+    assert lora[BatchDescriptor(FULL, 8)].outcome is OpOutcome.EVICTED and lora[BatchDescriptor(FULL, 8)].bytes == 8000
+    assert fake_a.live == {1: 1000, 2: 2000, 4: 4000} and fake_b.live == {2: 2000}
+    base, lora = shrink(2500)  # 6500 over: the last LoRA graph, then the base graphs of least replays per byte
+    assert set(base) == {BatchDescriptor(FULL, 2), BatchDescriptor(FULL, 4)} and set(lora) == {BatchDescriptor(FULL, 2)}
+    assert all(r.outcome is OpOutcome.EVICTED for r in [*base.values(), *lora.values()])
+    assert fake_a.live == {1: 1000} and fake_b.live == {}
+    assert b.capture([8])[8].outcome is OpOutcome.OVER_BUDGET  # b's own budget is the shared one now
     a.close()
     b.close()
