@@ -322,9 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name, verb in (("capture", "capture now"), ("evict", "evict now")):
         c = command(name, f"{verb} the graphs of these sizes")
         c.add_argument("sizes", nargs="+", type=_size, metavar="SIZE")
-        c.add_argument("--kind", choices=["full", "piecewise"], default="full",
-                       help="full: a whole decode step, SIZE rows (default); piecewise: any step, SIZE tokens")
-    b = command("budget", "set the graph memory budget (evicts until the graphs fit)")
+        c.add_argument("--kind", choices=["full", "piecewise", "full+lora", "piecewise+lora"], default="full",
+                       help="full: a whole decode step, SIZE rows (default); piecewise: any step, SIZE tokens; "
+                            "+lora: the graphs of steps with adapter rows (servers with adapter slots)")
+    b = command("budget", "set the graph memory budget, one for the base and LoRA graphs together "
+                          "(evicts from either until they fit)")
     b.add_argument("budget", metavar="BYTES", help="e.g. 8GiB, 512MiB or 1000000")
     command("reset-stats", "zero every counter, since start and persisted")
     command("adapters", "the loaded LoRA adapters, their device slots and streams")

@@ -29,6 +29,7 @@ from cache_manager import (
 from service.engine.adapters import AdapterError, AdapterExists, AdapterInUse, AdapterNotFound
 from service.model.lora import LoraError
 from service.proto import admin_pb2, admin_pb2_grpc
+from service.server.engine_worker import LORA_SUFFIX
 
 log = structlog.get_logger("graphserve.admin")
 
@@ -177,10 +178,16 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
         """Unique sizes in request order and the graph kind; INVALID_ARGUMENT (naming the allowed
         ones) otherwise."""
         kind = request.kind.strip().lower() or "full"
-        if kind not in ("full", "piecewise"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kind {request.kind!r}: use full or piecewise")
+        graph_kind = kind.removesuffix(LORA_SUFFIX)  # the LoRA cache keeps the base cache's sizes
+        if graph_kind not in ("full", "piecewise"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"kind {request.kind!r}: use full, piecewise, full+lora or piecewise+lora")
+        if kind != graph_kind and not self._has_lora_graphs():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"kind {kind}: this server has no adapter slots, so no LoRA graphs "
+                                "(start with --max-loras or --lora-modules)")
         unique = list(dict.fromkeys(request.sizes))
-        allowed = self.graphs.config.sizes if kind == "full" else self.graphs.config.piecewise_sizes
+        allowed = self.graphs.config.sizes if graph_kind == "full" else self.graphs.config.piecewise_sizes
         if not unique:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"give at least one size; allowed: {_few(allowed)}")
@@ -190,6 +197,10 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
                                 f"sizes {_few(bad)} are not {kind} capture sizes; allowed: {_few(allowed)}")
         return unique, kind
 
+    def _has_lora_graphs(self) -> bool:
+        adapters = getattr(self.graphs, "adapters", None)
+        return adapters is not None and adapters.max_loras > 0
+
     async def _read(self, context: grpc.aio.ServicerContext, fn: Callable[[], Any]) -> Any:
         try:
             return await asyncio.to_thread(fn)
@@ -198,15 +209,17 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
 
     async def _operate(self, context: grpc.aio.ServicerContext, op: str, fn: Callable[[], dict[Any, OpResult]],
                        kind: str = "full", **fields: Any) -> admin_pb2.OperationResponse:
-        """fn's results are keyed by size (of `kind`) or by BatchDescriptor (set_budget: any kind)."""
+        """fn's results are keyed by size (of `kind`), by BatchDescriptor or by (size, kind) (set_budget:
+        any kind; the engine process names the LoRA graphs' kinds "full+lora" / "piecewise+lora")."""
         def run() -> tuple[dict[Any, OpResult], int, int]:
             results = fn()
             return results, self.graphs.budget_bytes, self.graphs.used_bytes
 
         results, budget, used = await self._on_engine(context, op, run)
+        keys = {s: _size_and_kind(s, kind) for s in results}
         log.info("admin_operation", op=op, **fields,
-                 results={str(s): r.outcome.value for s, r in results.items()}, used_bytes=used, budget_bytes=budget)
-        keys = {s: (s.padded_size, s.mode.value) if isinstance(s, BatchDescriptor) else (s, kind) for s in results}
+                 results={f"{keys[s][1]}:{keys[s][0]}": r.outcome.value for s, r in results.items()},
+                 used_bytes=used, budget_bytes=budget)
         return admin_pb2.OperationResponse(
             results=[admin_pb2.SizeResult(size=keys[s][0], kind=keys[s][1], outcome=r.outcome.value,
                                           message=r.message, bytes=r.bytes)
@@ -241,6 +254,12 @@ def _few(values: Iterable[int], shown: int = _SHOWN_VALUES) -> str:
     if len(values) <= shown:
         return str(values)
     return f"[{', '.join(map(str, values[:shown]))}, ... and {len(values) - shown} more]"
+
+
+def _size_and_kind(key: int | BatchDescriptor | tuple[int, str], kind: str) -> tuple[int, str]:
+    if isinstance(key, BatchDescriptor):
+        return key.padded_size, key.mode.value
+    return key if isinstance(key, tuple) else (key, kind)
 
 
 def _bucket_entry(b: BucketEntry) -> admin_pb2.BucketEntry:

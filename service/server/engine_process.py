@@ -349,6 +349,7 @@ class RemoteGraphs:
     def persisted_stats(self) -> Any:
         return self._engine.remote("persisted_stats")
 
+    # kind: "full" or "piecewise", or "full+lora" / "piecewise+lora" for the graphs of steps with adapter rows.
     def capture(self, sizes: Any, kind: str = "full") -> Any:
         return self._engine.remote("capture", list(sizes), kind)
 
@@ -356,6 +357,7 @@ class RemoteGraphs:
         return self._engine.remote("evict", list(sizes), kind)
 
     def set_budget(self, value: Any) -> Any:
+        """The one budget of the base and LoRA caches; their evictions keyed (size, kind)."""
         return self._engine.remote("set_budget", value)
 
     def reset_stats(self) -> None:
@@ -370,6 +372,7 @@ class RemoteGraphs:
 
     @property
     def used_bytes(self) -> int:
+        """What counts against the budget: the graphs of both caches."""
         return self._engine.remote("used_bytes")
 
 

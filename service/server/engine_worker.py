@@ -42,6 +42,8 @@ DELTA, FINISH, ERROR = "d", "f", "e"
 READS = frozenset({"metrics", "snapshot", "lora_snapshot"})
 GRAPH_OPS = frozenset({"capture", "evict", "set_budget", "reset_stats", "persisted_stats", "budget_bytes",
                        "used_bytes", "total_memory"})
+# Capture and evict kinds that name the LoRA graph cache's graphs ("full+lora", "piecewise+lora").
+LORA_SUFFIX = "+lora"
 # Adapter operations: the files are read on a thread of their own, the registry changes on the
 # engine thread between two steps (a load costs the engine one short call, not the disk read).
 ADAPTER_OPS = frozenset({"load_adapter", "unload_adapter", "list_adapters"})
@@ -267,13 +269,23 @@ class _Worker:
         return self.metrics.families()
 
     def _graph_op(self, name: str, args: tuple) -> Any:
-        g = self.graphs
-        if name in ("budget_bytes", "used_bytes"):
-            return getattr(g, name)
+        g, lora = self.graphs, self.runner.lora_graphs
+        if name == "budget_bytes":
+            return g.budget_bytes
+        if name == "used_bytes":  # what counts against the one budget: the LoRA cache's graphs too
+            return g.used_bytes + (lora.used_bytes if lora is not None else 0)
         if name == "total_memory":
             return g.backend.total_memory() if g.backend is not None else None
-        if name in ("capture", "evict", "set_budget"):  # finished on the capture thread: never wait here
-            return getattr(g, f"{name}_async")(*args)
+        # Capture, evict and set_budget finish on the capture thread: never wait here.
+        if name in ("capture", "evict"):
+            sizes, kind = args
+            if kind.endswith(LORA_SUFFIX):  # "full+lora": the graphs of steps with adapter rows
+                if lora is None:
+                    raise ValueError("this server has no adapter slots (start with --max-loras or --lora-modules)")
+                g, kind = lora, kind.removesuffix(LORA_SUFFIX)
+            return getattr(g, f"{name}_async")(sizes, kind)
+        if name == "set_budget":
+            return _budget_results(g.set_shared_budget_async(*args), lora is not None)
         return getattr(g, name)(*args)
 
     def _reply_when_done(self, call_id: int, future: concurrent.futures.Future) -> None:
@@ -313,6 +325,28 @@ class _Worker:
         saved = close_engine(self.engine, self.runner.runner.graph_caches)
         self.adapter_reads.shutdown(wait=False)
         return saved
+
+
+def _budget_results(futures: list[concurrent.futures.Future], with_lora: bool) -> concurrent.futures.Future:
+    """One future of the base and LoRA caches' evictions (set_shared_budget_async's futures, base
+    first), keyed (size, kind) with the LoRA graphs' kinds "full+lora" / "piecewise+lora"."""
+    suffixes = ["", LORA_SUFFIX] if with_lora else [""]
+    merged: concurrent.futures.Future = concurrent.futures.Future()
+    lock = threading.Lock()
+
+    def on_done(_: concurrent.futures.Future) -> None:
+        with lock:
+            if merged.done() or not all(f.done() for f in futures):
+                return
+            try:
+                merged.set_result({(k.padded_size, k.mode.value + suffix): r
+                                   for f, suffix in zip(futures, suffixes, strict=True) for k, r in f.result().items()})
+            except Exception as exc:  # noqa: BLE001 - the caller gets it as its call's exception
+                merged.set_exception(exc)
+
+    for f in futures:
+        f.add_done_callback(on_done)
+    return merged
 
 
 def _info(lr: Any, name: str) -> Any:

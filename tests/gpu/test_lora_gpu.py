@@ -151,3 +151,27 @@ def test_admin_state_keeps_adapter_keyed_graph_entries(lora_server, capsys: pyte
     # Greedy tokens with graphs on agree with the same server's eager steps (bf16 rounding aside):
     # the first tokens of a request equal those of an identical request.
     assert _generate(server, "a1", 16)[:4] == _generate(server, "a1", 16)[:4]
+
+
+def test_operator_captures_and_evicts_lora_graphs(lora_server, capsys: pytest.CaptureFixture) -> None:
+    _, target, token_file = lora_server
+
+    def ctl(*argv: str) -> dict:
+        capsys.readouterr()
+        assert graphctl.main(["--target", target, "--token-file", token_file, "--json", *argv]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    def lora_state(size: int) -> str:
+        return next(b["state"] for b in ctl("state")["lora_buckets"] if (b["kind"], int(b["size"])) == ("full", size))
+
+    captured = ctl("capture", "--kind", "full+lora", "8")["results"]
+    assert [(r["kind"], int(r["size"]), r["outcome"]) for r in captured] == [("full+lora", 8, "captured")]
+    assert lora_state(8) == "BUCKET_STATE_CAPTURED"
+    evicted = ctl("evict", "--kind", "full+lora", "8")["results"]
+    assert [(r["kind"], int(r["size"]), r["outcome"]) for r in evicted] == [("full+lora", 8, "evicted")]
+    assert lora_state(8) == "BUCKET_STATE_EVICTED"
+    # The budget is the one of both caches: a shrink evicts LoRA graphs too, listed with their kind.
+    ctl("capture", "--kind", "full+lora", "8")
+    response = ctl("budget", "1")
+    assert ("full+lora", 8, "evicted") in {(r["kind"], int(r["size"]), r["outcome"]) for r in response["results"]}
+    assert lora_state(8) == "BUCKET_STATE_EVICTED"

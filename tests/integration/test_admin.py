@@ -241,6 +241,21 @@ def test_size_outside_the_allowed_list_is_invalid_argument(admin: Admin, capsys)
     assert code == graphctl.EXIT_USAGE and "Traceback" not in err
 
 
+def test_lora_kinds_without_adapter_slots_are_invalid_argument(admin: Admin, capsys) -> None:
+    for method in (admin.stub.Capture, admin.stub.Evict):
+        for kind in ("full+lora", "piecewise+lora"):
+            with pytest.raises(grpc.RpcError) as info:
+                method(admin_pb2.SizesRequest(sizes=[8], kind=kind), metadata=admin.auth(), timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "no adapter slots" in info.value.details() and "--max-loras" in info.value.details()
+    code, out, err = admin.ctl(capsys, "capture", "--kind", "full+lora", "8")
+    assert code == graphctl.EXIT_REFUSED and out == ""
+    assert "INVALID_ARGUMENT" in one_line_error(err) and "no adapter slots" in err
+    with pytest.raises(grpc.RpcError) as info:
+        admin.stub.Capture(admin_pb2.SizesRequest(sizes=[8], kind="lora"), metadata=admin.auth(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "full+lora" in info.value.details()
+
+
 def test_thousands_of_bad_sizes_are_listed_capped(admin: Admin) -> None:
     bad = list(range(1000, 6000))
     for method in (admin.stub.Capture, admin.stub.Evict):

@@ -216,6 +216,28 @@ def test_cache_state_has_separate_lora_entries(lora: Lora, capsys: pytest.Captur
     assert code == 0 and "LoRA graphs (steps with any adapter row)" in out and "full+lora" in out
 
 
+def test_lora_graph_operations_take_the_lora_kinds(lora: Lora, capsys: pytest.CaptureFixture) -> None:
+    """Capture and evict of kind full+lora act on the LoRA cache; without graphs (CPU) they are
+    refused as the base kinds are; a wrong size names the allowed ones; the budget is the one of both."""
+    if lora.server.app.model.graph_mode != "none":
+        pytest.skip("needs a server without CUDA graphs (CPU); tests/gpu/test_lora_gpu.py captures them")
+    for method in (lora.admin.Capture, lora.admin.Evict):
+        with pytest.raises(grpc.RpcError) as err:
+            method(admin_pb2.SizesRequest(sizes=[8], kind="full+lora"), metadata=lora.auth(), timeout=30)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "CUDA graphs are unavailable" in err.value.details() and "mode none" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        lora.admin.Capture(admin_pb2.SizesRequest(sizes=[3], kind="full+lora"), metadata=lora.auth(), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "are not full+lora capture sizes" in err.value.details() and "allowed: [1, 2, 4, 8]" in err.value.details()
+    code, out, err_text = lora.ctl(capsys, "capture", "--kind", "full+lora", "8")
+    assert code == graphctl.EXIT_REFUSED and out == "" and "FAILED_PRECONDITION" in err_text
+    code, _, err_text = lora.ctl(capsys, "evict", "--kind", "lora", "8")
+    assert code == graphctl.EXIT_USAGE and "invalid choice" in err_text
+    code, out, _ = lora.ctl(capsys, "budget", "64MiB")
+    assert code == 0 and "nothing evicted" in out and "used 0 B of budget 64.0 MiB" in out
+
+
 def test_metrics_count_requests_and_tokens_per_adapter(lora: Lora) -> None:
     from tests.integration.test_metrics_endpoint import scrape
 
