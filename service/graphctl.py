@@ -148,11 +148,21 @@ def format_state(s: admin_pb2.CacheState) -> str:
         lora_captured = sum(b.state == admin_pb2.BUCKET_STATE_CAPTURED for b in s.lora_buckets)
         head += (f"\nLoRA graphs (steps with any adapter row): {lora_captured} of {len(s.lora_buckets)} buckets "
                  f"captured, used {human_bytes(s.lora_used_bytes)}")
+    head += "".join(f"\n{_rank_line(r)}" for r in s.ranks)  # tensor parallelism: the budget is per rank
     body = table(["kind", "size", "state", "bytes", "capture", "replays", "padded", "eager", "failures", "last use"],
                  rows, left=(0, 2, 9))
     notes = [f"bucket {b.kind or 'full'}:{b.size}: {b.failure_reason}" for b in s.buckets if b.failure_reason]
     notes += [f"bucket {b.kind or 'full'}+lora:{b.size}: {b.failure_reason}" for b in s.lora_buckets if b.failure_reason]
     return "\n".join([head, body, *notes])
+
+
+def _rank_line(r: admin_pb2.RankMemory) -> str:
+    if not r.reported:
+        return f"rank {r.rank}: graphs unknown (not reported yet)"
+    line = f"rank {r.rank}: graphs {human_bytes(r.graph_bytes)}"
+    if r.device_total_bytes:
+        line += f", device {human_bytes(r.device_free_bytes)} free of {human_bytes(r.device_total_bytes)}"
+    return line
 
 
 def format_adapters(r: admin_pb2.ListAdaptersResponse) -> str:

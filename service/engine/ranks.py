@@ -18,7 +18,9 @@ in order, and the graph the step replays. The other ranks follow with a GraphMir
 (cache_manager/mirror.py). Captures run inline on every rank's engine thread, at the same point in
 the step sequence (NCCL communicators are not thread-safe, and a warm-up's collectives beside a
 step's could deadlock across ranks): the engine stalls for each capture, as `stall_ms` shows.
-Operations decided between steps (warm start, graphctl) go out in a message without a step.
+Operations decided between steps (warm start, graphctl) go out in a message without a step. The
+other ranks publish the bytes their graphs hold to the group's store (rank_memory.py), where rank 0
+reads them for the admin state.
 
 A rank that dies ends the engine: rank 0 watches the other processes and fails its next step (the
 engine then fails every stream and the server exits as on any engine failure); collectives with a
@@ -42,6 +44,7 @@ from typing import Any
 import structlog
 import torch
 
+from service.engine.rank_memory import MemoryPublisher, RankMemory, read_memory
 from service.engine.step_channel import StepChannel, StepInputs
 from service.model.parallel import TensorParallel
 
@@ -67,6 +70,16 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank)
 
 
+def group_store(rank: int, world_size: int, port: int) -> Any:
+    """The group's TCPStore (rank 0 hosts it on `port`, the others connect), with this rank marked
+    as started. It also carries the ranks' graph memory (service.engine.rank_memory)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=_COLLECTIVE_TIMEOUT)
+    store.set(_joined_key(rank), "1")
+    return store
+
+
 def join_group(rank: int, world_size: int, port: int, device: torch.device,
                store: Any = None) -> tuple[TensorParallel, Any]:
     """Joins the process group (rank 0 hosts the store on `port`, or passes one it already hosts); returns this rank's
@@ -74,8 +87,7 @@ def join_group(rank: int, world_size: int, port: int, device: torch.device,
     import torch.distributed as dist
 
     if store is None:
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=_COLLECTIVE_TIMEOUT)
-        store.set(_joined_key(rank), "1")
+        store = group_store(rank, world_size, port)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=_COLLECTIVE_TIMEOUT,
@@ -100,6 +112,10 @@ class Ranks:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
+
+    def memory(self, own: RankMemory) -> list[RankMemory]:
+        """Every rank's graph memory: rank 0's own (`own`), then what the others last published."""
+        return read_memory(self.store, len(self.procs) + 1, own)
 
     def send(self, inputs: StepInputs) -> None:
         self.check()
@@ -225,26 +241,34 @@ def follow(rank: int, world_size: int, port: int, c: Any, device_type: str) -> N
     from service.engine.builder import build_runner
 
     device = rank_device(torch.device(device_type), rank)
-    tp, channel_group = join_group(rank, world_size, port, device)
+    store = group_store(rank, world_size, port)
+    tp, channel_group = join_group(rank, world_size, port, device, store=store)
     lr = build_runner(c, device, tp, follower=True)
     channel = StepChannel(channel_group, StepInputs.capacity(c.max_running_seqs, c.max_num_batched_tokens))
     log.info("rank_ready", rank=rank, device=str(device))
-    follow_steps(lr.runner, channel, tp)
+    follow_steps(lr.runner, channel, tp, MemoryPublisher(store, rank, device))
     log.info("rank_stopped", rank=rank)
 
 
-def follow_steps(runner: Any, channel: StepChannel, tp: TensorParallel) -> None:
-    """Ranks > 0: run rank 0's steps (and graph operations) with `runner` until it stops."""
+def follow_steps(runner: Any, channel: StepChannel, tp: TensorParallel,
+                 memory: MemoryPublisher | None = None) -> None:
+    """Ranks > 0: run rank 0's steps (and graph operations) with `runner` until it stops; `memory`
+    publishes the mirror's bytes at the start and after each message with graph operations."""
     assert runner.mirror is not None, "a follower's runner mirrors rank 0's graphs (follow_graphs)"
+    publish = memory.publish if memory is not None else lambda graph_bytes: None
+    publish(runner.mirror.held_bytes)
     previous = torch.zeros(0, dtype=torch.long, device=runner.device)
     with torch.inference_mode():
         while (inputs := channel.recv()) is not None:
             if not inputs.runs_forward:  # graph operations decided between steps
                 runner.mirror.apply(inputs.graph_ops)
+                publish(runner.mirror.held_bytes)
                 continue
             runner.forward(inputs, previous)
             if inputs.num_sampling:
                 previous = tp.broadcast(torch.empty(inputs.num_sampling, dtype=torch.long, device=runner.device))
+            if inputs.graph_ops:  # run before the forward; published after its collectives, not between them
+                publish(runner.mirror.held_bytes)
 
 
 def main(argv: list[str]) -> None:

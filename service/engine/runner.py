@@ -26,6 +26,7 @@ from cache_manager.mirror import GraphMirror
 from cache_manager.sizes import FULL, PIECEWISE, CudaGraphMode
 from service.engine.decode_step import LoraDecodeStep, ModelDecodeStep
 from service.engine.piecewise_step import LoraPiecewiseStep, PiecewiseStep
+from service.engine.rank_memory import RankMemory, device_memory
 from service.engine.ranks import Ranks
 from service.engine.sampler import SamplingBatch, sample
 from service.engine.scheduler import PrefillChunk
@@ -104,6 +105,14 @@ class ModelRunner:
         assert self.lora_graphs is None, "adapters are not served with tensor parallelism"
         self.ranks = ranks
         self.graphs.publish_ops = lambda ops: ranks.send(StepInputs.only_ops(ops))
+
+    def rank_memory(self) -> list[RankMemory]:
+        """Tensor parallelism (rank 0): every rank's graph memory, rank 0 first; empty on one rank.
+        Safe off the engine thread (a device memory query and store reads)."""
+        if self.ranks is None:
+            return []
+        free, total = device_memory(self.device)
+        return self.ranks.memory(RankMemory(0, self.graphs.used_bytes, free, total))
 
     def follow_graphs(self) -> None:
         """Ranks > 0: hold the graphs rank 0's cache captures and releases; decide nothing."""

@@ -27,6 +27,7 @@ from cache_manager import (
     OpResult,
 )
 from service.engine.adapters import AdapterError, AdapterExists, AdapterInUse, AdapterNotFound
+from service.engine.rank_memory import RankMemory
 from service.model.lora import LoraError
 from service.proto import admin_pb2, admin_pb2_grpc
 from service.server.engine_worker import LORA_SUFFIX
@@ -69,12 +70,15 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
         snap = await self._read(context, self.graphs.snapshot)
         lora_snapshot = getattr(self.graphs, "lora_snapshot", None)
         lora = await self._read(context, lora_snapshot) if lora_snapshot is not None else None
+        rank_memory = getattr(self.graphs, "rank_memory", None)
+        ranks = await self._read(context, rank_memory) if rank_memory is not None else []
         return admin_pb2.CacheState(
             mode=snap.mode, device=snap.device, budget_bytes=snap.budget_bytes, used_bytes=snap.used_bytes,
             capture_sizes=list(snap.capture_sizes), max_batch=snap.max_batch,
             buckets=[_bucket_entry(b) for b in snap.buckets], piecewise_sizes=list(snap.piecewise_sizes),
             lora_buckets=[_bucket_entry(b) for b in lora.buckets] if lora is not None else [],
             lora_used_bytes=lora.used_bytes if lora is not None else 0,
+            ranks=[_rank_memory(r) for r in ranks],
         )
 
     async def GetCaptureStats(self, request: admin_pb2.GetCaptureStatsRequest,
@@ -274,6 +278,12 @@ def _bucket_entry(b: BucketEntry) -> admin_pb2.BucketEntry:
         failures=c.failures, captures=c.captures, evictions=c.evictions,
         last_use_unix=b.last_use or 0.0, failure_reason=reason,
     )
+
+
+def _rank_memory(r: RankMemory) -> admin_pb2.RankMemory:
+    """Unknown numbers (not published yet, or not measured on the CPU) are 0; `reported` tells which."""
+    return admin_pb2.RankMemory(rank=r.rank, graph_bytes=r.graph_bytes or 0, device_free_bytes=r.device_free_bytes or 0,
+                                device_total_bytes=r.device_total_bytes or 0, reported=r.graph_bytes is not None)
 
 
 def _adapter_info(a: Any) -> admin_pb2.AdapterInfo:

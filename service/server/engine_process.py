@@ -346,6 +346,10 @@ class RemoteGraphs:
         """The snapshot of the graphs of batches with adapters (None without adapter slots)."""
         return self._engine.remote("lora_snapshot", timeout=5.0)
 
+    def rank_memory(self) -> Any:
+        """Every tensor-parallel rank's graph memory, rank 0 first (empty on one rank)."""
+        return self._engine.remote("rank_memory", timeout=5.0)
+
     def persisted_stats(self) -> Any:
         return self._engine.remote("persisted_stats")
 

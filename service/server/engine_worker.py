@@ -37,9 +37,10 @@ READY, LOAD_FAILED, EVENTS, STATUS, RESULT, STOPPED = "ready", "load_failed", "e
 # Event kinds inside an EVENTS message: (kind, key, payload)
 DELTA, FINISH, ERROR = "d", "f", "e"
 
-# Calls the gRPC process may make: reads (the engine's metric families, the graph cache's snapshot)
-# run on the worker's reply thread, graph-cache operations on the engine thread between two steps.
-READS = frozenset({"metrics", "snapshot", "lora_snapshot"})
+# Calls the gRPC process may make: reads (the engine's metric families, the graph cache's snapshot,
+# every tensor-parallel rank's graph memory) run on the worker's reply thread, graph-cache
+# operations on the engine thread between two steps.
+READS = frozenset({"metrics", "snapshot", "lora_snapshot", "rank_memory"})
 GRAPH_OPS = frozenset({"capture", "evict", "set_budget", "reset_stats", "persisted_stats", "budget_bytes",
                        "used_bytes", "total_memory"})
 # Capture and evict kinds that name the LoRA graph cache's graphs ("full+lora", "piecewise+lora").
@@ -256,6 +257,8 @@ class _Worker:
         if name == "lora_snapshot":
             lora_graphs = self.runner.lora_graphs
             return None if lora_graphs is None else lora_graphs.snapshot()
+        if name == "rank_memory":
+            return self.runner.runner.rank_memory()
         return getattr(self.graphs, name)(*args)
 
     def metric_families(self) -> list[Any]:

@@ -1,5 +1,6 @@
 """Tensor parallelism on the CPU (two gloo ranks, float32): the same greedy text as one rank, through
-the Python API and through a real gRPC server, and a killed rank ends the service cleanly."""
+the Python API and through a real gRPC server; the admin state and `graphctl state` show both ranks'
+graph memory; and a killed rank ends the service cleanly."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+import structlog
 from grpc_health.v1 import health_pb2
 
-from service import LLM, SamplingParams
+from service import LLM, SamplingParams, graphctl
 from service.config import load_config
-from service.proto import inference_pb2_grpc
+from service.proto import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from tests.support.process import ServerProcess, kill_mid_stream
 from tests.support.server import ServerThread, generate, greedy, running_server
 
@@ -63,6 +65,36 @@ def test_grpc_server_with_two_ranks_streams_what_one_rank_streams(server: Server
 
     with running_server([*argv, "--tensor-parallel-size", "2"]) as tp_server:
         assert texts(tp_server) == texts(server)
+
+
+def test_admin_state_and_graphctl_show_every_rank_s_graph_memory(model_cache_dir, tmp_path, capsys) -> None:  # noqa: ANN001
+    token = "tp-admin-token"
+    (tmp_path / "token").write_text(token)
+    argv = ["--model-cache-dir", str(model_cache_dir), "--tensor-parallel-size", "2"]
+    with structlog.testing.capture_logs(), running_server(argv, environ={"GRAPHSERVE_ADMIN_TOKEN": token}) as srv:
+        target = f"127.0.0.1:{srv.app.admin_port}"
+        stub = admin_pb2_grpc.GraphCacheAdminStub(grpc.insecure_channel(target))
+        deadline = time.monotonic() + 20
+        while True:  # rank 1 publishes once it follows rank 0's steps, maybe just after the server serves
+            state = stub.GetCacheState(admin_pb2.GetCacheStateRequest(), timeout=30,
+                                       metadata=(("authorization", f"Bearer {token}"),))
+            if all(r.reported for r in state.ranks) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert [r.rank for r in state.ranks] == [0, 1]
+        assert all(r.reported for r in state.ranks)
+        assert state.ranks[0].graph_bytes == state.used_bytes
+        assert state.ranks[1].graph_bytes == state.ranks[0].graph_bytes  # 0 on the CPU: graphs are off
+        on_cuda = srv.app.model.device == "cuda"
+        assert all(bool(r.device_total_bytes) == on_cuda for r in state.ranks)
+        ctl = ["--target", target, "--token-file", str(tmp_path / "token")]
+        capsys.readouterr()
+        assert graphctl.main([*ctl, "state"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert [line.split(":")[0] for line in lines if line.startswith("rank ")] == ["rank 0", "rank 1"]
+        assert graphctl.main([*ctl, "--json", "state"]) == 0
+        ranks = json.loads(capsys.readouterr().out)["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1] and all(r["reported"] for r in ranks)
 
 
 @pytest.fixture

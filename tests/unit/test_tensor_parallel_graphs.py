@@ -3,7 +3,8 @@
 cache decide; rank 1 mirrors them from the step messages. Both ranks must capture, replay and
 release the same graphs in the same order (a mismatch would pair collectives of different steps),
 through traffic, the warm start, an operator capture and evictions under a tiny budget; the tokens
-must equal one rank's; and the engine thread's stall must include the inline capture."""
+must equal one rank's; the engine thread's stall must include the inline capture; and rank 0's view
+of every rank's graph memory (the admin state's) must show what rank 1's mirror holds."""
 
 from __future__ import annotations
 
@@ -66,9 +67,15 @@ class RecordingBackend(FakeGraphBackend):
 class _Followers:
     """Rank 0's side of the step channel, as service.engine.ranks.Ranks is without processes to watch."""
 
-    def __init__(self, channel) -> None:  # noqa: ANN001
+    def __init__(self, channel, store) -> None:  # noqa: ANN001
         self.channel = channel
+        self.store = store
         self.on_death = None
+
+    def memory(self, own):  # noqa: ANN001, ANN201
+        from service.engine.rank_memory import read_memory
+
+        return read_memory(self.store, 2, own)
 
     def send(self, inputs) -> None:  # noqa: ANN001
         self.channel.send(inputs)
@@ -81,29 +88,31 @@ class _Followers:
 
 
 def _runner(rank: int, world: int, port: int, cache_dir: str, backend: RecordingBackend):  # noqa: ANN202
-    from service.engine.ranks import join_group
+    from service.engine.ranks import group_store, join_group
     from service.engine.runner import ModelRunner
     from service.engine.step_channel import StepChannel, StepInputs
 
     torch.set_num_threads(1)
-    tp, channel_group = join_group(rank, world, port, torch.device("cpu"))
+    store = group_store(rank, world, port)
+    tp, channel_group = join_group(rank, world, port, torch.device("cpu"), store=store)
     loaded = load_model("builtin:tiny", torch.device("cpu"), torch.float32, pathlib.Path(cache_dir), tp=tp)
     config = GraphCacheConfig(mode=CudaGraphMode.FULL_AND_PIECEWISE, capture_sizes=None, max_batch=SLOTS,
                               max_tokens=MAX_TOKENS, memory_budget=BUDGET, inline_capture=True,
                               warm_start=rank == 0)
     runner = ModelRunner(loaded, SLOTS, MAX_SEQ, config, graph_backend=backend)
     runner.warmup()
-    return loaded, runner, tp, StepChannel(channel_group, StepInputs.capacity(SLOTS, MAX_TOKENS))
+    return loaded, runner, tp, StepChannel(channel_group, StepInputs.capacity(SLOTS, MAX_TOKENS)), store
 
 
 def _rank(rank: int, world: int, port: int, cache_dir: str) -> dict:
     if rank > 0:
+        from service.engine.rank_memory import MemoryPublisher
         from service.engine.ranks import follow_steps
 
         backend = RecordingBackend()
-        _, runner, tp, channel = _runner(rank, world, port, cache_dir, backend)
+        _, runner, tp, channel, store = _runner(rank, world, port, cache_dir, backend)
         runner.follow_graphs()
-        follow_steps(runner, channel, tp)
+        follow_steps(runner, channel, tp, MemoryPublisher(store, rank, torch.device("cpu")))
         return {"log": backend.log, "held": sorted(backend.live), "used": runner.mirror.held_bytes}
     return _lead(rank, world, port, cache_dir)
 
@@ -115,8 +124,8 @@ def _lead(rank: int, world: int, port: int, cache_dir: str) -> dict:
     from tests.unit.test_overlap import Results
 
     backend = RecordingBackend(CAPTURE_DELAY_S)
-    loaded, runner, _, channel = _runner(rank, world, port, cache_dir, backend)
-    followers = _Followers(channel)
+    loaded, runner, _, channel, store = _runner(rank, world, port, cache_dir, backend)
+    followers = _Followers(channel, store)
     runner.attach_ranks(followers)
     stalls: list[float] = []
     runner.graphs.on_capture_stall = stalls.append
@@ -139,20 +148,34 @@ def _lead(rank: int, world: int, port: int, cache_dir: str) -> dict:
         return engine.call(fn).result(30).result(30)  # on the engine thread; committed between steps
 
     graphs = runner.graphs
+
+    def memory() -> tuple[int, list]:
+        """Rank 0's used bytes and its view of every rank, once rank 1 has published the same bytes
+        (it applies the operations after rank 0 sent them, then publishes)."""
+        deadline = time.monotonic() + 10
+        while True:
+            used = engine.call(lambda: graphs.used_bytes).result(30)  # between steps
+            view = runner.rank_memory()
+            if view[1].graph_bytes == used or time.monotonic() > deadline:
+                return used, view
+            time.sleep(0.01)
+
     try:
         first = serve("first")
+        memory_first = memory()
         evicted = operator(lambda: graphs.set_budget_async(SMALL_BUDGET))
         operator(lambda: graphs.evict_async([2], "full"))
         captured = operator(lambda: graphs.capture_async([2], "full"))
         second = serve("second")
         snap = engine.call(graphs.snapshot).result(30)  # between steps: every decided op has run everywhere
+        memory_last = memory()
     finally:
         engine.stop()
     graphs.close()  # releases rank 0's graphs (the log stops here: rank 1 keeps its own)
     channel.send(None)
     held = sorted((b.kind, b.size) for b in snap.buckets if b.state is BucketState.CAPTURED)
     return {"log": backend.log, "held": held, "used": snap.used_bytes, "tokens": [first, second], "stalls": stalls,
-            "evicted": evicted, "captured": captured[2].outcome}
+            "evicted": evicted, "captured": captured[2].outcome, "memory": [memory_first, memory_last]}
 
 
 def _one_rank_tokens(cache_dir: pathlib.Path) -> list[list[int]]:
@@ -214,3 +237,13 @@ def test_greedy_tokens_equal_one_rank_and_the_stall_shows_the_inline_capture(two
     assert first == one and second == one
     stalls = two_ranks[0]["stalls"]
     assert stalls and min(stalls) >= CAPTURE_DELAY_S
+
+
+def test_rank_0_sees_what_every_rank_s_graphs_hold(two_ranks) -> None:  # noqa: ANN001
+    (used_first, first), (used_last, last) = two_ranks[0]["memory"]
+    assert used_first > 0, "no graph was captured before the budget shrank"
+    for used, view in ((used_first, first), (used_last, last)):
+        assert [m.rank for m in view] == [0, 1]
+        assert view[0].graph_bytes == view[1].graph_bytes == used  # both ranks hold the same graphs
+        assert view[1].device_free_bytes is None and view[1].device_total_bytes is None  # not measured on the CPU
+    assert last[1].graph_bytes == two_ranks[1]["used"]  # what rank 1's mirror held when it stopped
