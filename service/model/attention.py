@@ -53,6 +53,15 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     return out[0].transpose(0, 1).reshape(length, -1)
 
 
+def _output(q: torch.Tensor, out: torch.Tensor | None, num_tokens: int) -> torch.Tensor:
+    """The [S, H * D] output: `out` with its padding rows (from num_tokens) zeroed, or a new zero one."""
+    if out is None:
+        return q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
+    if num_tokens < out.shape[0]:
+        out[num_tokens:].zero_()
+    return out
+
+
 def step_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -64,10 +73,7 @@ def step_attention(
     """q: [S, H, D] rotated queries of every row; caches [num_slots + 1, KVH, T, D] already holding
     this step's K/V -> [S, H * D] (written into `out` when given, e.g. a buffer a captured piece reads)."""
     meta = batch.attention
-    if out is None:
-        out = q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
-    elif meta.num_tokens < out.shape[0]:
-        out[meta.num_tokens:].zero_()
+    out = _output(q, out, meta.num_tokens)
     d = meta.num_decodes
     if d:
         out[:d] = decode_attention(q[:d], k_cache, v_cache, batch.slot_ids[:d], batch.positions[:d])
@@ -106,10 +112,7 @@ def rowwise_step_attention(
     rows_per_call rows (bounding the kernel's buffers on long prompts). The decode kernel computes
     each row on its own, so neither the calls' boundaries nor the other rows change a row's result."""
     n = batch.attention.num_tokens
-    if out is None:
-        out = q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
-    elif n < out.shape[0]:
-        out[n:].zero_()
+    out = _output(q, out, n)
     for start in range(0, n, rows_per_call):
         rows = slice(start, min(n, start + rows_per_call))
         out[rows] = decode_attention(q[rows], k_cache, v_cache, batch.slot_ids[rows], batch.positions[rows])
