@@ -10,12 +10,10 @@ the batch-invariant mode fixes the split's length by the cache length (`fixed_sp
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from service.model.kernels._triton import tl, triton
+from service.model.kernels._triton import interpreting, next_pow2, sm_count, tl, triton
 
 BLOCK_N = 64  # KV positions per inner step
 
@@ -57,24 +55,8 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-_num_sms: dict[int, int] = {}
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the interpreter on CPU: any value; small so splits get exercised
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _num_sms:
-        _num_sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _num_sms[idx]
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def decode_attention_triton(
@@ -98,7 +80,7 @@ def decode_attention_triton(
         assert num_splits is None and split_len % BLOCK_N == 0
         num_splits = triton_cdiv(t, split_len)
     elif num_splits is None:
-        num_splits, split_len = num_splits_for(b, kvh, t, _sm_count(q.device))
+        num_splits, split_len = num_splits_for(b, kvh, t, sm_count(q.device))
     else:
         split_len = triton_cdiv(triton_cdiv(t, num_splits), BLOCK_N) * BLOCK_N
         num_splits = triton_cdiv(t, split_len)
@@ -108,8 +90,8 @@ def decode_attention_triton(
         lse = torch.empty((b, h, num_splits), device=q.device, dtype=torch.float32)
     else:  # unused: the kernel writes `out` directly
         part, lse = out, out
-    block_d = max(16, _next_pow2(d))
-    block_g = max(16, _next_pow2(groups))  # tl.dot needs M >= 16
+    block_d = max(16, next_pow2(d))
+    block_g = max(16, next_pow2(groups))  # tl.dot needs M >= 16
     _decode_attn_kernel[(b, kvh, num_splits)](
         q, k_cache, v_cache, slot_ids, positions, out, part, lse,
         d**-0.5,
@@ -117,7 +99,7 @@ def decode_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1),
         GROUPS=groups, HEAD_DIM=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-        SPLIT_LEN=split_len, NUM_SPLITS=num_splits, DYNAMIC_LOOP=not _interpreting(),
+        SPLIT_LEN=split_len, NUM_SPLITS=num_splits, DYNAMIC_LOOP=not interpreting(),
         num_warps=4,
     )
     if num_splits > 1:
@@ -126,7 +108,7 @@ def decode_attention_triton(
             part.stride(0), part.stride(1), part.stride(2),
             lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
-            HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=max(2, _next_pow2(num_splits)),
+            HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)),
             num_warps=1,
         )
     return out.view(b, h * d)

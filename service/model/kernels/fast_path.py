@@ -143,9 +143,10 @@ def check_matmul(
 ) -> None:
     """The batch-invariant matmul with the tile configuration of a weight [n, k] (on a weight of at
     most a few tiles' rows): close to torch, and every row bit-identical whatever the call's M."""
-    from service.model.kernels.matmul import _sm_count, matmul_config, matmul_triton
+    from service.model.kernels._triton import sm_count
+    from service.model.kernels.matmul import matmul_config, matmul_triton
 
-    config = matmul_config(n, k, _sm_count(device))
+    config = matmul_config(n, k, sm_count(device))
     # A few tiles' rows, the last one as full as the real weight's (same N % 16 for Triton's specialisation)
     bn = config.block_n
     n_rows = n if n <= 4 * bn else 2 * bn + (n % bn or bn)

@@ -16,13 +16,12 @@ every SM streaming; long prompts pay for the small tiles (the mode's documented 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from service.model.kernels._triton import tl, triton
+from service.model.kernels._triton import interpreting, next_pow2, sm_count, tl, triton
 
 ROW_BLOCK = 16  # rows per GEMM of the CPU fallback
 
@@ -45,7 +44,7 @@ def matmul_config(n: int, k: int, num_sms: int) -> MatmulConfig:
         if -(-n // width) >= num_sms:
             block_n = width
             break
-    block_k = 128 if k >= 128 else max(16, 1 << (k - 1).bit_length())
+    block_k = 128 if k >= 128 else max(16, next_pow2(k))
     stages = 4 if block_n <= 64 else 3  # 3 x (64 + 128) x 128 bf16 tiles: within the SM's shared memory
     return MatmulConfig(block_m=64, block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages)
 
@@ -62,16 +61,6 @@ def matmul_blocked_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return out[:m] if pad else out
 
 
-_num_sms: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the interpreter on CPU
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _num_sms:
-        _num_sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _num_sms[idx]
 
 
 def matmul_triton(
@@ -84,7 +73,7 @@ def matmul_triton(
         x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    c = config or matmul_config(n, k, _sm_count(x.device))
+    c = config or matmul_config(n, k, sm_count(x.device))
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if m == 0:
         return y
@@ -93,15 +82,12 @@ def matmul_triton(
         x, weight, bias if bias is not None else weight, y,
         m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 and not _interpreting(),
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 and not interpreting(),
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return y
 
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 if triton is not None:
