@@ -329,7 +329,9 @@ class GraphCache:
             if b.graph is not None:
                 results.set(s, OpResult(OpOutcome.ALREADY_CAPTURED, f"{key} is already captured", b.graph.nbytes))
                 continue
-            protect = {k for k in keys.values() if k != key and self._buckets[k].graph is not None}
+            # Every other size of this operation, captured now or later: committing one of them must
+            # never evict another that the same operation reports as captured.
+            protect = {k for k in keys.values() if k != key}
             outcome, message = self.residency.request_capture(key, protect, "force", lambda r, s=s: results.set(s, r))
             if outcome is not None:
                 results.set(s, OpResult(outcome, message))

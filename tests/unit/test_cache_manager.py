@@ -278,6 +278,15 @@ def test_operator_capture_evict_and_set_budget():
     assert cache.capture([8])[8].outcome is OpOutcome.OVER_BUDGET
 
 
+def test_operator_capture_never_evicts_a_size_it_reports_captured():
+    """Cold start (nothing measured, so both captures are submitted): 4 + 8 KB do not fit 10 KB. The
+    capture of 8 must not evict the 4 that the same operation reports as captured."""
+    cache, _step, _fake, _ = make(budget=10_000)
+    res = cache.capture([4, 8])
+    assert res[4].outcome is OpOutcome.CAPTURED and res[8].outcome is OpOutcome.OVER_BUDGET
+    assert bucket(cache, 4).state is BucketState.CAPTURED
+
+
 def test_snapshot_and_reset_stats():
     cache, _step, _fake, _ = make(budget=5000)
     run_settled(cache, 1)
