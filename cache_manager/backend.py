@@ -98,7 +98,7 @@ def _device_lock(device: torch.device) -> threading.Lock:
     run a capture thread): captures share the side stream and the scratch inputs, and a capture's
     bytes are a free-memory drop that another capture at the same time would blur. So captures and
     releases on one device take turns; the engine thread never takes this lock."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device.index  # CudaGraphBackend gives every device an explicit index
     with _LOCKS_GUARD:
         return _DEVICE_LOCKS.setdefault(index, threading.Lock())
 
@@ -114,7 +114,7 @@ def _side_stream(device: torch.device, purpose: str = "capture") -> torch.cuda.S
     engine's stream must never run beside an eager GEMM using that same workspace (split-K kernels
     keep counters there; two at once can spin forever). Only recording, which executes nothing, uses
     the capture stream's workspace."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device.index  # CudaGraphBackend gives every device an explicit index
     key = (index, purpose)
     if key not in _SIDE_STREAMS:
         _SIDE_STREAMS[key] = torch.cuda.Stream(torch.device("cuda", index))
@@ -147,7 +147,7 @@ def pool_bytes(device: torch.device, pool: tuple) -> int:
     """Bytes the caching allocator holds in segments of one private pool.
 
     Exact while the engine keeps allocating on other streams, unlike a reserved-memory delta."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device.index  # CudaGraphBackend gives every device an explicit index
     return sum(
         seg["total_size"]
         for seg in torch.cuda.memory_snapshot()

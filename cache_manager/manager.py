@@ -69,7 +69,6 @@ class GraphCache:
         notify: Callable[[], None] | None = None,
         on_capture_stall: Callable[[float], None] | None = None,
     ) -> None:
-        self.step = step
         self.config = config
         self.device = torch.device(device)
         self.fingerprint = fingerprint
@@ -90,6 +89,7 @@ class GraphCache:
         elif config.mode.has_piecewise and PIECEWISE not in self.steps:
             self.disabled_reason = f"mode {config.mode.value} needs a piecewise step and piecewise sizes"
         self.mode = CudaGraphMode.NONE if self.disabled_reason else config.mode
+        self._kinds = frozenset(self.mode.kinds)  # serves() runs several times a step
         self.backend: GraphBackend | None = None
         budget_bytes = 0
         if self.graphs_enabled:
@@ -160,7 +160,7 @@ class GraphCache:
 
     def serves(self, kind: CudaGraphMode) -> bool:
         """Whether steps of this kind (FULL: uniform decode; PIECEWISE: any step) can replay graphs."""
-        return kind in self.mode.kinds
+        return kind in self._kinds
 
     def descriptor(self, n: int, kind: CudaGraphMode = FULL) -> BatchDescriptor | None:
         """The key of the graph that would serve n rows (FULL) or tokens (PIECEWISE); None: eager
@@ -264,7 +264,7 @@ class GraphCache:
         done = capturer.take_done()
         for job in done:
             if isinstance(job, CaptureJob):
-                result = self.residency.commit(job, self.residency.last_replayed)
+                result = self.residency.commit(job)
                 if job.key == self._warming:
                     self._warming = None
                     if result.outcome is OpOutcome.OVER_BUDGET:

@@ -103,11 +103,6 @@ class Residency:
             if b.graph is not None and s not in protect
         ]
 
-    def victims(
-        self, need: int, protect: set[BatchDescriptor], max_score: float, now: float
-    ) -> list[BatchDescriptor] | None:
-        return choose_victims(self.candidates(protect, now), need, max_score)
-
     def _victims_for(
         self, b: Bucket, nbytes: int, need: int, protect: set[BatchDescriptor], evict: str, now: float
     ) -> list[BatchDescriptor] | None:
@@ -116,7 +111,7 @@ class Residency:
             return None
         # Traffic may only displace graphs worth no more per byte than the newcomer; operators any.
         max_score = math.inf if evict == "force" else b.heat_at(now, self.half_life_s) / max(nbytes, 1)
-        return self.victims(need, protect, max_score, now)
+        return choose_victims(self.candidates(protect, now), need, max_score)
 
     # ---- capture ------------------------------------------------------------------------------
 
@@ -140,12 +135,13 @@ class Residency:
         b = self.buckets[key]
         now = self._clock()
         estimate = estimate_bytes(key.padded_size, self.stats.measured_bytes(key.mode))
-        need = self.committed_bytes + estimate - self.budget_bytes
+        committed = self.committed_bytes  # sums both caches' bytes when they share the budget
+        need = committed + estimate - self.budget_bytes
         if need > 0:
             victims = self._victims_for(b, estimate, need, protect, evict, now)
             if victims is None:
                 return OpOutcome.OVER_BUDGET, (
-                    f"needs about {estimate} bytes; {self.committed_bytes} of "
+                    f"needs about {estimate} bytes; {committed} of "
                     f"{self.budget_bytes} used or reserved and nothing evictable frees enough"
                 )
             for v in victims:
@@ -161,7 +157,7 @@ class Residency:
         self.capturer.submit(job)
         return None, ""
 
-    def commit(self, job: CaptureJob, in_use: BatchDescriptor | None) -> OpResult:
+    def commit(self, job: CaptureJob) -> OpResult:
         """Between steps: make a recorded graph replayable within the budget, or count its failure."""
         started = time.perf_counter()
         key, b = job.key, self.buckets[job.key]
@@ -176,6 +172,7 @@ class Residency:
             return self._capture_failed(b, job.error, now)
         graph = job.graph
         self.stats.capture(key, graph.nbytes, graph.capture_ms)
+        in_use = self.last_replayed  # the graph the step just planned may replay: never its victim
         protect = set(job.protect) | {key} | ({in_use} if in_use is not None else set())
         over = self.committed_bytes + graph.nbytes - self.budget_bytes
         if over > 0:
