@@ -297,7 +297,6 @@ class Engine:
         try:
             if adapters is None:
                 raise AdapterNotFound(f"adapter {name!r}: this server serves no adapters (start it with --max-loras)")
-
             adapters.hold(name)
         except AdapterNotFound as exc:
             self._publish_safely([(sink, EngineError(str(exc)))])

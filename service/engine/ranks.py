@@ -109,10 +109,6 @@ class Ranks:
         self._watch = threading.Thread(target=self._watch_loop, name="graphserve-ranks-watch", daemon=True)
         self._watch.start()
 
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
     def memory(self, own: RankMemory) -> list[RankMemory]:
         """Every rank's graph memory: rank 0's own (`own`), then what the others last published."""
         return read_memory(self.store, len(self.procs) + 1, own)

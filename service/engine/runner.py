@@ -149,14 +149,13 @@ class ModelRunner:
         by the previous launch, not yet read by the host) takes it from that launch's device tokens."""
         assert decodes or prefills, "an empty step"
         try:
-            tokens = self.mixed(decodes, prefills) if prefills else self.decode(decodes)
+            tokens, sampling = self.mixed(decodes, prefills)
             if self.ranks is not None and tokens.numel():
                 self.tp.broadcast(tokens)  # the other ranks may feed them back next step
         except Exception as exc:
             if self.ranks is None:
                 raise
             raise self.ranks.explain(exc) from exc
-        sampling = decodes + [c.seq for c in prefills if c.completes_prompt]
         self._previous = {seq.key: row for row, seq in enumerate(sampling)}, tokens
         if self._tokens_ready is None:
             return LaunchedStep(tokens, None, None)
@@ -175,9 +174,10 @@ class ModelRunner:
         launched.ready.synchronize()  # releases the GIL while the device works
         return launched.host.tolist()
 
-    def mixed(self, decodes: list[Sequence], chunks: list[PrefillChunk]) -> torch.Tensor:
-        """Decodes and prompt chunks in one packed forward pass (one host->device copy of the step's
-        rows); returns a token for each decode and each chunk that completes its prompt (on device)."""
+    def mixed(self, decodes: list[Sequence], chunks: list[PrefillChunk]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Decodes and prompt chunks (or decodes alone) in one forward pass (one host->device copy of
+        the step's rows); returns the sampling sequences (each decode, then each chunk that completes
+        its prompt) and a token for each (on device)."""
         rows, previous_tokens = self._previous
         pending_rows = [rows[s.key] if s.num_pending else -1 for s in decodes]
         sampling = decodes + [c.seq for c in chunks if c.completes_prompt]
@@ -195,24 +195,8 @@ class ModelRunner:
         )
         logits = self.forward(inputs, previous_tokens)
         if not sampling:  # every chunk leaves part of its prompt for a later step
-            return torch.zeros(0, dtype=torch.long, device=self.device)
-        return self._sample(logits, sampling)
-
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One decode step for the running batch; tokens on device."""
-        rows, previous_tokens = self._previous
-        # Pending input tokens come from the previous launch's row on the device, the others from the host.
-        pending_rows = [rows[s.key] if s.num_pending else -1 for s in seqs]
-        inputs = StepInputs(
-            [0 if s.num_pending else s.last_token_id() for s in seqs],
-            [s.next_position() for s in seqs],
-            [_slot(s) for s in seqs],
-            [],
-            pending_rows if any(r >= 0 for r in pending_rows) else None,
-            len(seqs),
-            [s.lora_slot for s in seqs] if any(s.lora_slot for s in seqs) else None,
-        )
-        return self._sample(self.forward(inputs, previous_tokens), seqs)
+            return torch.zeros(0, dtype=torch.long, device=self.device), sampling
+        return self._sample(logits, sampling), sampling
 
     def forward(self, inputs: StepInputs, previous_tokens: torch.Tensor) -> torch.Tensor:
         """The step's forward pass -> float32 logits of its sampling rows. The dispatcher: a uniform

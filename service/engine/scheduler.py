@@ -55,11 +55,6 @@ class ScheduledBatch:
         return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
 
     @property
-    def uniform_decode(self) -> bool:
-        """Every row is one decode token (the shape the full decode graphs capture)."""
-        return not self.prefills
-
-    @property
     def sampling(self) -> list[Sequence]:
         """The sequences that get a token from this step, in the runner's order: decodes, then the
         sequences whose prompt this step completes."""

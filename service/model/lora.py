@@ -287,10 +287,6 @@ class LoraSlots:
                 self.a[(i, fused)], self.b[(i, fused)] = a, b
                 getattr(getattr(layer, _OWNER[fused]), fused).lora = LoraProjection(self, a, b)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
-
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         assert 1 <= slot <= self.max_loras, slot
         assert adapter.a and next(iter(adapter.a.values())).shape[0] % self.max_rank == 0

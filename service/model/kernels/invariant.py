@@ -22,6 +22,7 @@ from functools import partial
 
 import torch
 
+from service.model.attention import DecodeAttention
 from service.model.kernels._triton import triton
 from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton, fixed_split_len
 from service.model.kernels.fast_path import FAST_DTYPES, FastPath, check_attention, check_matmul
@@ -31,7 +32,6 @@ from service.model.spec import ModelLoadError
 # (x [M, K], weight [N, K], bias [N] | None) -> [M, N]
 Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # (q [B, H, D], k_cache, v_cache, slot_ids [B], positions [B]) -> [B, H * D]
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def decode_attention_fixed_split(
