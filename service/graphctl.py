@@ -133,16 +133,13 @@ def format_state(s: admin_pb2.CacheState) -> str:
     captured = sum(b.state == admin_pb2.BUCKET_STATE_CAPTURED for b in s.buckets)
     head = (f"graph cache: mode {s.mode} on {s.device}, {captured} of {len(s.buckets)} buckets captured, "
             f"used {human_bytes(s.used_bytes)} of budget {human_bytes(s.budget_bytes)}, max batch {s.max_batch}")
+    # Graphs of steps with LoRA adapter rows are a cache of their own, listed as kind "full+lora" / "piecewise+lora".
+    listed = [(f"{b.kind or 'full'}{suffix}", b) for suffix, buckets in (("", s.buckets), ("+lora", s.lora_buckets))
+              for b in buckets]
     rows = [
-        (b.kind or "full", b.size, _state_name(b.state), human_bytes(b.bytes) if b.bytes else "-",
-         human_ms(b.capture_ms), b.replays, b.padded_rows, b.eager_fallbacks, b.failures, human_ago(b.last_use_unix))
-        for b in s.buckets
-    ]
-    # Graphs of steps with LoRA adapter rows: a cache of their own, listed as kind "full+lora" / "piecewise+lora".
-    rows += [
-        (f"{b.kind or 'full'}+lora", b.size, _state_name(b.state), human_bytes(b.bytes) if b.bytes else "-",
-         human_ms(b.capture_ms), b.replays, b.padded_rows, b.eager_fallbacks, b.failures, human_ago(b.last_use_unix))
-        for b in s.lora_buckets
+        (kind, b.size, _state_name(b.state), human_bytes(b.bytes) if b.bytes else "-", human_ms(b.capture_ms),
+         b.replays, b.padded_rows, b.eager_fallbacks, b.failures, human_ago(b.last_use_unix))
+        for kind, b in listed
     ]
     if s.lora_buckets:
         lora_captured = sum(b.state == admin_pb2.BUCKET_STATE_CAPTURED for b in s.lora_buckets)
@@ -151,8 +148,7 @@ def format_state(s: admin_pb2.CacheState) -> str:
     head += "".join(f"\n{_rank_line(r)}" for r in s.ranks)  # tensor parallelism: the budget is per rank
     body = table(["kind", "size", "state", "bytes", "capture", "replays", "padded", "eager", "failures", "last use"],
                  rows, left=(0, 2, 9))
-    notes = [f"bucket {b.kind or 'full'}:{b.size}: {b.failure_reason}" for b in s.buckets if b.failure_reason]
-    notes += [f"bucket {b.kind or 'full'}+lora:{b.size}: {b.failure_reason}" for b in s.lora_buckets if b.failure_reason]
+    notes = [f"bucket {kind}:{b.size}: {b.failure_reason}" for kind, b in listed if b.failure_reason]
     return "\n".join([head, body, *notes])
 
 

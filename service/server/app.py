@@ -219,19 +219,16 @@ class App:
         self.servicer.draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         engine_deadline = None
-        if self.servicer.active:
-            try:
-                await asyncio.wait_for(self.servicer.streams_idle.wait(), c.drain_timeout)
-            except TimeoutError:
-                log.warning("drain_timeout", aborted=len(self.servicer.active))
-                engine_deadline = time.monotonic() + c.engine_stop_timeout
-                responsive = self.engine is not None and self.engine.responsive
-                if responsive:  # a hung engine reads no aborts: sending them could block the loop
-                    self.servicer.abort_all()
-                if not responsive or not await self._streams_idle_within(c.engine_stop_timeout / 2):
-                    # The engine does not answer the aborts: end the streams here, as aborted.
-                    log.warning("engine_not_answering", streams_ended=self.servicer.end_all_locally())
-                    await self._streams_idle_within(1.0)
+        if self.servicer.active and not await self._streams_idle_within(c.drain_timeout):
+            log.warning("drain_timeout", aborted=len(self.servicer.active))
+            engine_deadline = time.monotonic() + c.engine_stop_timeout
+            responsive = self.engine is not None and self.engine.responsive
+            if responsive:  # a hung engine reads no aborts: sending them could block the loop
+                self.servicer.abort_all()
+            if not responsive or not await self._streams_idle_within(c.engine_stop_timeout / 2):
+                # The engine does not answer the aborts: end the streams here, as aborted.
+                log.warning("engine_not_answering", streams_ended=self.servicer.end_all_locally())
+                await self._streams_idle_within(1.0)
         if self.admin_server is not None:
             await self.admin_server.stop(grace=1.0)
         if self.engine is not None:  # the engine process saves the stats and frees the graphs

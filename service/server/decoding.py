@@ -66,31 +66,23 @@ class RequestDecodingInterceptor(grpc.aio.ServerInterceptor):
                 log.warning("request_undecodable", method=method, error=request.error, not_logged_since_last=skipped)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
-        if handler.response_streaming:
-            behavior = handler.unary_stream
-            if inspect.isasyncgenfunction(behavior):
-                async def stream_gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                    if isinstance(request, _Undecodable):
-                        await reject(request, context)
-                    async for response in behavior(request, context):
-                        yield response
+        streaming = handler.response_streaming
+        behavior = handler.unary_stream if streaming else handler.unary_unary
+        make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
+        if inspect.isasyncgenfunction(behavior):
+            async def stream_gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                if isinstance(request, _Undecodable):
+                    await reject(request, context)
+                async for response in behavior(request, context):
+                    yield response
 
-                wrapped = stream_gen
-            else:
-                async def stream_writer(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                    if isinstance(request, _Undecodable):
-                        await reject(request, context)
-                    return await behavior(request, context)
+            wrapped = stream_gen
+        else:
+            async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, _Undecodable):
+                    await reject(request, context)
+                return await behavior(request, context)
 
-                wrapped = stream_writer
-            return grpc.unary_stream_rpc_method_handler(wrapped, request_deserializer=_safe(handler.request_deserializer),
-                                                        response_serializer=handler.response_serializer)
-        behavior = handler.unary_unary
-
-        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if isinstance(request, _Undecodable):
-                await reject(request, context)
-            return await behavior(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=_safe(handler.request_deserializer),
-                                                   response_serializer=handler.response_serializer)
+            wrapped = guarded
+        return make(wrapped, request_deserializer=_safe(handler.request_deserializer),
+                    response_serializer=handler.response_serializer)

@@ -163,13 +163,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         finished = stalled = False
         try:
             try:
-                check_prompt_size(request, self.limits)
-                if prompt_bytes(request) > _INLINE_TOKENIZE_BYTES:
+                size = check_prompt_size(request, self.limits)
+                check_adapter(request, self.adapter_names)  # a set lookup: before any tokenization
+                if size > _INLINE_TOKENIZE_BYTES:
                     prompt = await asyncio.to_thread(prompt_ids, request, self.tokenizer, self.limits)
                 else:
                     prompt = prompt_ids(request, self.tokenizer, self.limits)
                 gen = to_generation_request(request, request_id, prompt, self.limits, arrival_time=stream.arrival)
-                check_adapter(request, self.adapter_names)
             except InvalidRequest as exc:
                 await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
             if self.draining:
@@ -236,9 +236,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_full",
                                f"{self.engine.num_waiting} requests are waiting, the limit is "
                                f"{a.max_waiting_requests}: retry later")
+        if self.engine.num_waiting == 0:
+            return
         # Estimated prompt tokens: exact for token ids, at most one token per byte for text.
         estimate = len(request.token_ids.ids) if request.WhichOneof("prompt") == "token_ids" else prompt_bytes(request)
-        if self.engine.num_waiting > 0 and self.engine.waiting_prompt_tokens + estimate > a.max_waiting_tokens:
+        if self.engine.waiting_prompt_tokens + estimate > a.max_waiting_tokens:
             await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_tokens",
                                f"the waiting queue holds {self.engine.waiting_prompt_tokens} prompt tokens, the "
                                f"limit is {a.max_waiting_tokens}: retry later")

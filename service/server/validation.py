@@ -67,8 +67,8 @@ def prompt_bytes(request: inference_pb2.GenerateRequest) -> int:
     return 0
 
 
-def check_prompt_size(request: inference_pb2.GenerateRequest, limits: Limits) -> None:
-    """Cheap checks done before any tokenization."""
+def check_prompt_size(request: inference_pb2.GenerateRequest, limits: Limits) -> int:
+    """Cheap checks done before any tokenization; returns the prompt's bytes (0 for token ids)."""
     kind = request.WhichOneof("prompt")
     _need(kind is not None, "prompt: set text, token_ids or messages")
     if kind == "messages":
@@ -77,7 +77,7 @@ def check_prompt_size(request: inference_pb2.GenerateRequest, limits: Limits) ->
         _need(size <= limits.max_prompt_bytes,
               f"prompt.messages hold {size} bytes, over the limit of {limits.max_prompt_bytes} bytes (--max-prompt-bytes)")
     elif kind == "text":
-        size = len(request.text.encode("utf-8", "surrogatepass"))
+        size = prompt_bytes(request)
         _need(size > 0, "prompt.text is empty: send at least one character")
         _need(size <= limits.max_prompt_bytes,
               f"prompt.text is {size} bytes, over the limit of {limits.max_prompt_bytes} bytes (--max-prompt-bytes)")
@@ -86,6 +86,8 @@ def check_prompt_size(request: inference_pb2.GenerateRequest, limits: Limits) ->
         _need(count > 0, "prompt.token_ids is empty: send at least one token id")
         _need(count < limits.max_seq_len,
               f"prompt.token_ids has {count} tokens; the context holds {limits.max_seq_len} (--max-seq-len)")
+        size = 0
+    return size
 
 
 def prompt_ids(request: inference_pb2.GenerateRequest, tokenizer: Any, limits: Limits) -> list[int]:

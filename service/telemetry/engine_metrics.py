@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import Metric
+from prometheus_client.metrics import MetricWrapperBase
 
 from service.engine.request import Finish, FinishReason
 from service.engine.sequence import Sequence, SequenceStatus
@@ -68,6 +69,7 @@ class EngineMetrics:
         self.adapter_tokens = Counter("graphserve_adapter_generated_tokens", "Completion tokens by LoRA adapter.",
                                       ["adapter"], registry=r)
         self._adapter_labels: set[str] = set()  # engine thread only
+        self._adapter_token_counters: dict[str, MetricWrapperBase] = {}  # label -> its child: one lookup per token batch
         # sequence key -> (time of its latest token, completion tokens seen); engine thread only.
         self._last_token: dict[str, tuple[float, int]] = {}
 
@@ -87,7 +89,11 @@ class EngineMetrics:
     def on_tokens(self, seq: Sequence, count: int, now: float) -> None:
         """`count` new completion tokens of `seq` (already appended), sampled at `now`."""
         self.generated_tokens.inc(count)
-        self.adapter_tokens.labels(self.adapter_label(seq.request.adapter)).inc(count)
+        label = self.adapter_label(seq.request.adapter)
+        counter = self._adapter_token_counters.get(label)
+        if counter is None:
+            counter = self._adapter_token_counters[label] = self.adapter_tokens.labels(label)
+        counter.inc(count)
         seen = seq.num_completion_tokens
         previous = self._last_token.pop(seq.key, None)
         if seen == count:  # the prefill's tokens: the request's first
