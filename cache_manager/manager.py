@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from collections import deque
@@ -278,13 +279,8 @@ class GraphCache:
     def wait_idle(self, timeout: float = 60.0) -> None:
         """Block until every capture and release submitted so far is committed (tests, benchmarks and
         shutdown; never on the serving path)."""
-        deadline = time.monotonic() + timeout
-        while self.residency.pending or self.residency.releasing_bytes:
-            if self.poll() == 0:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"graph captures still pending after {timeout} s")
-                self._check_capturer()
-                time.sleep(0.001)
+        if not self._poll_until(lambda: not (self.residency.pending or self.residency.releasing_bytes), timeout):
+            raise TimeoutError(f"graph captures still pending after {timeout} s")
 
     def warm_step(self) -> bool:
         """Submit at most one hot bucket from the warm-start queue, within budget (no eviction);
@@ -394,11 +390,20 @@ class GraphCache:
 
     def _wait(self, future: Future) -> dict[int, OpResult]:
         """Blocking form for the thread that owns the cache: polls until the future is done."""
-        while not future.done():
+        self._poll_until(future.done)
+        return future.result()
+
+    def _poll_until(self, done: Callable[[], bool], timeout: float = math.inf) -> bool:
+        """Commit finished jobs until `done()`; False if `timeout` seconds passed first. Raises if the
+        capture thread has died (waiting on it would wait forever)."""
+        deadline = time.monotonic() + timeout
+        while not done():
             if self.poll() == 0:
+                if time.monotonic() > deadline:
+                    return False
                 self._check_capturer()
                 time.sleep(0.001)
-        return future.result()
+        return True
 
     def _check_capturer(self) -> None:
         capturer = self.residency.capturer

@@ -14,6 +14,12 @@ from service.model.llama import LlamaForCausalLM
 from service.model.lora import LoraSlots, lora_tokens
 
 
+def fed_back(ids: torch.Tensor, pending_rows: torch.Tensor, previous_tokens: torch.Tensor) -> torch.Tensor:
+    """ids, except where pending_rows[i] >= 0: there the previous launch's token at that row (all on
+    the device: the host never waits for a token it has not read yet)."""
+    return torch.where(pending_rows >= 0, previous_tokens[pending_rows.clamp(min=0)], ids)
+
+
 class ModelDecodeStep:
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, max_batch: int, device: torch.device) -> None:
         self.model = model
@@ -63,8 +69,7 @@ class ModelDecodeStep:
         device_rows = host.to(self.device, non_blocking=True)
         if pending:
             assert previous_tokens is not None
-            from_previous = previous_tokens[device_rows[3].clamp(min=0)]
-            self.input_ids[:n].copy_(torch.where(device_rows[3] >= 0, from_previous, device_rows[0]))
+            self.input_ids[:n].copy_(fed_back(device_rows[0], device_rows[3], previous_tokens))
         else:
             self.input_ids[:n].copy_(device_rows[0])
         self.positions[:n].copy_(device_rows[1])

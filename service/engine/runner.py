@@ -24,7 +24,7 @@ from cache_manager import Fingerprint, GraphBackend, GraphCache, GraphCacheConfi
 from cache_manager.manager import StepPlan
 from cache_manager.mirror import GraphMirror
 from cache_manager.sizes import FULL, PIECEWISE, CudaGraphMode
-from service.engine.decode_step import LoraDecodeStep, ModelDecodeStep
+from service.engine.decode_step import LoraDecodeStep, ModelDecodeStep, fed_back
 from service.engine.piecewise_step import LoraPiecewiseStep, PiecewiseStep
 from service.engine.rank_memory import RankMemory, device_memory
 from service.engine.ranks import Ranks
@@ -231,8 +231,7 @@ class ModelRunner:
         )
         if batch.pending_rows is not None:
             d = len(inputs.positions)
-            from_previous = previous_tokens[batch.pending_rows.clamp(min=0)]
-            batch.input_ids[:d] = torch.where(batch.pending_rows >= 0, from_previous, batch.input_ids[:d])
+            batch.input_ids[:d] = fed_back(batch.input_ids[:d], batch.pending_rows, previous_tokens)
         if kind is PIECEWISE:
             step.write(batch)
             hidden = self._run_graphs(graphs, PIECEWISE, batch.size, plan, inputs)  # or eager above the largest
