@@ -28,7 +28,7 @@ from service.model.kernels.invariant import InvariantKernels, Matmul
 from service.model.kernels.norm import add_rmsnorm_torch, add_rmsnorm_triton
 from service.model.kernels.rope import apply_rope, rope_kv_write_torch, rope_kv_write_triton, split_qkv
 from service.model.kv_cache import KVCache
-from service.model.parallel import RowParallelLinear, TensorParallel, VocabParallelEmbedding, shard_spec
+from service.model.parallel import TensorParallel, VocabParallelEmbedding, shard_spec
 from service.model.spec import ModelLoadError, ModelSpec
 from service.model.step_batch import ChunkSpec, StepBatch, build_step_batch
 
@@ -117,6 +117,23 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.weight, self.bias)
         return y if self.lora is None else self.lora(x, y)
+
+
+class RowParallelLinear(Linear):
+    """y = x W^T + b where x holds this rank's input columns (o_proj, down_proj under tensor
+    parallelism): partial products summed over the ranks, then the (replicated) bias. With one rank it
+    is exactly Linear, its LoRA and matmul hooks included (both are one-rank features)."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool, tp: TensorParallel,
+                 device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__(n_in, n_out, bias, device, dtype)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return super().forward(x)
+        y = self.tp.all_reduce(self.matmul(x, self.weight, None))
+        return y if self.bias is None else y + self.bias
 
 
 class FusedLinear(nn.Module):
@@ -304,7 +321,7 @@ class LlamaForCausalLM(nn.Module):
         """Every linear layer that runs (not the per-projection views of a fused one), the LM head included."""
         views = {id(p) for m in self.modules() if isinstance(m, FusedLinear) for p in m.parts}
         return [m for m in self.modules()
-                if isinstance(m, Linear | FusedLinear | RowParallelLinear) and id(m) not in views]
+                if isinstance(m, Linear | FusedLinear) and id(m) not in views]
 
     def use_invariant(self, kernels: InvariantKernels) -> None:
         """The batch-invariant mode: every linear layer and the LM head through kernels.matmul, the

@@ -163,33 +163,6 @@ def read_shard(part: Any, name: str, tp: TensorParallel) -> torch.Tensor:
     return t
 
 
-class RowParallelLinear(nn.Module):
-    """y = x W^T + b where x holds this rank's input columns: partial products summed over the ranks,
-    then the (replicated) bias. With one rank it is exactly nn.Linear."""
-
-    # Set by service.model.lora.LoraSlots on the projections it adapts: (x, y) -> y + the rows' LoRA
-    # (one rank only: adapters are not served with tensor parallelism).
-    lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    # (x, weight, bias) -> y; set by the model in batch-invariant mode (one rank only).
-    matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear
-
-    def __init__(self, n_in: int, n_out: int, bias: bool, tp: TensorParallel,
-                 device: torch.device | str, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.tp = tp
-        # Uninitialised: load_weights fills every parameter (see llama._empty).
-        self.weight = nn.Parameter(torch.empty(n_out, n_in, device=device, dtype=dtype), requires_grad=False)
-        self.bias = (nn.Parameter(torch.empty(n_out, device=device, dtype=dtype), requires_grad=False)
-                     if bias else None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.world_size == 1:
-            y = self.matmul(x, self.weight, self.bias)
-            return y if self.lora is None else self.lora(x, y)
-        y = self.tp.all_reduce(self.matmul(x, self.weight, None))
-        return y if self.bias is None else y + self.bias
-
-
 class VocabParallelEmbedding(nn.Module):
     """Embedding of this rank's vocabulary rows; each token's row comes from the rank that holds it."""
 
