@@ -45,15 +45,17 @@ class Faults:
 
 
 def wrap_decode(runner: object, raise_after: int) -> None:
-    """Make runner.decode raise InjectedFault once it has run `raise_after` times."""
-    real = runner.decode  # type: ignore[attr-defined]
+    """Make the runner's decode-only steps (`mixed` with no prompt chunk) raise InjectedFault once
+    `raise_after` of them have run."""
+    real = runner.mixed  # type: ignore[attr-defined]
     calls = 0
 
-    def decode(seqs):  # noqa: ANN001, ANN202
+    def mixed(decodes, chunks):  # noqa: ANN001, ANN202
         nonlocal calls
-        calls += 1
-        if calls > raise_after:
-            raise InjectedFault(f"injected decode failure at step {calls}")
-        return real(seqs)
+        if not chunks:
+            calls += 1
+            if calls > raise_after:
+                raise InjectedFault(f"injected decode failure at step {calls}")
+        return real(decodes, chunks)
 
-    runner.decode = decode  # type: ignore[attr-defined]
+    runner.mixed = mixed  # type: ignore[attr-defined]
