@@ -5,7 +5,7 @@
 #   bash bench/h200_session.sh stall prefill decode  # capture stalls, prefill (piecewise vs eager), decode steps
 #   bash bench/h200_session.sh serve    # through gRPC: first-token latency, cold ramps, ITL by mode
 #   bash bench/h200_session.sh lora     # LoRA: GPU tests, the integration tests on cuda, the step and load bench
-#   bash bench/h200_session.sh tp tp-serve  # two GPUs: TP tests, the TP decode step, 64 streams at TP=1 and 2
+#   bash bench/h200_session.sh tp gen-8b tp-serve  # two GPUs: TP tests, the TP decode step, 64 streams at TP=1 and 2
 #   bash bench/h200_session.sh profile  # the decode step's kernel budget
 #   bash bench/h200_session.sh invariant  # --batch-invariant: GPU tests, decode and prefill steps both ways
 #   bash bench/h200_session.sh invariant-bench invariant-grpc  # the steps only; the gRPC tests on cuda
@@ -36,10 +36,13 @@ for part in "$@"; do
     tp)
       TAIL=8 run tp-gpu-tests 300 python3 -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py -p no:cacheprovider --timeout 240
       run tp-decode 300 python3 bench/tp_decode_bench.py --model builtin:llama-8b --tp-sizes 1,2 --batches 1,64 ;;
-    tp-serve)
+    gen-8b) run gen-8b 400 python3 -c "from service.model.builtin import ensure_builtin; from service.model.loader import default_cache_dir; print(ensure_builtin('llama-8b', default_cache_dir()))" ;;
+    tp-serve)  # run gen-8b first (or beside another part): the 16 GB checkpoint is generated once
       S="python3 bench/serve_bench.py --model builtin:llama-8b --device cuda --dtype bfloat16 --skip-engine --concurrency 64 --requests 192 --output-tokens 64 --client-procs 4"
-      run serve-8b-tp1 280 $S --tensor-parallel-size 1
-      run serve-8b-tp2 280 $S --tensor-parallel-size 2 ;;
+      for tp in 1 2; do
+        run serve-8b-tp$tp 280 $S --tensor-parallel-size $tp --server-log "$OUT/serve-8b-tp$tp-server.log" --server-args "--log-level info --log-format json"
+        python3 bench/capture_stalls.py "$OUT/serve-8b-tp$tp-server.log"
+      done ;;
     invariant)
       TAIL=8 run invariant-gpu-tests 420 python3 -m pytest -q -m gpu tests/gpu/test_batch_invariant_gpu.py -p no:cacheprovider --timeout 300 ;&
     invariant-bench)

@@ -115,3 +115,10 @@ def test_grpc_server_on_two_gpus_with_graphs_streams_what_one_gpu_with_graphs_st
     captured = [b for b in state["buckets"] if b["state"] == "BUCKET_STATE_CAPTURED"]
     assert {b.get("kind", "full") for b in captured} == {"full", "piecewise"}, state["buckets"]
     assert sum(int(b.get("replays", 0)) for b in state["buckets"]) > 0
+    # Every rank's memory as the admin state shows it: rank 1 published its graphs and its device's
+    # free and total memory (the CUDA path of the rank-memory report).
+    ranks = {int(r.get("rank", 0)): r for r in state["ranks"]}
+    assert sorted(ranks) == [0, 1], state["ranks"]
+    for r in ranks.values():
+        assert r.get("reported") and int(r["graph_bytes"]) > 0, r
+        assert 0 < int(r["device_free_bytes"]) < int(r["device_total_bytes"]), r
