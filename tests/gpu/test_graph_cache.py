@@ -347,7 +347,8 @@ def test_restart_warm_start_captures_hot_buckets_before_first_request(model, tmp
     first.close()
     assert stats.exists()
 
-    second = new_cache(new_step(model, kv), stats_file=stats)
+    step = new_step(model, kv)
+    second = new_cache(step, stats_file=stats)
     try:
         assert full_sizes(second.snapshot().warm_queue) == (24, 4)  # hottest first
         assert bucket(second, 24).state is BucketState.NOT_CAPTURED
@@ -361,7 +362,7 @@ def test_restart_warm_start_captures_hot_buckets_before_first_request(model, tmp
         second.wait_idle()
         assert second.warm_step() is False
         for n in (17, 3):
-            second.step.write_rows([1] * n, [PROMPT_LEN] * n, list(range(n)))
+            step.write_rows([1] * n, [PROMPT_LEN] * n, list(range(n)))
             second.run(n)
         for size in (24, 4):
             entry = bucket(second, size)

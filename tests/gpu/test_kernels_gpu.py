@@ -278,7 +278,7 @@ def test_every_tile_candidate_matches_cublas_on_1b_weights(n, k):
 
     gen = torch.Generator(DEVICE).manual_seed(0)
     w = (torch.randn(n, k, device=DEVICE, generator=gen) / k**0.5).to(torch.bfloat16)
-    for m in (1, 5, 16, 17, 40, 64):
+    for m in (1, 2, 3, 5, 16, 17, 40, 64):
         x = torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16)
         for config in candidates(M_BUCKETS[bucket_index(m)]):
             check_config(x, w, None, config)

@@ -2,10 +2,14 @@
 
 At decode a linear layer's M is the batch (1 to 64) and its cost is reading the weight once. On an
 H200, cuBLAS runs qkv and o_proj of the 1B shape with one kernel shape at ~1.8 TB/s and splits
-down_proj's K with a second, reduce kernel (bench/NOTES.md, "Decode kernel budget"). The Triton
-matmul of service.model.kernels.matmul, given tiles for small M, streams a weight in one kernel with
-no split-K. Which one is faster depends on the weight's shape, on M and on the GPU, so `tune_skinny`
-measures both on the device: every weight shape, every M bucket (1, 2, 4, ..., 64), a few tile
+down_proj's K with a second, reduce kernel (bench/NOTES.md, "Decode kernel budget"). Two Triton
+kernels stream a weight in one kernel with no split-K:
+- for M <= 4, a GEMV on the CUDA cores (`gemv_triton`): each program reads BLOCK_N whole rows of the
+  weight in BLOCK_K-wide loads and multiplies the M rows of x into them (no tensor-core tile that
+  pads M to 16);
+- for any M, the tensor-core matmul of service.model.kernels.matmul, given tiles for small M.
+Which one is faster depends on the weight's shape, on M and on the GPU, so `tune_skinny` measures
+them against cuBLAS on the device: every weight shape, every M bucket (1, 2, 4, ..., 64), a few
 configurations, each replayed in a CUDA graph over copies of the weight that do not fit in L2 (a
 weight read from L2 would flatter the small ones). A configuration is kept only where it was checked
 against cuBLAS and was faster by a margin; every other call (prompts, M > 64, other shapes) is cuBLAS.
@@ -23,6 +27,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from service.model.kernels._triton import next_pow2, tl, triton
 from service.model.kernels.matmul import MatmulConfig, matmul_triton
 
 log = structlog.get_logger("graphserve.model")
@@ -36,22 +41,68 @@ _REPLAYS = 5
 _tuned: dict[tuple[int, torch.dtype, int, int, bool], list[Choice]] = {}
 
 
-def candidates(m_bucket: int) -> list[MatmulConfig]:
-    """Tile configurations tried for a bucket: one BLOCK_M covering the bucket (16 is tl.dot's least),
-    narrow BLOCK_N so that even a 2048-wide weight gives every SM a program, long BLOCK_K so each
-    program keeps enough bytes in flight."""
+@dataclass(frozen=True)
+class GemvConfig:
+    """The CUDA-core kernel: `rows` (a power of two >= M) rows of x against BLOCK_N weight rows a program."""
+
+    rows: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+Tile = MatmulConfig | GemvConfig
+
+
+def candidates(m_bucket: int) -> list[Tile]:
+    """Configurations tried for a bucket. GEMV for M <= 4: narrow BLOCK_N (many programs even for a
+    2048-row weight), wide BLOCK_K (many loads in flight a thread). Tensor-core tiles: one BLOCK_M
+    covering the bucket (16 is tl.dot's least), narrow BLOCK_N, long BLOCK_K."""
     bm = max(16, m_bucket)
+    gemv = []
+    if m_bucket <= 4:
+        gemv = [GemvConfig(m_bucket, bn, bk, warps, stages)
+                for bn, bk, warps, stages in ((4, 1024, 4, 2), (8, 512, 4, 3), (8, 1024, 4, 2), (16, 512, 8, 2),
+                                              (8, 2048, 8, 1))]
     if bm == 16:
-        return [MatmulConfig(16, 16, 256, 4, 4), MatmulConfig(16, 16, 512, 4, 3),
-                MatmulConfig(16, 32, 256, 4, 4), MatmulConfig(16, 64, 128, 4, 4)]
-    return [MatmulConfig(bm, 32, 128, 4, 4), MatmulConfig(bm, 64, 128, 4, 3)]
+        return gemv + [MatmulConfig(16, 16, 256, 4, 4), MatmulConfig(16, 16, 512, 4, 3),
+                       MatmulConfig(16, 16, 1024, 4, 2), MatmulConfig(16, 32, 256, 4, 4),
+                       MatmulConfig(16, 32, 512, 8, 3), MatmulConfig(16, 64, 128, 4, 4), MatmulConfig(16, 64, 256, 8, 3)]
+    return [MatmulConfig(bm, 32, 128, 4, 4), MatmulConfig(bm, 64, 128, 4, 3), MatmulConfig(bm, 32, 256, 8, 3)]
+
+
+def run_tile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: Tile) -> torch.Tensor:
+    if isinstance(tile, GemvConfig):
+        return gemv_triton(x, weight, bias, tile)
+    return matmul_triton(x, weight, bias, tile)
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c: GemvConfig) -> torch.Tensor:
+    """x [M, K] with M <= c.rows (rows contiguous) -> [M, N] in x's dtype, float32 sums."""
+    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
+    assert x.dtype == weight.dtype and weight.stride(1) == 1 and x.shape[0] <= c.rows
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    if m == 0:
+        return y
+    _gemv_kernel[(triton.cdiv(n, c.block_n),)](
+        x, weight, bias if bias is not None else weight, y, m, n, k,
+        x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, ROWS=next_pow2(c.rows), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+    return y
 
 
 @dataclass
 class Choice:
     """One (weight shape, M bucket): the configuration used (None: cuBLAS) and what was measured."""
 
-    config: MatmulConfig | None
+    config: Tile | None
     cublas_us: float
     triton_us: float | None  # the best configuration's time; None if none ran
 
@@ -70,16 +121,16 @@ class SkinnyMatmul:
             if row is not None:
                 config = row[bucket_index(m)].config
                 if config is not None:
-                    return matmul_triton(x, weight, bias, config)
+                    return run_tile(x, weight, bias, config)
         return F.linear(x, weight, bias)
 
     def summary(self) -> dict[str, str]:
-        """Per weight shape: the buckets that use Triton, with the time against cuBLAS (for the log)."""
+        """Per weight shape and M bucket: the best Triton time / cuBLAS's in us, `*` where Triton is used."""
         out = {}
         for (n, k, bias), row in sorted(self.table.items()):
-            used = [f"{b}:{c.triton_us:.1f}/{c.cublas_us:.1f}us" for b, c in zip(M_BUCKETS, row)
-                    if c.config is not None and c.triton_us is not None]
-            out[f"{n}x{k}{'+b' if bias else ''}"] = " ".join(used) or "cublas"
+            cells = [f"{b}:{'-' if c.triton_us is None else f'{c.triton_us:.1f}'}/{c.cublas_us:.1f}"
+                     f"{'*' if c.config is not None else ''}" for b, c in zip(M_BUCKETS, row)]
+            out[f"{n}x{k}{'+b' if bias else ''}"] = " ".join(cells)
         return out
 
 
@@ -111,10 +162,10 @@ def _graph_us(calls: list[Callable[[], torch.Tensor]], stream: torch.cuda.Stream
     return start.elapsed_time(end) * 1000.0 / (_REPLAYS * len(calls))
 
 
-def check_config(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config: MatmulConfig) -> None:
+def check_config(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config: Tile) -> None:
     """Raises unless the Triton matmul with `config` is within 2% (of the largest value) of a float32 GEMM."""
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
-    ours = matmul_triton(x, w, b, config).float()
+    ours = run_tile(x, w, b, config).float()
     scale = ref.abs().max().item() + 1e-6
     err = (ours - ref).abs().max().item()
     if not err <= 2e-2 * scale:
@@ -135,7 +186,7 @@ def _tune_shape(device: torch.device, dtype: torch.dtype, n: int, k: int, has_bi
         for config in candidates(m):
             try:
                 check_config(x, ws[0], b, config)
-                us = _graph_us([partial(matmul_triton, x, w, b, config) for w in ws], stream)
+                us = _graph_us([partial(run_tile, x, w, b, config) for w in ws], stream)
             except Exception as e:  # noqa: BLE001  (a configuration that fails is not used)
                 log.warning("skinny_matmul_config_failed", shape=[n, k], m=m, config=str(config),
                             reason=f"{type(e).__name__}: {e}"[:300])
@@ -171,3 +222,33 @@ def tune_skinny(device: torch.device, dtype: torch.dtype, shapes: set[tuple[int,
     skinny = SkinnyMatmul(table)
     log.info("skinny_matmul_tuned", seconds=round(time.perf_counter() - started, 2), **skinny.summary())
     return skinny
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["M"])
+    def _gemv_kernel(
+        x_ptr, w_ptr, b_ptr, y_ptr,
+        M, N, K,
+        stride_xm, stride_wn, stride_ym,
+        HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_r = tl.arange(0, ROWS)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_mask = offs_n < N
+        r_mask = offs_r < M
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        x_ptrs = x_ptr + offs_r[:, None] * stride_xm + offs_k[None, :]
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            x = tl.load(x_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + offs_r[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
