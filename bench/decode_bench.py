@@ -73,8 +73,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--batch-invariant", action="store_true",
                    help="the model's batch-invariant mode (invariant matmul and attention); compare with a run without")
-    p.add_argument("--tuned-matmul", action=argparse.BooleanOptionalAction, default=True,
-                   help="decode-sized GEMMs through Triton where it beat cuBLAS at start (--no-tuned-matmul: cuBLAS)")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32"))
@@ -92,8 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _random_init(name: str, device: torch.device, dtype: torch.dtype,
-                 tp: TensorParallel | None = None, batch_invariant: bool = False,
-                 tuned_matmul: bool = True) -> tuple[LlamaForCausalLM, dict]:
+                 tp: TensorParallel | None = None, batch_invariant: bool = False) -> tuple[LlamaForCausalLM, dict]:
     """The built-in shape with random weights made on the device (same distributions as the files,
     not the same values): seconds instead of generating and reading a 2.5 GB checkpoint. With `tp`,
     this rank's shards only."""
@@ -101,7 +98,7 @@ def _random_init(name: str, device: torch.device, dtype: torch.dtype,
     num_regular = shape["vocab_size"] - shape["num_special"]
     config = _hf_config({**shape, "dtype": str(dtype).removeprefix("torch.")}, num_regular, num_regular + 1)
     spec = ModelSpec.from_hf_config(types.SimpleNamespace(**config))
-    model = LlamaForCausalLM(spec, device, dtype, tp=tp, batch_invariant=batch_invariant, tuned_matmul=tuned_matmul)
+    model = LlamaForCausalLM(spec, device, dtype, tp=tp, batch_invariant=batch_invariant)
     gen = torch.Generator(device).manual_seed(1234 + (tp.rank if tp is not None else 0))
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -116,16 +113,15 @@ def load(args: argparse.Namespace) -> Setup:
     """The model of args (its --batch-invariant when the bench has the flag)."""
     t0 = time.perf_counter()
     invariant = getattr(args, "batch_invariant", False)
-    tuned = getattr(args, "tuned_matmul", True)
     if args.random_init:
         if not args.model.startswith(BUILTIN_PREFIX):
             raise SystemExit("--random-init needs a builtin:<name> model")
         model, config = _random_init(args.model[len(BUILTIN_PREFIX):], args.device, args.dtype,
-                                     batch_invariant=invariant, tuned_matmul=tuned)
+                                     batch_invariant=invariant)
         path = None
     else:
         loaded = load_model(args.model, args.device, args.dtype, args.cache_dir or default_cache_dir(),
-                            batch_invariant=invariant, tuned_matmul=tuned)
+                            batch_invariant=invariant)
         model, path = loaded.model, loaded.path
         import json
 
@@ -386,8 +382,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = {
         "model": args.model, "random_init": args.random_init, "dtype": str(s.dtype).removeprefix("torch."),
-        "batch_invariant": args.batch_invariant, "tuned_matmul": args.tuned_matmul,
-        "tuned_matmul_choices": s.model.skinny.summary() if getattr(s.model, "skinny", None) else None,
+        "batch_invariant": args.batch_invariant,
         "device_name": device_name, "context": args.context, "max_seq_len": args.context + 64,
         "buckets": args.buckets, "weight_bytes": wbytes, "copy_rate_gbps": rate / 1e9,
         "copy_rate_note": "device-to-device copy, read + write bytes", "floor_ms": wbytes / rate * 1000.0,
@@ -401,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                                          f" decode, context {args.context}, {device_name}",
                                          gpt_fast=args.model == "builtin:llama-1b")
     name = "decode" if args.buckets == "list" else "decode-buckets"
-    path = write_result(name + ("-invariant" if args.batch_invariant else "") + ("" if args.tuned_matmul else "-cublas"),
+    path = write_result(name + ("-invariant" if args.batch_invariant else ""),
                         {"summary": summary, "rows": rows, "anchors": anchors,
                          "gpt_fast_reference_ms": GPT_FAST_MS}, device=s.device, figure=fig)
     print_tables(rows, anchors, summary)

@@ -7,7 +7,7 @@
 #   bash bench/h200_session.sh lora     # LoRA: GPU tests, the integration tests on cuda, the step and load bench
 #   bash bench/h200_session.sh tp gen-8b tp-serve  # two GPUs: TP tests, the TP decode step, 64 streams at TP=1 and 2
 #   bash bench/h200_session.sh profile  # the decode step's kernel budget
-#   bash bench/h200_session.sh tuned    # the start-up-tuned decode GEMMs: tests, step with and without, profile
+#   bash bench/h200_session.sh gemm-sweep  # decode GEMMs: cuBLAS against Triton kernels of ours, per shape and M
 #   bash bench/h200_session.sh invariant  # --batch-invariant: GPU tests, decode and prefill steps both ways
 #   bash bench/h200_session.sh invariant-bench invariant-grpc  # the steps only; the gRPC tests on cuda
 set -uo pipefail
@@ -54,10 +54,8 @@ for part in "$@"; do
       TAIL=8 GRAPHSERVE_TEST_ARGS="--device cuda --dtype bfloat16" run invariant-integration 300 \
         python3 -m pytest -q tests/integration/test_batch_invariant.py -p no:cacheprovider --timeout 200 ;;
     profile) run decode-profile 150 python3 bench/profile_decode.py $M --random-init --batches 1,8,64,256 ;;
-    tuned)  # decode-sized GEMMs tuned at start against cuBLAS: the kernel tests, the step both ways, the profile
-      TAIL=10 run tuned-gpu-tests 200 python3 -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py -p no:cacheprovider --timeout 150
-      run decode-cublas 100 python3 bench/decode_bench.py $M --random-init --batches 1,8,64,256 --no-anchors --no-plot --no-tuned-matmul
-      run decode-tuned 100 python3 bench/decode_bench.py $M --random-init --batches 1,8,64,256 --no-anchors --no-plot
-      run decode-profile-tuned 120 python3 bench/profile_decode.py $M --random-init --batches 1,64 ;;
+    gemm-sweep)  # decode GEMMs, cuBLAS against our Triton GEMV / small tiles: the 1B shapes, then 8B's at TP=2
+      TAIL=40 run gemm-sweep-1b 150 python3 bench/gemm_sweep.py
+      TAIL=40 run gemm-sweep-8b-tp2 150 python3 bench/gemm_sweep.py --shapes 3072x4096,4096x2048,14336x4096,4096x7168,64128x4096 ;;
   esac
 done

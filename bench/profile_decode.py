@@ -75,8 +75,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda", choices=["cuda"])
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--random-init", action="store_true")
-    p.add_argument("--tuned-matmul", action=argparse.BooleanOptionalAction, default=True,
-                   help="decode-sized GEMMs through Triton where it beat cuBLAS at start (--no-tuned-matmul: cuBLAS)")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--batches", default="1,64")
     p.add_argument("--steps", type=int, default=20)

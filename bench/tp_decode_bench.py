@@ -49,8 +49,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=512, help="positions already in every KV slot")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--tuned-matmul", action=argparse.BooleanOptionalAction, default=True,
-                   help="decode-sized GEMMs through Triton where it beat cuBLAS at start (--no-tuned-matmul: cuBLAS)")
     p.add_argument("--all-reduce", choices=["nccl", "symm", "both"], default="both",
                    help="the all-reduce of the graphed step (both: time the step with each)")
     args = p.parse_args(argv)
@@ -81,7 +79,7 @@ def _time_step(tp: Any, args: argparse.Namespace, device: torch.device, reducer_
     from cache_manager import CudaGraphBackend
 
     dtype = getattr(torch, args.dtype)
-    model, _ = _random_init(args.model.removeprefix("builtin:"), device, dtype, tp, tuned_matmul=args.tuned_matmul)
+    model, _ = _random_init(args.model.removeprefix("builtin:"), device, dtype, tp)
     spec = model.spec  # this rank's share
     max_batch = max(args.batch_list)
     kv = KVCache(spec, max_batch, args.context + 64, device, dtype)

@@ -40,8 +40,6 @@ class ServeConfig:
     # Every request's tokens independent of the other requests in its step and of chunking
     # (batch-invariant matmul, attention and norms; service.model.kernels.invariant)
     batch_invariant: bool = False
-    # Decode-sized GEMMs through Triton where it beat cuBLAS when timed at start (service.model.kernels.skinny)
-    tuned_matmul: bool = True
     # LoRA adapters: "NAME=PATH[,NAME=PATH...]" loaded at start; device slots; the largest rank served
     lora_modules: str | None = None
     max_loras: int = 0  # 0: 4 slots when --lora-modules is given, else no adapter support
@@ -242,10 +240,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every request's results independent of the other requests in its batch and of chunked "
                         "prefill (batch-invariant matmul, attention and norms); slower, see README")
     g.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false")
-    g.add_argument("--tuned-matmul", dest="tuned_matmul", action="store_true", default=d.tuned_matmul,
-                   help="on CUDA, time a Triton matmul against cuBLAS at start for every weight shape at decode "
-                        "batch sizes (a few seconds) and use it where it is faster")
-    g.add_argument("--no-tuned-matmul", dest="tuned_matmul", action="store_false", help="cuBLAS for every GEMM")
     g = p.add_argument_group("LoRA adapters")
     g.add_argument("--lora-modules", default=None,
                    help="PEFT adapter directories loaded at start, NAME=PATH[,NAME=PATH...]; requests pick one by name")
@@ -296,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # On/off flags: GRAPHSERVE_<FLAG>=true|false gives the flag or its negation.
 _SWITCHES = {"--warm-start": "--no-warm-start", "--overlap-steps": "--no-overlap-steps",
-             "--batch-invariant": "--no-batch-invariant", "--tuned-matmul": "--no-tuned-matmul"}
+             "--batch-invariant": "--no-batch-invariant"}
 
 
 def _env_argv(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> list[str]:

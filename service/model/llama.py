@@ -22,14 +22,11 @@ from torch import nn
 
 from service.model.attention import DecodeAttention, causal_attention, rowwise_step_attention, step_attention
 from service.model.kernels import FastPath
-from service.model.kernels._triton import triton
 from service.model.kernels.activation import silu_mul_torch, silu_mul_triton
 from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton
-from service.model.kernels.fast_path import FAST_DTYPES
 from service.model.kernels.invariant import InvariantKernels, Matmul
 from service.model.kernels.norm import add_rmsnorm_torch, add_rmsnorm_triton
 from service.model.kernels.rope import apply_rope, rope_kv_write_torch, rope_kv_write_triton, split_qkv
-from service.model.kernels.skinny import SkinnyMatmul, tune_skinny
 from service.model.kv_cache import KVCache
 from service.model.parallel import TensorParallel, VocabParallelEmbedding, shard_spec
 from service.model.spec import ModelLoadError, ModelSpec
@@ -278,13 +275,11 @@ class LlamaForCausalLM(nn.Module):
     `batch_invariant` is the one switch of the batch-invariant mode (service.model.kernels.invariant):
     every linear layer and the LM head get its matmul, attention runs every row through the
     per-row decode kernel, so a row's logits do not depend on the other rows of its step.
-    Otherwise, with the fast path on, `tuned_matmul` times the Triton matmul against cuBLAS for every
-    weight shape at decode batch sizes and uses it where it is faster (service.model.kernels.skinny).
     """
 
     def __init__(
         self, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype, fast_path: bool = True,
-        tp: TensorParallel | None = None, batch_invariant: bool = False, tuned_matmul: bool = True,
+        tp: TensorParallel | None = None, batch_invariant: bool = False,
     ) -> None:
         super().__init__()
         self.tp = tp = tp or TensorParallel()
@@ -313,16 +308,14 @@ class LlamaForCausalLM(nn.Module):
         )
         self.invariant: InvariantKernels | None = None
         self.matmul: Matmul = F.linear  # the LM head's
-        self.skinny: SkinnyMatmul | None = None
         if batch_invariant:
             if tp.world_size > 1:
                 raise ModelLoadError("the batch-invariant mode is not served with tensor parallelism (the "
                                      "all-reduce's algorithm depends on the message size)")
+            shapes = {(*m.weight.shape, m.bias is not None) for m in self._linears()}
+            shapes.add((*self.model.embed_tokens.weight.shape, False))  # a tied head's
             heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
-            self.use_invariant(InvariantKernels.build(device, dtype, self.fast, self._weight_shapes(), heads))
-        elif tuned_matmul and fast_path and torch.device(device).type == "cuda" and dtype in FAST_DTYPES \
-                and triton is not None:
-            self.use_matmul(tune_skinny(torch.device(device), dtype, self._weight_shapes()))
+            self.use_invariant(InvariantKernels.build(device, dtype, self.fast, shapes, heads))
 
     def _linears(self) -> list[nn.Module]:
         """Every linear layer that runs (not the per-projection views of a fused one), the LM head included."""
@@ -330,24 +323,13 @@ class LlamaForCausalLM(nn.Module):
         return [m for m in self.modules()
                 if isinstance(m, Linear | FusedLinear) and id(m) not in views]
 
-    def _weight_shapes(self) -> set[tuple[int, int, bool]]:
-        """(N, K, has bias) of every linear layer and of the LM head (a tied head's is the embedding's)."""
-        shapes = {(*m.weight.shape, m.bias is not None) for m in self._linears()}
-        shapes.add((*self.model.embed_tokens.weight.shape, False))
-        return shapes
-
-    def use_matmul(self, matmul: Matmul) -> None:
-        """Every linear layer and the LM head through `matmul` (the decode-tuned one)."""
-        self.skinny = matmul if isinstance(matmul, SkinnyMatmul) else None
-        self.matmul = matmul
-        for m in self._linears():
-            m.matmul = matmul
-
     def use_invariant(self, kernels: InvariantKernels) -> None:
         """The batch-invariant mode: every linear layer and the LM head through kernels.matmul, the
         attention of every row through kernels.attention. Called once, at construction."""
         self.invariant = kernels
-        self.use_matmul(kernels.matmul)
+        self.matmul = kernels.matmul
+        for m in self._linears():
+            m.matmul = kernels.matmul
 
     @property
     def batch_invariant(self) -> bool:

@@ -133,20 +133,19 @@ def read_model_spec(model: str, cache_dir: pathlib.Path | None = None) -> ModelS
 
 def load_model(
     model: str, device: torch.device, dtype: torch.dtype, cache_dir: pathlib.Path | None = None,
-    tp: TensorParallel | None = None, batch_invariant: bool = False, tuned_matmul: bool = True,
+    tp: TensorParallel | None = None, batch_invariant: bool = False,
 ) -> LoadedModel:
     """ "builtin:<name>" (generated once into cache_dir) or a local HF directory -> LoadedModel.
     With `tp` of world size N this rank's model holds (and reads) only its 1/N shards; the
     LoadedModel's spec stays the whole model's (the model's own spec is the rank's share).
-    `batch_invariant`, `tuned_matmul`: the model's batch-invariant mode and decode-tuned GEMMs
-    (LlamaForCausalLM)."""
+    `batch_invariant`: the model's batch-invariant mode (LlamaForCausalLM)."""
     device = torch.device(device)
     path = _model_dir(model, cache_dir)
     spec = _read_spec(path)
     files = _weight_files(path)
     tokenizer = read_tokenizer(path)
     sharded = tp is not None and tp.world_size > 1
-    net = LlamaForCausalLM(spec, device, dtype, tp=tp, batch_invariant=batch_invariant, tuned_matmul=tuned_matmul)
+    net = LlamaForCausalLM(spec, device, dtype, tp=tp, batch_invariant=batch_invariant)
     net.load_weights(_read_weights(files, device, tp if sharded else None))
     net.eval()
     return LoadedModel(

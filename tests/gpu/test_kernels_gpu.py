@@ -164,7 +164,6 @@ def test_model_decode_fast_vs_torch(over):
     prompts = [torch.randint(0, spec.vocab_size, (n,), generator=gen).to(DEVICE) for n in (5, 70, 300)]
     slots = [3, 0, 1]
     paths = {"torch": FastPath(), "fast": fast}
-    matmuls = {"torch": torch.nn.functional.linear, "fast": model.matmul}  # cuBLAS / the tuned one
     kv = {
         name: KVCache(spec, num_slots=4, max_seq_len=400, device=DEVICE, dtype=torch.bfloat16)
         for name in paths
@@ -172,12 +171,10 @@ def test_model_decode_fast_vs_torch(over):
 
     def run(name, fn, *args):
         model.fast = paths[name]
-        model.use_matmul(matmuls[name])
         try:
             return fn(*args, kv[name])
         finally:
             model.fast = fast
-            model.use_matmul(matmuls["fast"])
 
     first = {
         name: torch.stack([run(name, model.prefill, p, s) for p, s in zip(prompts, slots)]) for name in paths
@@ -265,46 +262,3 @@ def test_packed_prefill_matches_per_prompt(lens):
                 assert _rel(b[slot, :, :n].float(), a[slot, :, :n].float()) < 1e-2
                 assert not b[slot, :, n:].any(), "wrote past the prompt"
             assert not b[len(lens)].any(), "the unused slot was written"
-
-
-# ---- decode-sized GEMMs (service.model.kernels.skinny) -------------------------------------------
-
-ONE_B_WEIGHTS = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # qkv, o, gate_up, down
-
-
-@pytest.mark.parametrize("n, k", ONE_B_WEIGHTS, ids=lambda v: str(v))
-def test_every_tile_candidate_matches_cublas_on_1b_weights(n, k):
-    from service.model.kernels.skinny import M_BUCKETS, bucket_index, candidates, check_config
-
-    gen = torch.Generator(DEVICE).manual_seed(0)
-    w = (torch.randn(n, k, device=DEVICE, generator=gen) / k**0.5).to(torch.bfloat16)
-    for m in (1, 2, 3, 5, 16, 17, 40, 64):
-        x = torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16)
-        for config in candidates(M_BUCKETS[bucket_index(m)]):
-            check_config(x, w, None, config)
-
-
-def test_tuned_matmul_is_cublas_close_at_every_size_and_wired_into_the_model():
-    from service.model.kernels.skinny import M_BUCKETS, tune_skinny
-    from service.model.llama import LlamaForCausalLM
-
-    shapes = {(3072, 2048, False), (2048, 8192, False), (512, 128, True)}
-    skinny = tune_skinny(DEVICE, torch.bfloat16, shapes)
-    assert set(skinny.table) == shapes
-    gen = torch.Generator(DEVICE).manual_seed(1)
-    for (n, k, bias), row in skinny.table.items():
-        assert len(row) == len(M_BUCKETS) and all(c.cublas_us > 0 for c in row), row  # timed, not failed
-        w = (torch.randn(n, k, device=DEVICE, generator=gen) / k**0.5).to(torch.bfloat16)
-        b = torch.randn(n, device=DEVICE, generator=gen).to(torch.bfloat16) if bias else None
-        for m in (1, 3, 16, 33, 64, 65, 200):
-            x = torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16)
-            ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-            assert _rel(skinny(x, w, b).float(), ref) < 1e-2, (n, k, m)
-    print(skinny.summary())
-
-    model = LlamaForCausalLM(_spec(), DEVICE, torch.bfloat16)
-    assert model.skinny is not None and model.matmul is model.skinny
-    assert all(m.matmul is model.skinny for m in model._linears())
-    assert set(model.skinny.table) == model._weight_shapes()
-    plain = LlamaForCausalLM(_spec(), DEVICE, torch.bfloat16, tuned_matmul=False)
-    assert plain.skinny is None and all(m.matmul is torch.nn.functional.linear for m in plain._linears())

@@ -48,9 +48,3 @@ def test_step_token_budget_default_and_its_deprecated_name() -> None:
     assert old.max_num_batched_tokens == old.max_prefill_tokens == 300
     assert load_config([], {"GRAPHSERVE_MAX_PREFILL_TOKENS": "400"}).max_num_batched_tokens == 400
     assert load_config([], {"GRAPHSERVE_MAX_NUM_BATCHED_TOKENS": "64"}).max_num_batched_tokens == 64
-
-
-def test_tuned_matmul_is_on_by_default_and_switched_off_by_flag_or_environment() -> None:
-    assert load_config([], {}).tuned_matmul is True
-    assert load_config(["--no-tuned-matmul"], {}).tuned_matmul is False
-    assert load_config([], {"GRAPHSERVE_TUNED_MATMUL": "false"}).tuned_matmul is False
