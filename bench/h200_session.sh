@@ -5,7 +5,7 @@
 #   bash bench/h200_session.sh stall prefill decode  # capture stalls, prefill (piecewise vs eager), decode steps
 #   bash bench/h200_session.sh serve    # through gRPC: first-token latency, cold ramps, ITL by mode
 #   bash bench/h200_session.sh lora     # LoRA: GPU tests, the integration tests on cuda, the step and load bench
-#   bash bench/h200_session.sh tp gen-8b tp-serve  # two GPUs: TP tests, the TP decode step, 64 streams at TP=1 and 2
+#   bash bench/h200_session.sh tp gen-8b tp-serve tp-serve-long  # two GPUs: TP tests, the TP decode step, 64 streams at TP=1 and 2
 #   bash bench/h200_session.sh profile  # the decode step's kernel budget
 #   bash bench/h200_session.sh gemm-sweep  # decode GEMMs: cuBLAS against Triton kernels of ours, per shape and M
 #   bash bench/h200_session.sh invariant  # --batch-invariant: GPU tests, decode and prefill steps both ways
@@ -16,6 +16,16 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 GRAPHSERVE_BENCH_RESULTS="$OUT"
 M="--model builtin:llama-1b --device cuda"
 run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v '^{' "$OUT/$name.log" | tail -"${TAIL:-14}"; }
+# 64 streams on builtin:llama-8b at TP=1 then TP=2; the capture stalls (and rank memory reports) from each server's log
+tp_serve() {
+  local tag=$1; shift
+  for tp in 1 2; do
+    run serve-8b-${tag}tp$tp 280 python3 bench/serve_bench.py --model builtin:llama-8b --device cuda --dtype bfloat16 \
+      --skip-engine --concurrency 64 --client-procs 4 "$@" --tensor-parallel-size $tp \
+      --server-log "$OUT/serve-8b-${tag}tp$tp-server.log" --server-args "--log-level info --log-format json"
+    python3 bench/capture_stalls.py "$OUT/serve-8b-${tag}tp$tp-server.log"
+  done
+}
 for part in "$@"; do
   case $part in
     tests) TAIL=12 run gpu-tests 420 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider --timeout 200 -k "${GPU_TESTS_K:-}" ;;
@@ -38,12 +48,8 @@ for part in "$@"; do
       TAIL=8 run tp-gpu-tests 300 python3 -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py -p no:cacheprovider --timeout 240
       run tp-decode 300 python3 bench/tp_decode_bench.py --model builtin:llama-8b --tp-sizes 1,2 --batches 1,64 ;;
     gen-8b) run gen-8b 400 python3 -c "from service.model.builtin import ensure_builtin; from service.model.loader import default_cache_dir; print(ensure_builtin('llama-8b', default_cache_dir()))" ;;
-    tp-serve)  # run gen-8b first (or beside another part): the 16 GB checkpoint is generated once
-      S="python3 bench/serve_bench.py --model builtin:llama-8b --device cuda --dtype bfloat16 --skip-engine --concurrency 64 --requests 192 --output-tokens 64 --client-procs 4"
-      for tp in 1 2; do
-        run serve-8b-tp$tp 280 $S --tensor-parallel-size $tp --server-log "$OUT/serve-8b-tp$tp-server.log" --server-args "--log-level info --log-format json"
-        python3 bench/capture_stalls.py "$OUT/serve-8b-tp$tp-server.log"
-      done ;;
+    tp-serve) tp_serve "" --requests 192 --output-tokens 64 ;;  # run gen-8b first: the 16 GB checkpoint is made once
+    tp-serve-long) tp_serve "long-" --requests 128 --output-tokens 256 ;;  # decode-dominated
     invariant)
       TAIL=8 run invariant-gpu-tests 420 python3 -m pytest -q -m gpu tests/gpu/test_batch_invariant_gpu.py -p no:cacheprovider --timeout 300 ;&
     invariant-bench)

@@ -11,6 +11,7 @@ wait (a key is checked before it is read, and `get` only waits for a missing key
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,7 @@ class MemoryPublisher:
     def publish(self, graph_bytes: int) -> None:
         if graph_bytes == self._published:
             return
+        started = time.perf_counter()
         free, total = device_memory(self.device)
         value = {"graph_bytes": graph_bytes, "device_free_bytes": free, "device_total_bytes": total}
         try:
@@ -63,6 +65,9 @@ class MemoryPublisher:
             log.warning("rank_memory_publish_failed", rank=self.rank, error=repr(exc))
             return
         self._published = graph_bytes
+        # What the publish cost this rank's engine thread (it runs between steps, after a graph operation).
+        log.info("rank_memory_published", rank=self.rank, graph_bytes=graph_bytes,
+                 ms=round((time.perf_counter() - started) * 1000.0, 3))
 
 
 def read_memory(store: Any, world_size: int, own: RankMemory) -> list[RankMemory]:
