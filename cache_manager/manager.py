@@ -133,14 +133,6 @@ class GraphCache:
                 # its own sizes, their steps pad into a graph instead of running eagerly (an eager
                 # step beside a capture shares the interpreter with it and slows most).
                 self._warm_queue.extend(BatchDescriptor(k, self._tables[k].largest) for k in self.mode.kinds)
-            if config.inline_capture:
-                # Inline captures (tensor parallelism) stall the step they run before (60-200 ms on
-                # two H200s at 8B): queue every allowed size too, decode graphs first, largest
-                # first, for the engine to capture while it is idle instead of when traffic asks.
-                queued = set(self._warm_queue)
-                rest = sorted((k for k in self._buckets if k not in queued),
-                              key=lambda k: (self.mode.kinds.index(k.mode), -k.padded_size))
-                self._warm_queue.extend(rest)
         self._warming: BatchDescriptor | None = None  # the warm-start capture in flight
         self.sharing: GraphCache | None = None  # the cache under the same budget (share_budget_with)
 

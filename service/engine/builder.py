@@ -151,12 +151,8 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
             ranks.check()  # a dead rank fails the engine even while it is idle
         for graphs in caches:
             graphs.poll()
-            # With inline capture a warm graph is captured and committed now, at this step boundary;
-            # while nothing waits, the next one follows at once (at most one capture delays a request).
-            while graphs.warm_step() and graphs.config.inline_capture:
-                graphs.poll()
-                if engine.busy():
-                    break
+            if graphs.warm_step() and graphs.config.inline_capture:
+                graphs.poll()  # captured and committed now, at this step boundary
             graphs.maybe_save()
 
     scheduler = Scheduler(c.max_running_seqs, c.max_num_batched_tokens, adapters=lr.adapters)

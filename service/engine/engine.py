@@ -152,10 +152,6 @@ class Engine:
             self._cond.notify()
         return key
 
-    def busy(self) -> bool:
-        """Whether requests, calls or steps wait (read without the lock: a hint for idle-time work)."""
-        return bool(self._inbox or self._calls or self._in_flight or self.scheduler.has_work())
-
     def wake(self) -> None:
         """Run `between_steps` soon even when idle (a graph capture finished and waits to be committed)."""
         with self._cond:

@@ -559,24 +559,3 @@ def test_a_shared_budget_set_on_one_cache_binds_both_and_evicts_from_either():
     assert b.capture([8])[8].outcome is OpOutcome.OVER_BUDGET  # b's own budget is the shared one now
     a.close()
     b.close()
-
-
-def test_inline_capture_warms_every_size_at_a_cold_start_decode_first_largest_first(tmp_path):
-    """With inline capture (tensor parallelism) a lazy capture would stall a serving step, so a cold
-    start queues every allowed size of each kind: the largest of each kind, then the rest."""
-    step = CountingStep(8)
-    cfg = GraphCacheConfig("full_and_piecewise", (*SIZES, 16), 8, max_tokens=16, memory_budget=10**9,
-                           inline_capture=True, stats_file=tmp_path / "none-yet.json")
-    cache = GraphCache(step, cfg, torch.device("cpu"), FP, FakeGraphBackend(lambda s: 1000 * s),
-                       piecewise_step=CountingStep(16))
-    queue = [str(k) for k in cache.snapshot().warm_queue]
-    assert queue[:2] == ["full:8", "piecewise:16"]
-    assert queue[2:] == ["full:4", "full:2", "full:1", "piecewise:8", "piecewise:4", "piecewise:2", "piecewise:1"]
-    captured = 0
-    while cache.warm_step():  # what the idle engine does: one capture after another, each committed at once
-        cache.poll()
-        captured += 1
-    assert captured == len(queue) and all(b.state is BucketState.CAPTURED for b in cache.snapshot().buckets)
-
-    plain, _, _, _ = make(stats_file=tmp_path / "none-either.json")
-    assert full_sizes(plain.snapshot().warm_queue) == (8,)  # captured beside serving: only the largest
