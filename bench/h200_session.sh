@@ -16,14 +16,18 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 GRAPHSERVE_BENCH_RESULTS="$OUT"
 M="--model builtin:llama-1b --device cuda"
 run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v '^{' "$OUT/$name.log" | tail -"${TAIL:-14}"; }
-# 64 streams on builtin:llama-8b at TP=1 then TP=2; the capture stalls (and rank memory reports) from each server's log
+# 64 streams on builtin:llama-8b at TP=1 then TP=2 ($REPEAT times each, alternating); the capture
+# stalls (and rank memory reports) from each server's log
 tp_serve() {
   local tag=$1; shift
-  for tp in 1 2; do
-    run serve-8b-${tag}tp$tp 280 python3 bench/serve_bench.py --model builtin:llama-8b --device cuda --dtype bfloat16 \
-      --skip-engine --concurrency 64 --client-procs 4 "$@" --tensor-parallel-size $tp \
-      --server-log "$OUT/serve-8b-${tag}tp$tp-server.log" --server-args "--log-level info --log-format json"
-    python3 bench/capture_stalls.py "$OUT/serve-8b-${tag}tp$tp-server.log"
+  for i in $(seq "${REPEAT:-1}"); do
+    for tp in 1 2; do
+      local name=serve-8b-${tag}tp$tp${REPEAT:+-$i}
+      run "$name" 280 python3 bench/serve_bench.py --model builtin:llama-8b --device cuda --dtype bfloat16 \
+        --skip-engine --concurrency 64 --client-procs 4 "$@" --tensor-parallel-size $tp \
+        --server-log "$OUT/$name-server.log" --server-args "--log-level info --log-format json"
+      python3 bench/capture_stalls.py "$OUT/$name-server.log"
+    done
   done
 }
 for part in "$@"; do
