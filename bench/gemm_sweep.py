@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, write_result
+from bench.common import print_table, time_ms, write_result
 from service.model.kernels._triton import next_pow2, tl, triton
 from service.model.kernels.matmul import MatmulConfig, matmul_triton
 
@@ -100,14 +100,7 @@ def graph_us(calls: list, stream: torch.cuda.Stream, replays: int) -> float:
     with torch.cuda.graph(graph, stream=stream):
         for call in calls:
             call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000.0 / (replays * len(calls))
+    return time_ms(graph.replay, stream.device, iters=replays, warmup=1) * 1000.0 / len(calls)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,14 @@ class CapturedGraph(Protocol):
     def replay(self) -> torch.Tensor: ...
 
 
+def replay_rows(graph: CapturedGraph, step: DecodeStep, n: int) -> torch.Tensor:
+    """Rows [0, n) of `graph`'s replay; when n is below the graph's size the step first points the
+    padding rows at the scratch slot (step.set_padding_rows)."""
+    if n < graph.size:
+        step.set_padding_rows(n, graph.size)
+    return graph.replay()[:n]
+
+
 class GraphBackend(Protocol):
     """Captures and releases graphs on the capture thread (capturer.py; inline capture: on the engine
     thread); `fence` runs on the engine thread.

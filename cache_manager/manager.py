@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from cache_manager.backend import CudaGraphBackend, GraphBackend
+from cache_manager.backend import CudaGraphBackend, GraphBackend, replay_rows
 from cache_manager.budget import choose_victims, resolve_budget
 from cache_manager.capturer import CaptureJob
 from cache_manager.config import DEFAULT_BUDGET_FRACTION, GraphCacheConfig
@@ -203,13 +203,11 @@ class GraphCache:
             raise RuntimeError(
                 f"static inputs moved since {target} was captured: {b.addresses} -> {step.input_addresses()}"
             )
-        if n < target.padded_size:
-            step.set_padding_rows(n, target.padded_size)
         assert b.graph is not None
-        out = b.graph.replay()
+        out = replay_rows(b.graph, step, n)
         self.residency.last_replayed = target
         self.stats.replay(requested, target, now)
-        return out[:n]
+        return out
 
     def _select(self, key: BatchDescriptor, now: float) -> tuple[BatchDescriptor | None, str]:
         """(graph to replay, "") or (None, eager reason). May submit a capture, evicting by policy;

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import structlog
 import torch
 
-from cache_manager.backend import CapturedGraph, GraphBackend
+from cache_manager.backend import CapturedGraph, GraphBackend, replay_rows
 from cache_manager.sizes import BatchDescriptor, CudaGraphMode
 from cache_manager.step import DecodeStep
 
@@ -64,9 +64,7 @@ class GraphMirror:
         graph = self.graphs.get(key) if key is not None else None
         if graph is None:
             return step.run(n)
-        if n < key.padded_size:
-            step.set_padding_rows(n, key.padded_size)
-        return graph.replay()[:n]
+        return replay_rows(graph, step, n)
 
     def close(self) -> None:
         for key in list(self.graphs):

@@ -14,7 +14,7 @@ except Exception:  # noqa: BLE001  (ImportError, or a broken install that fails 
     triton = None
     tl = None
 
-__all__ = ["interpreting", "next_pow2", "sm_count", "tl", "triton"]
+__all__ = ["cdiv", "interpreting", "next_pow2", "sm_count", "tl", "triton"]
 
 _num_sms: dict[int, int] = {}
 
@@ -36,3 +36,8 @@ def interpreting() -> bool:
 
 def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch arithmetic (usable without triton, unlike triton.cdiv)."""
+    return -(-a // b)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from service.model.kernels._triton import interpreting, next_pow2, sm_count, tl, triton
+from service.model.kernels._triton import cdiv, interpreting, next_pow2, sm_count, tl, triton
 
 BLOCK_N = 64  # KV positions per inner step
 
@@ -38,25 +38,17 @@ def decode_attention_torch(
 
 def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> tuple[int, int]:
     """(num_splits, split_len): enough programs to fill the GPU twice over; split_len a multiple of BLOCK_N."""
-    blocks = triton_cdiv(max_seq_len, BLOCK_N)
-    want = max(1, min(blocks, triton_cdiv(2 * num_sms, batch * num_kv_heads)))
-    split_len = triton_cdiv(blocks, want) * BLOCK_N
-    return triton_cdiv(max_seq_len, split_len), split_len
+    blocks = cdiv(max_seq_len, BLOCK_N)
+    want = max(1, min(blocks, cdiv(2 * num_sms, batch * num_kv_heads)))
+    split_len = cdiv(blocks, want) * BLOCK_N
+    return cdiv(max_seq_len, split_len), split_len
 
 
 def fixed_split_len(max_seq_len: int) -> int:
     """A split length that depends only on the cache length, never on the batch: the batch-invariant
     mode's split (each row's positions are reduced in the same pieces whatever the batch). At least
     256 positions per split and at most 16 splits, a multiple of BLOCK_N."""
-    return max(256, triton_cdiv(triton_cdiv(max_seq_len, 16), BLOCK_N) * BLOCK_N)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-
-
+    return max(256, cdiv(cdiv(max_seq_len, 16), BLOCK_N) * BLOCK_N)
 
 
 def decode_attention_triton(
@@ -78,12 +70,12 @@ def decode_attention_triton(
     groups = h // kvh
     if split_len is not None:
         assert num_splits is None and split_len % BLOCK_N == 0
-        num_splits = triton_cdiv(t, split_len)
+        num_splits = cdiv(t, split_len)
     elif num_splits is None:
         num_splits, split_len = num_splits_for(b, kvh, t, sm_count(q.device))
     else:
-        split_len = triton_cdiv(triton_cdiv(t, num_splits), BLOCK_N) * BLOCK_N
-        num_splits = triton_cdiv(t, split_len)
+        split_len = cdiv(cdiv(t, num_splits), BLOCK_N) * BLOCK_N
+        num_splits = cdiv(t, split_len)
     out = torch.empty((b, h, d), device=q.device, dtype=q.dtype)
     if num_splits > 1:
         part = torch.empty((b, h, num_splits, d), device=q.device, dtype=torch.float32)

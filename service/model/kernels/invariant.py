@@ -31,7 +31,6 @@ from service.model.spec import ModelLoadError
 
 # (x [M, K], weight [N, K], bias [N] | None) -> [M, N]
 Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-# (q [B, H, D], k_cache, v_cache, slot_ids [B], positions [B]) -> [B, H * D]
 
 
 def decode_attention_fixed_split(

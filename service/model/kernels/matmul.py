@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from service.model.kernels._triton import interpreting, next_pow2, sm_count, tl, triton
+from service.model.kernels._triton import cdiv, interpreting, next_pow2, sm_count, tl, triton
 
 ROW_BLOCK = 16  # rows per GEMM of the CPU fallback
 
@@ -41,7 +41,7 @@ def matmul_config(n: int, k: int, num_sms: int) -> MatmulConfig:
     widest BLOCK_N that still gives every SM a program (split-K would change the reduction order)."""
     block_n = 16
     for width in (128, 64, 32):
-        if -(-n // width) >= num_sms:
+        if cdiv(n, width) >= num_sms:
             block_n = width
             break
     block_k = 128 if k >= 128 else max(16, next_pow2(k))
@@ -59,8 +59,6 @@ def matmul_blocked_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         x = torch.cat([x, x.new_zeros((pad, x.shape[1]))])
     out = torch.cat([F.linear(x[i: i + ROW_BLOCK], weight, bias) for i in range(0, m + pad, ROW_BLOCK)])
     return out[:m] if pad else out
-
-
 
 
 def matmul_triton(
@@ -87,7 +85,6 @@ def matmul_triton(
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return y
-
 
 
 if triton is not None:
