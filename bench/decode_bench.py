@@ -13,6 +13,7 @@ eager and hand-captured as a CUDA graph. `--buckets all` times every allowed cap
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import pathlib
 import sys
@@ -73,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--batch-invariant", action="store_true",
                    help="the model's batch-invariant mode (invariant matmul and attention); compare with a run without")
+    p.add_argument("--without", default="",
+                   help="fast-path kernels to turn off after the self-check, comma-separated (an A/B of one kernel, "
+                        "e.g. norm_linear); see service.model.kernels.FastPath")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32"))
@@ -126,6 +130,11 @@ def load(args: argparse.Namespace) -> Setup:
         import json
 
         config = json.loads((path / "config.json").read_text())
+    without = [k for k in getattr(args, "without", "").split(",") if k.strip()]
+    unknown = set(without) - set(vars(model.fast))
+    if unknown:
+        raise SystemExit(f"--without: no fast-path kernel {sorted(unknown)}; there are {sorted(vars(model.fast))}")
+    model.fast = dataclasses.replace(model.fast, **dict.fromkeys(without, False))
     return Setup(model, config, path, args.device, args.dtype, time.perf_counter() - t0)
 
 
@@ -382,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = {
         "model": args.model, "random_init": args.random_init, "dtype": str(s.dtype).removeprefix("torch."),
-        "batch_invariant": args.batch_invariant,
+        "batch_invariant": args.batch_invariant, "fast_path": vars(s.model.fast),
         "device_name": device_name, "context": args.context, "max_seq_len": args.context + 64,
         "buckets": args.buckets, "weight_bytes": wbytes, "copy_rate_gbps": rate / 1e9,
         "copy_rate_note": "device-to-device copy, read + write bytes", "floor_ms": wbytes / rate * 1000.0,
@@ -396,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
                                          f" decode, context {args.context}, {device_name}",
                                          gpt_fast=args.model == "builtin:llama-1b")
     name = "decode" if args.buckets == "list" else "decode-buckets"
-    path = write_result(name + ("-invariant" if args.batch_invariant else ""),
+    name += "-invariant" if args.batch_invariant else ""
+    name += "".join(f"-without-{k}" for k in args.without.split(",") if k.strip())
+    path = write_result(name,
                         {"summary": summary, "rows": rows, "anchors": anchors,
                          "gpt_fast_reference_ms": GPT_FAST_MS}, device=s.device, figure=fig)
     print_tables(rows, anchors, summary)

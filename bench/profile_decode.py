@@ -27,6 +27,7 @@ from bench.decode_bench import bench_ours, copy_rate, kv_bytes_read, load, make_
 
 # Kernel-name patterns, first match wins: the groups of the budget.
 _GROUPS = [
+    ("norm+gemm", r"rmsnorm_linear"),  # the fused add + norm + projection (service.model.kernels.norm_linear)
     ("gemm", r"gemm|gemv|sm90_xmma|cutlass|matmul|splitK|nvjet"),
     ("attention", r"flash|fmha|attention|sdpa|softmax"),
     ("norm", r"rms|norm|pow_|rsqrt|mean|reduce"),
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--without", default="", help="fast-path kernels to turn off, as decode_bench.py's")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
     args.dtype = getattr(torch, args.dtype)
