@@ -1,8 +1,8 @@
 """The residual add + RMSNorm + projection of a decode step: two kernels (ours, then cuBLAS) against one.
 
 For each weight (N x K) and rows M: microseconds per call of (a) the add+norm kernel then F.linear,
-as the model runs them unfused, (b) the fused kernel of service.model.kernels.norm_linear, and (c) the
-add+norm kernel alone (what the fusion can save at most). Timed as served: CUDA graphs of calls over
+as the model runs them unfused, (b) the fused kernel of service.model.kernels.norm_linear in the
+configuration the model serves, and (c) the fastest of a few other configurations (--sweep). Timed as served: CUDA graphs of calls over
 copies of the weight that together exceed L2 (bench.gemm_sweep.graph_us). The model fuses at
 M <= norm_linear.MAX_ROWS; the larger M say whether that limit is right.
 
@@ -16,6 +16,7 @@ import argparse
 import math
 import pathlib
 import sys
+from dataclasses import asdict
 from functools import partial
 
 import torch
@@ -25,11 +26,25 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table, write_result
 from bench.gemm_sweep import WEIGHT_BYTES_TIMED, graph_us
-from service.model.kernels._triton import sm_count, triton
+from service.model.kernels._triton import next_pow2, sm_count, triton
 from service.model.kernels.norm import add_rmsnorm_triton
-from service.model.kernels.norm_linear import MAX_ROWS, add_rmsnorm_linear_triton, norm_linear_config
+from service.model.kernels.norm_linear import MAX_ROWS, NormLinearConfig, add_rmsnorm_linear_triton, norm_linear_config
 
 ONE_B_SHAPES = "3072x2048,16384x2048,128256x2048"  # qkv, gate_up, head
+
+
+def candidates(m: int, default: NormLinearConfig) -> list[NormLinearConfig]:
+    """The served configuration first, then others on both inner products."""
+    rows = next_pow2(m)
+    others = [NormLinearConfig(False, rows, bn, bk, warps, stages)
+              for bn, bk, warps, stages in ((8, 2048, 8, 1), (8, 1024, 4, 2), (4, 1024, 4, 2), (16, 512, 8, 2))]
+    others += [NormLinearConfig(True, 16, bn, bk, 4, 4) for bn, bk in ((64, 128), (32, 256), (16, 256))]
+    return [default] + [c for c in others if c != default and (c.dot or m == 1)]
+
+
+def _name(c: NormLinearConfig) -> str:
+    kind = "dot" if c.dot else "cuda-core"
+    return f"{kind} {c.rows}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
 
 
 def unfused(x, d, nw, w):  # noqa: ANN001, ANN201 - a timed call
@@ -43,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--m", default="1,2,4,8,16", help="rows of x (the decode batch)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--replays", type=int, default=10)
+    p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time other tile configurations (best_us, best)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or triton is None:
         raise SystemExit("needs a CUDA GPU and triton")
@@ -64,17 +81,22 @@ def main(argv: list[str] | None = None) -> int:
                 if not err < 4e-3:
                     raise AssertionError(f"{n}x{k} M={m}: fused relative error {err:.3g}")
                 two = graph_us([partial(unfused, x, d, nw, w) for w in ws], stream, args.replays)
-                one = graph_us([partial(add_rmsnorm_linear_triton, x, d, nw, 1e-5, w) for w in ws], stream,
-                               args.replays)
-                norm = graph_us([partial(add_rmsnorm_triton, x, d, nw, 1e-5)] * len(ws), stream, args.replays)
-                config = norm_linear_config(n, k, m, sm_count(device))
+                served = norm_linear_config(n, k, m, sm_count(device))
+                timed = []
+                for config in candidates(m, served) if args.sweep else [served]:
+                    fused = partial(add_rmsnorm_linear_triton, x, d, nw, 1e-5, config=config)
+                    timed.append((graph_us([partial(fused, weight=w) for w in ws], stream, args.replays), config))
+                one = timed[0][0]
+                best_us, best = min(timed, key=lambda t: t[0])
                 rows.append({"shape": f"{n}x{k}", "m": m, "unfused_us": two, "fused_us": one,
-                             "saved_us": two - one, "norm_alone_us": norm, "fused_tb_s": n * k * dtype.itemsize / one / 1e6,
-                             "kernel": "dot" if config.dot else "cuda-core", "served_fused": m <= MAX_ROWS})
+                             "saved_us": two - one, "fused_tb_s": n * k * dtype.itemsize / one / 1e6,
+                             "kernel": "dot" if served.dot else "cuda-core", "served_fused": m <= MAX_ROWS,
+                             "best_us": best_us, "best": _name(best), "config": asdict(served),
+                             "best_config": asdict(best)})
             del ws
             torch.cuda.empty_cache()
-    columns = ["shape", "m", "unfused_us", "fused_us", "saved_us", "norm_alone_us", "fused_tb_s", "kernel",
-               "served_fused"]
+    columns = ["shape", "m", "unfused_us", "fused_us", "saved_us", "fused_tb_s", "kernel", "served_fused",
+               "best_us", "best"]
     path = write_result("norm-linear", {"dtype": args.dtype, "max_rows": MAX_ROWS, "rows": rows}, device=device)
     print_table(rows, columns, title=f"add + RMSNorm + projection, {args.dtype}, us per call in CUDA graphs "
                                      "(weights out of L2)")

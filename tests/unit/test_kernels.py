@@ -207,7 +207,10 @@ for step in range(3):
     model.fast = FastPath(attention=True, norm=True, rope_kv=True, silu_mul=True, norm_linear=True)
     ours = model.decode(ids, positions, slots, kv[1])
     err = ((ours - ref).norm() / ref.norm()).item()
-    assert err < 1e-2 and torch.equal(ours[:2].argmax(-1), ref[:2].argmax(-1)), err
+    assert err < 1e-2, err
+    for row in range(2):  # the same greedy token, unless the reference's top two are a numerical tie
+        top2, diff = ref[row].topk(2).values, (ours[row] - ref[row]).abs().max()
+        assert ours[row].argmax() == ref[row].argmax() or top2[0] - top2[1] <= 2 * diff, (step, row, top2, diff)
     assert torch.allclose(kv[0].k[1].float(), kv[1].k[1].float(), atol=1e-2)
     ids, positions = ref.argmax(-1), positions + torch.tensor([1, 1, 0])
 print("interpreter checks passed")

@@ -2,19 +2,20 @@
 
 At batch 1 a decode step runs 2 x layers + 1 add+norm kernels of ~1.7 us each on a 4 KB row, each
 followed by a GEMM that reads megabytes of weight: the norm costs a kernel, not bandwidth
-(bench/NOTES.md, "Decode kernel budget"). Here every program of the projection recomputes the row's
-sum of squares (the rows are a few KB, read from L2) and normalises its K chunks on the fly, so the
-normed rows never go through memory and the norm kernel is gone. Program 0 also writes x + delta,
-the residual stream the next layer adds to.
+(bench/NOTES.md, "Decode kernel budget"). Here every program of the projection reads the whole rows
+(a few KB, from L2) beside its weight rows, so the normed rows never go through memory and the norm
+kernel is gone. The programs of the first weight columns also write x + delta, the residual stream
+the next layer adds to.
 
-Numerics are the add_rmsnorm kernel's (service.model.kernels.norm): the add rounded to the model
-dtype, normalised in float32, cast, times the weight in float32, cast; then float32 accumulation
-over K. Only the sum of squares is reduced in another order (chunks of BLOCK_K), so h may differ
-from the unfused path by an ulp now and then.
+Numerics: the add is rounded to the model dtype as torch's is (the residual stream is exact); the
+norm is folded into the product: y = rstd * sum_k (x_k * g_k) w_k in float32, with rstd from the
+same pass's sum of squares. The unfused path rounds the normed row to the model dtype twice (after
+the scaling, after the weight) before the GEMM; this does not, so it is at least as close to the exact
+result, and differs from the unfused path by about a rounding of the model dtype (the self-check
+bounds the relative error of y at 4e-3).
 
-Two inner products, chosen per weight shape by `norm_linear_config`: CUDA-core (one row of x,
-BLOCK_N whole weight rows a program: no tensor-core tile padding 1 row to 16) for a narrow weight,
-and tl.dot tiles of 16 rows for a wide one (gate_up, the LM head), as measured in bench/gemm_sweep.py.
+Two inner products, chosen by `norm_linear_config`: for one row, CUDA-core products (BLOCK_N whole
+weight rows a program: no tensor-core tile padding 1 row to 16); for more, tl.dot tiles of 16 rows.
 """
 
 from __future__ import annotations
@@ -39,17 +40,18 @@ class NormLinearConfig:
 
 
 def norm_linear_config(n: int, k: int, m: int, num_sms: int) -> NormLinearConfig:
-    """A function of the weight's shape and the rows' count, measured on an H200 (bench/gemm_sweep.py):
-    a weight of at least 64 rows per SM streams best through 16 x 64 tensor-core tiles; a narrower one
-    through the CUDA-core kernel at one row, 16 x 32 tiles at more."""
-    block_k = min(next_pow2(k), 2048)
-    if cdiv(n, 64) >= num_sms:
-        return NormLinearConfig(True, 16, 64, min(block_k, 128), 4, 4)
+    """A function of the weight's shape and the rows' count, from bench/gemm_sweep.py and
+    bench/norm_linear_bench.py on an H200: one row on the CUDA cores (BLOCK_N whole weight rows a
+    program); more through 16-row tensor-core tiles, 64 weight rows wide for a weight of at least 64
+    rows per SM."""
+    wide = cdiv(n, 64) >= num_sms
     if m == 1:
-        if k <= 2048:
-            return NormLinearConfig(False, 1, 8, block_k, 8, 1)
-        return NormLinearConfig(False, 1, 4, 1024, 4, 2)
-    return NormLinearConfig(True, 16, 32, min(block_k, 256), 4, 4)
+        if k <= 2048 and not wide:
+            return NormLinearConfig(False, 1, 8, next_pow2(k), 8, 1)
+        return NormLinearConfig(False, 1, 8 if wide else 4, min(next_pow2(k), 1024), 4, 2)
+    if wide:
+        return NormLinearConfig(True, 16, 64, min(next_pow2(k), 128), 4, 4)
+    return NormLinearConfig(True, 16, 32, min(next_pow2(k), 256), 4, 4)
 
 
 def add_rmsnorm_linear_torch(
@@ -121,34 +123,32 @@ if triton is not None:
         n_mask = offs_n < N
         x_ptrs = x_ptr + offs_r[:, None].to(tl.int64) * stride_x + offs_k[None, :]
         d_ptrs = d_ptr + offs_r[:, None].to(tl.int64) * stride_d + offs_k[None, :]
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
 
-        # The rows' mean of squares: each program reads the whole rows (a few KB, from L2).
+        # One pass over K: (x + delta) * norm weight against W, and the rows' sum of squares beside it;
+        # 1 / rms scales the float32 sums at the end (a per-row factor commutes with the dot products).
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         sq = tl.zeros((ROWS,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            mask = r_mask[:, None] & (offs_k[None, :] < K - k0)
-            xf = _load_sum(x_ptrs + k0, d_ptrs + k0, mask, HAS_DELTA).to(tl.float32)
-            sq += tl.sum(xf * xf, 1)
-        rstd = tl.rsqrt(sq / K + eps)
-
-        write_res = HAS_DELTA & (pid_n == 0)
-        r_ptrs = res_ptr + offs_r[:, None].to(tl.int64) * stride_r + offs_k[None, :]
-        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
-        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
             k_mask = offs_k < K - k0
-            mask = r_mask[:, None] & k_mask[None, :]
-            x = _load_sum(x_ptrs + k0, d_ptrs + k0, mask, HAS_DELTA)
-            if write_res:
-                tl.store(r_ptrs + k0, x, mask=mask)
-            h = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
-            nw = tl.load(nw_ptr + k0 + offs_k, mask=k_mask, other=0.0)
-            h = (nw.to(tl.float32)[None, :] * h.to(tl.float32)).to(x.dtype)
             w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x = _load_sum(x_ptrs + k0, d_ptrs + k0, r_mask[:, None] & k_mask[None, :], HAS_DELTA)
+            nw = tl.load(nw_ptr + k0 + offs_k, mask=k_mask, other=0.0)
+            xf = x.to(tl.float32)
+            sq += tl.sum(xf * xf, 1)
+            xs = xf * nw.to(tl.float32)[None, :]
             if DOT:
-                acc = tl.dot(h, tl.trans(w), acc)
+                acc = tl.dot(xs.to(x.dtype), tl.trans(w), acc)
             else:
-                acc += tl.sum(h.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+                acc += tl.sum(xs[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        acc = acc * tl.rsqrt(sq / K + eps)[:, None]
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         y_ptrs = y_ptr + offs_r[:, None].to(tl.int64) * stride_y + offs_n[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
+
+        if HAS_DELTA and pid_n == 0:  # the residual stream for the next layer, after the weight is read
+            r_ptrs = res_ptr + offs_r[:, None].to(tl.int64) * stride_r + offs_k[None, :]
+            for k0 in range(0, K, BLOCK_K):
+                mask = r_mask[:, None] & (offs_k[None, :] < K - k0)
+                tl.store(r_ptrs + k0, _load_sum(x_ptrs + k0, d_ptrs + k0, mask, HAS_DELTA), mask=mask)
