@@ -7,7 +7,6 @@
 #   bash bench/h200_session.sh lora     # LoRA: GPU tests, the integration tests on cuda, the step and load bench
 #   bash bench/h200_session.sh tp gen-8b tp-serve tp-serve-long  # two GPUs: TP tests, the TP decode step, 64 streams at TP=1 and 2
 #   bash bench/h200_session.sh profile  # the decode step's kernel budget
-#   bash bench/h200_session.sh fusion   # add + norm + projection fused: GPU kernel tests, the kernel pair, the step with and without
 #   bash bench/h200_session.sh gemm-sweep  # decode GEMMs: cuBLAS against Triton kernels of ours, per shape and M
 #   bash bench/h200_session.sh invariant  # --batch-invariant: GPU tests, decode and prefill steps both ways
 #   bash bench/h200_session.sh invariant-bench invariant-grpc  # the steps only; the gRPC tests on cuda
@@ -69,15 +68,6 @@ for part in "$@"; do
     invariant-grpc)
       TAIL=8 GRAPHSERVE_TEST_ARGS="--device cuda --dtype bfloat16" run invariant-integration 300 \
         python3 -m pytest -q tests/integration/test_batch_invariant.py -p no:cacheprovider --timeout 200 ;;
-    fusion)  # add + RMSNorm + projection in one kernel (norm_linear): its GPU tests, the kernel pair against it, the step A/B
-      TAIL=8 run fusion-gpu-tests 300 python3 -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py -p no:cacheprovider --timeout 200
-      run norm-linear 120 python3 bench/norm_linear_bench.py
-      run norm-linear-8b 120 python3 bench/norm_linear_bench.py --shapes 6144x4096,28672x4096,128256x4096
-      for i in 1 2; do
-        run decode-fused-$i 90 python3 bench/decode_bench.py $M --random-init --batches 1,2,4,8,64 --no-anchors --no-plot
-        run decode-unfused-$i 90 python3 bench/decode_bench.py $M --random-init --batches 1,2,4,8,64 --no-anchors --no-plot --without norm_linear
-      done
-      run decode-profile-fused 150 python3 bench/profile_decode.py $M --random-init --batches 1,4 ;;
     profile) run decode-profile 150 python3 bench/profile_decode.py $M --random-init --batches 1,8,64,256 ;;
     gemm-sweep)  # decode GEMMs, cuBLAS against our Triton GEMV / small tiles: the 1B shapes, then 8B's at TP=2
       TAIL=40 run gemm-sweep-1b 150 python3 bench/gemm_sweep.py

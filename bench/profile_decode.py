@@ -27,7 +27,6 @@ from bench.decode_bench import bench_ours, copy_rate, kv_bytes_read, load, make_
 
 # Kernel-name patterns, first match wins: the groups of the budget.
 _GROUPS = [
-    ("norm+gemm", r"rmsnorm_linear"),  # the fused add + norm + projection (service.model.kernels.norm_linear)
     ("gemm", r"gemm|gemv|sm90_xmma|cutlass|matmul|splitK|nvjet"),
     ("attention", r"flash|fmha|attention|sdpa|softmax"),
     ("norm", r"rms|norm|pow_|rsqrt|mean|reduce"),

@@ -26,8 +26,6 @@ from service.model.kernels.activation import silu_mul_torch, silu_mul_triton
 from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton
 from service.model.kernels.invariant import InvariantKernels, Matmul
 from service.model.kernels.norm import add_rmsnorm_torch, add_rmsnorm_triton
-from service.model.kernels.norm_linear import MAX_ROWS as NORM_LINEAR_MAX_ROWS
-from service.model.kernels.norm_linear import add_rmsnorm_linear_triton
 from service.model.kernels.rope import apply_rope, rope_kv_write_torch, rope_kv_write_triton, split_qkv
 from service.model.kv_cache import KVCache
 from service.model.parallel import TensorParallel, VocabParallelEmbedding, shard_spec
@@ -186,17 +184,6 @@ class RMSNorm(nn.Module):
             return add_rmsnorm_triton(x, delta, self.weight, self.eps)
         return add_rmsnorm_torch(x, delta, self.weight, self.eps)
 
-    def then_linear(
-        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
-        fast: FastPath, matmul: Matmul, lora: object | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(x + delta, rmsnorm(x + delta) W^T + b) in one kernel when it serves this call: the fast path
-        has it, a decode batch of at most NORM_LINEAR_MAX_ROWS rows, the plain matmul (not the
-        batch-invariant one) and no LoRA (which needs the normed rows). Else None: norm, then project."""
-        if not fast.norm_linear or x.shape[0] > NORM_LINEAR_MAX_ROWS or matmul is not F.linear or lora is not None:
-            return None
-        return add_rmsnorm_linear_triton(x, delta, self.weight, self.eps, weight, bias)
-
 
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype, tp: TensorParallel) -> None:
@@ -221,10 +208,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, spec.hidden_size, tp=tp, **kw)
 
     def forward(self, x: torch.Tensor, fast: bool) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x), fast)
-
-    def down(self, gate_up: torch.Tensor, fast: bool) -> torch.Tensor:
-        """gate_up [N, 2 * intermediate] -> down_proj(silu(gate) * up)."""
+        gate_up = self.gate_up_proj(x)  # [N, 2 * intermediate]
         if fast:
             return self.down_proj(silu_mul_triton(gate_up))
         return self.down_proj(silu_mul_torch(gate_up))
@@ -258,25 +242,14 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, delta: torch.Tensor | None, fast: FastPath
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, qkv [N, (H + 2 KVH) * D]): the add, the input norm and the fused projection."""
-        qkv = self.self_attn.qkv_proj
-        fused = self.input_layernorm.then_linear(x, delta, qkv.weight, qkv.bias, fast, qkv.matmul, qkv.lora)
-        if fused is not None:
-            return fused
         x, h = self.input_layernorm(x, delta, fast.norm)
-        return x, qkv(h)
+        return x, self.self_attn.qkv_proj(h)
 
     def post_attention(
         self, x: torch.Tensor, attn: torch.Tensor, fast: FastPath
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """attn [N, H * D] -> (x + o_proj(attn), mlp delta): the output projection, the add, the norm, the MLP."""
-        delta = self.self_attn.o_proj(attn)
-        gate_up = self.mlp.gate_up_proj
-        fused = self.post_attention_layernorm.then_linear(
-            x, delta, gate_up.weight, None, fast, gate_up.matmul, gate_up.lora)
-        if fused is not None:
-            x, y = fused
-            return x, self.mlp.down(y, fast.silu_mul)
-        x, h = self.post_attention_layernorm(x, delta, fast.norm)
+        x, h = self.post_attention_layernorm(x, self.self_attn.o_proj(attn), fast.norm)
         return x, self.mlp(h, fast.silu_mul)
 
 
@@ -370,17 +343,11 @@ class LlamaForCausalLM(nn.Module):
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         # input_ids, positions: [N] -> final hidden states [N, hidden]
-        return self.final_norm(*self._layers(input_ids, positions, attend))
-
-    def _layers(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # input_ids, positions: [N] -> the last layer's (residual stream, MLP output not yet added)
         x, cos, sin = self.embed(input_ids, positions)
         delta = None
         for i, layer in enumerate(self.model.layers):
             x, delta = layer(i, x, delta, cos, sin, attend, self.fast)
-        return x, delta
+        return self.final_norm(x, delta)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """input_ids, positions [N] -> (embeddings [N, hidden], cos, sin [N, 1, D])."""
@@ -418,20 +385,10 @@ class LlamaForCausalLM(nn.Module):
         q, k, v = split_qkv(qkv, s.num_heads, s.num_kv_heads, s.head_dim)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def _head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states [R, hidden] -> float32 logits [R, V]."""
-        return self.tp.gather_vocab(self.matmul(h, self._head_weight(), None), self.spec.vocab_size).float()
-
-    def norm_logits(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """The last layer's (x, delta) -> float32 logits [N, V] of every row: the final norm and the LM
-        head in one kernel where RMSNorm.then_linear serves the call."""
-        fused = self.model.norm.then_linear(x, delta, self._head_weight(), None, self.fast, self.matmul)
-        if fused is None:
-            return self.logits(self.final_norm(x, delta))
-        return self.tp.gather_vocab(fused[1], self.spec.vocab_size).float()
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.tp.gather_vocab(self.matmul(h, weight, None), self.spec.vocab_size).float()
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, slot: int, kv: KVCache) -> torch.Tensor:
@@ -478,7 +435,7 @@ class LlamaForCausalLM(nn.Module):
             q = self.rope_kv_write(i, qkv, cos, sin, slot_ids, positions, kv)
             return attention(q, kv.k[i], kv.v[i], slot_ids, positions)
 
-        return self.norm_logits(*self._layers(input_ids, positions, attend))
+        return self.logits(self._run(input_ids, positions, attend))
 
     @torch.inference_mode()
     def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -106,53 +106,6 @@ def test_norm_silu_rope(dtype, rows):
         check_rope_kv(DEVICE, dtype, h, kvh, d, batch=rows, max_seq_len=600)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden, n, bias", [(2048, 3072, False), (4096, 6144, False), (3584, 4608, True)],
-                         ids=["1b-qkv", "8b-qkv", "qwen-7b-qkv-bias"])
-def test_norm_linear(dtype, hidden, n, bias):
-    """add + RMSNorm + projection in one kernel against the unfused path, 1 to MAX_ROWS rows, on a
-    narrow weight (CUDA-core kernel) and a wide one (tensor-core tiles), with and without the add."""
-    from service.model.kernels.fast_path import check_norm_linear
-
-    check_norm_linear(DEVICE, dtype, hidden, n, bias=bias, seed=hidden)
-
-
-def test_norm_linear_serves_small_decode_batches_only():
-    """The fused kernel runs in a decode step of at most MAX_ROWS rows (one kernel fewer per norm)
-    and not in a larger one, and each gives the unfused step's greedy tokens."""
-    from dataclasses import replace
-
-    from service.model.kernels.norm_linear import MAX_ROWS
-    from service.model.kv_cache import KVCache
-
-    spec = _spec()
-    model = _model(spec, fast=True)
-    fused, unfused = model.fast, replace(model.fast, norm_linear=False)
-    kv = KVCache(spec, num_slots=MAX_ROWS + 1, max_seq_len=64, device=DEVICE, dtype=torch.bfloat16)
-    for rows in (1, MAX_ROWS, MAX_ROWS + 1):
-        ids = torch.arange(rows, device=DEVICE) + 7
-        positions = torch.full((rows,), 5, device=DEVICE)
-        slots = torch.arange(rows, device=DEVICE)
-        names = {}
-        out = {}
-        for label, fast in (("fused", fused), ("unfused", unfused)):
-            model.fast = fast
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                out[label] = model.decode(ids, positions, slots, kv)
-                torch.cuda.synchronize()
-            names[label] = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        model.fast = fused
-        ran_fused = [n for n in names["fused"] if "rmsnorm_linear" in n]
-        norms = [n for n in names["fused"] if "_add_rmsnorm_kernel" in n]
-        if rows <= MAX_ROWS:
-            assert len(ran_fused) == 2 * spec.num_layers + 1 and not norms, (rows, ran_fused, norms)
-        else:
-            assert not ran_fused and len(norms) == 2 * spec.num_layers + 1, (rows, ran_fused, norms)
-        assert not [n for n in names["unfused"] if "rmsnorm_linear" in n]
-        assert _rel(out["fused"], out["unfused"]) < 1e-2
-        assert torch.equal(out["fused"].argmax(-1), out["unfused"].argmax(-1))
-
-
 def test_rmsnorm_and_silu_bitwise_close_to_torch():
     """Same op order as torch: at most one bf16 ulp apart, and mostly identical."""
     from service.model.kernels.activation import silu_mul_torch, silu_mul_triton

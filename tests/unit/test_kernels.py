@@ -179,8 +179,6 @@ fp.check_norm(cpu, dt, 64)
 fp.check_norm(cpu, dt, 96, rows=2)                          # hidden not a power of two
 fp.check_silu_mul(cpu, dt, 96)
 fp.check_silu_mul(cpu, dt, 1500, rows=2)                    # more than one block per row
-fp.check_norm_linear(cpu, dt, 64, 48)                      # CUDA-core at 1 row, tiles at 2-4 and for the wide weight
-fp.check_norm_linear(cpu, dt, 96, 40, bias=True, seed=1)   # hidden not a power of two, with a bias
 fp.check_rope_kv(cpu, dt, 4, 2, 16)
 fp.check_rope_kv(cpu, dt, 6, 6, 32, batch=5)                # MHA, more rows than the default 4 slots
 fp.check_attention(cpu, dt, 4, 2, 16)                       # heuristic splits
@@ -204,13 +202,10 @@ ids, positions, slots = torch.tensor([5, 9, 0]), torch.tensor([7, 66, 0]), torch
 for step in range(3):
     model.fast = FastPath()
     ref = model.decode(ids, positions, slots, kv[0])
-    model.fast = FastPath(attention=True, norm=True, rope_kv=True, silu_mul=True, norm_linear=True)
+    model.fast = FastPath(attention=True, norm=True, rope_kv=True, silu_mul=True)
     ours = model.decode(ids, positions, slots, kv[1])
     err = ((ours - ref).norm() / ref.norm()).item()
-    assert err < 1e-2, err
-    for row in range(2):  # the same greedy token, unless the reference's top two are a numerical tie
-        top2, diff = ref[row].topk(2).values, (ours[row] - ref[row]).abs().max()
-        assert ours[row].argmax() == ref[row].argmax() or top2[0] - top2[1] <= 2 * diff, (step, row, top2, diff)
+    assert err < 1e-2 and torch.equal(ours[:2].argmax(-1), ref[:2].argmax(-1)), err
     assert torch.allclose(kv[0].k[1].float(), kv[1].k[1].float(), atol=1e-2)
     ids, positions = ref.argmax(-1), positions + torch.tensor([1, 1, 0])
 print("interpreter checks passed")

@@ -22,7 +22,6 @@ class FastPath:
     norm: bool = False
     rope_kv: bool = False
     silu_mul: bool = False
-    norm_linear: bool = False  # add + RMSNorm + the next projection in one kernel, for <= MAX_ROWS rows
 
     @classmethod
     def build(
@@ -45,7 +44,6 @@ class FastPath:
             "norm": lambda: check_norm(device, dtype, hidden_size),
             "rope_kv": lambda: check_rope_kv(device, dtype, **shape),
             "silu_mul": lambda: check_silu_mul(device, dtype, intermediate_size),
-            "norm_linear": lambda: check_norm_linear(device, dtype, hidden_size, num_heads * head_dim),
         }
         flags = {}
         for name, check in checks.items():
@@ -138,34 +136,6 @@ def check_silu_mul(device: torch.device, dtype: torch.dtype, intermediate: int, 
     gen = torch.Generator(device).manual_seed(seed)
     gu = torch.randn(rows, 2 * intermediate, device=device, dtype=dtype, generator=gen)
     _close(silu_mul_triton(gu), silu_mul_torch(gu), "silu_mul", atol=1e-2, rtol=1e-2)
-
-
-def check_norm_linear(
-    device: torch.device, dtype: torch.dtype, hidden: int, n: int, bias: bool = False, seed: int = 0
-) -> None:
-    """add + RMSNorm + projection against the unfused torch path, for every row count it serves, a weight
-    of n rows on the CUDA-core kernel and one of 64 rows a SM on the tensor-core tiles."""
-    from service.model.kernels._triton import sm_count
-    from service.model.kernels.norm_linear import MAX_ROWS, add_rmsnorm_linear_torch, add_rmsnorm_linear_triton
-
-    gen = torch.Generator(device).manual_seed(seed)
-    w = 1 + 0.1 * torch.randn(hidden, device=device, dtype=dtype, generator=gen)
-    for rows_out in (n, 64 * sm_count(device) + 8):
-        weight = (torch.randn(rows_out, hidden, device=device, dtype=torch.float32, generator=gen)
-                  / hidden**0.5).to(dtype)
-        b = torch.randn(rows_out, device=device, dtype=dtype, generator=gen) if bias else None
-        for rows in range(1, MAX_ROWS + 1):
-            x = torch.randn(rows, hidden, device=device, dtype=dtype, generator=gen)
-            d = torch.randn(rows, hidden, device=device, dtype=dtype, generator=gen)
-            for delta in (None, d):
-                res_ref, y_ref = add_rmsnorm_linear_torch(x, delta, w, 1e-5, weight, b)
-                res, y = add_rmsnorm_linear_triton(x, delta, w, 1e-5, weight, b)
-                _close(res, res_ref, f"residual add ({rows} rows)", atol=0, rtol=0)
-                what = f"norm + projection [{rows_out}, {hidden}] ({rows} rows)"
-                _close(y, y_ref, what, atol=3e-2, rtol=3e-2)
-                rel = ((y.float() - y_ref.float()).norm() / y_ref.float().norm()).item()
-                if not rel < 4e-3:  # an ulp of h now and then, never a bias across the row
-                    raise AssertionError(f"{what}: relative error {rel:.3g}")
 
 
 def check_matmul(
