@@ -32,6 +32,7 @@ from cache_manager import CudaGraphBackend, default_capture_sizes
 from service.engine.decode_step import ModelDecodeStep
 from service.model import KVCache, LlamaForCausalLM, ModelSpec, ensure_builtin
 from service.model.builtin import BUILTIN_PREFIX, BUILTIN_SHAPES, _hf_config
+from service.model.kernels._triton import pdl
 from service.model.loader import default_cache_dir, load_model
 from service.model.parallel import TensorParallel
 
@@ -134,7 +135,7 @@ def load(args: argparse.Namespace) -> Setup:
     unknown = set(without) - set(vars(model.fast))
     if unknown:
         raise SystemExit(f"--without: no fast-path kernel {sorted(unknown)}; there are {sorted(vars(model.fast))}")
-    model.fast = dataclasses.replace(model.fast, **dict.fromkeys(without, False))
+    model.set_fast(dataclasses.replace(model.fast, **dict.fromkeys(without, False)))
     return Setup(model, config, path, args.device, args.dtype, time.perf_counter() - t0)
 
 
@@ -391,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = {
         "model": args.model, "random_init": args.random_init, "dtype": str(s.dtype).removeprefix("torch."),
-        "batch_invariant": args.batch_invariant, "fast_path": vars(s.model.fast),
+        "batch_invariant": args.batch_invariant, "fast_path": vars(s.model.fast), "pdl": pdl(s.device),
         "device_name": device_name, "context": args.context, "max_seq_len": args.context + 64,
         "buckets": args.buckets, "weight_bytes": wbytes, "copy_rate_gbps": rate / 1e9,
         "copy_rate_note": "device-to-device copy, read + write bytes", "floor_ms": wbytes / rate * 1000.0,
@@ -407,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     name = "decode" if args.buckets == "list" else "decode-buckets"
     name += "-invariant" if args.batch_invariant else ""
     name += "".join(f"-without-{k}" for k in args.without.split(",") if k.strip())
+    name += "" if pdl(s.device) or s.device.type != "cuda" else "-nopdl"
     path = write_result(name,
                         {"summary": summary, "rows": rows, "anchors": anchors,
                          "gpt_fast_reference_ms": GPT_FAST_MS}, device=s.device, figure=fig)

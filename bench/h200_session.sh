@@ -7,6 +7,7 @@
 #   bash bench/h200_session.sh lora     # LoRA: GPU tests, the integration tests on cuda, the step and load bench
 #   bash bench/h200_session.sh tp gen-8b tp-serve tp-serve-long  # two GPUs: TP tests, the TP decode step, 64 streams at TP=1 and 2
 #   bash bench/h200_session.sh profile  # the decode step's kernel budget
+#   bash bench/h200_session.sh pdl      # batch-1 GEMV + PDL: GPU kernel tests, bench/pdl_chain.py, the step with and without
 #   bash bench/h200_session.sh gemm-sweep  # decode GEMMs: cuBLAS against Triton kernels of ours, per shape and M
 #   bash bench/h200_session.sh invariant  # --batch-invariant: GPU tests, decode and prefill steps both ways
 #   bash bench/h200_session.sh invariant-bench invariant-grpc  # the steps only; the gRPC tests on cuda
@@ -68,6 +69,15 @@ for part in "$@"; do
     invariant-grpc)
       TAIL=8 GRAPHSERVE_TEST_ARGS="--device cuda --dtype bfloat16" run invariant-integration 300 \
         python3 -m pytest -q tests/integration/test_batch_invariant.py -p no:cacheprovider --timeout 200 ;;
+    pdl)  # the batch-1 GEMV and programmatic dependent launch: GPU kernel tests, the chain, the step with and without each
+      TAIL=8 run pdl-gpu-tests 300 python3 -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py -p no:cacheprovider --timeout 200
+      run pdl-chain 120 python3 bench/pdl_chain.py
+      for i in 1 2; do
+        run decode-pdl-$i 90 python3 bench/decode_bench.py $M --random-init --batches 1,8,64,256 --no-anchors --no-plot
+        run decode-nopdl-$i 90 env GRAPHSERVE_PDL=0 python3 bench/decode_bench.py $M --random-init --batches 1,8,64,256 --no-anchors --no-plot
+        run decode-cublas-$i 90 python3 bench/decode_bench.py $M --random-init --batches 1,8,64,256 --no-anchors --no-plot --without gemv
+      done
+      run decode-profile-pdl 150 python3 bench/profile_decode.py $M --random-init --batches 1,8 ;;
     profile) run decode-profile 150 python3 bench/profile_decode.py $M --random-init --batches 1,8,64,256 ;;
     gemm-sweep)  # decode GEMMs, cuBLAS against our Triton GEMV / small tiles: the 1B shapes, then 8B's at TP=2
       TAIL=40 run gemm-sweep-1b 150 python3 bench/gemm_sweep.py

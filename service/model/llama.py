@@ -24,6 +24,7 @@ from service.model.attention import DecodeAttention, causal_attention, rowwise_s
 from service.model.kernels import FastPath
 from service.model.kernels.activation import silu_mul_torch, silu_mul_triton
 from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton
+from service.model.kernels.gemv import linear as gemv_linear
 from service.model.kernels.invariant import InvariantKernels, Matmul
 from service.model.kernels.norm import add_rmsnorm_torch, add_rmsnorm_triton
 from service.model.kernels.rope import apply_rope, rope_kv_write_torch, rope_kv_write_triton, split_qkv
@@ -308,6 +309,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.invariant: InvariantKernels | None = None
         self.matmul: Matmul = F.linear  # the LM head's
+        self.set_fast(self.fast)
         if batch_invariant:
             if tp.world_size > 1:
                 raise ModelLoadError("the batch-invariant mode is not served with tensor parallelism (the "
@@ -322,6 +324,17 @@ class LlamaForCausalLM(nn.Module):
         views = {id(p) for m in self.modules() if isinstance(m, FusedLinear) for p in m.parts}
         return [m for m in self.modules()
                 if isinstance(m, Linear | FusedLinear) and id(m) not in views]
+
+    def set_fast(self, fast: FastPath) -> None:
+        """The fast path's kernels (construction, or a benchmark's A/B): with `fast.gemv` every linear
+        layer and the LM head run a one-row call through kernels.gemv. The batch-invariant mode keeps
+        its own matmul."""
+        self.fast = fast
+        if self.invariant is not None:
+            return
+        self.matmul = gemv_linear if fast.gemv else F.linear
+        for m in self._linears():
+            m.matmul = self.matmul
 
     def use_invariant(self, kernels: InvariantKernels) -> None:
         """The batch-invariant mode: every linear layer and the LM head through kernels.matmul, the

@@ -106,6 +106,42 @@ def test_norm_silu_rope(dtype, rows):
         check_rope_kv(DEVICE, dtype, h, kvh, d, batch=rows, max_seq_len=600)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden, intermediate", [(2048, 8192), (4096, 14336), (3584, 18944)])
+def test_gemv(dtype, hidden, intermediate):
+    from service.model.kernels.fast_path import check_gemv
+
+    check_gemv(DEVICE, dtype, hidden, intermediate, seed=hidden)
+
+
+def test_batch_one_step_runs_the_gemv_with_pdl():
+    """On Hopper the kernels launch with PDL, and a batch-1 decode step runs every projection and the
+    LM head through the GEMV (a batch-2 step through cuBLAS), with the greedy token of the torch path."""
+    from service.model.kernels import FastPath
+    from service.model.kernels._triton import pdl
+    from service.model.kv_cache import KVCache
+
+    assert pdl(DEVICE), "an H200 should launch with PDL (GRAPHSERVE_PDL=0 in the environment?)"
+    spec = _spec()
+    model = _model(spec, fast=True)
+    fast = model.fast
+    assert fast.gemv
+    kv = KVCache(spec, num_slots=2, max_seq_len=64, device=DEVICE, dtype=torch.bfloat16)
+    for rows, want in ((1, 4 * spec.num_layers + 1), (2, 0)):
+        args = (torch.arange(rows, device=DEVICE) + 3, torch.full((rows,), 4, device=DEVICE),
+                torch.arange(rows, device=DEVICE), kv)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            ours = model.decode(*args)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert sum("_gemv_kernel" in n for n in names) == want, (rows, names)
+        model.set_fast(FastPath())
+        ref = model.decode(*args)
+        model.set_fast(fast)
+        assert _rel(ours, ref) < 1e-2
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
 def test_rmsnorm_and_silu_bitwise_close_to_torch():
     """Same op order as torch: at most one bf16 ulp apart, and mostly identical."""
     from service.model.kernels.activation import silu_mul_torch, silu_mul_triton
@@ -170,11 +206,11 @@ def test_model_decode_fast_vs_torch(over):
     }
 
     def run(name, fn, *args):
-        model.fast = paths[name]
+        model.set_fast(paths[name])
         try:
             return fn(*args, kv[name])
         finally:
-            model.fast = fast
+            model.set_fast(fast)
 
     first = {
         name: torch.stack([run(name, model.prefill, p, s) for p, s in zip(prompts, slots)]) for name in paths

@@ -179,6 +179,8 @@ fp.check_norm(cpu, dt, 64)
 fp.check_norm(cpu, dt, 96, rows=2)                          # hidden not a power of two
 fp.check_silu_mul(cpu, dt, 96)
 fp.check_silu_mul(cpu, dt, 1500, rows=2)                    # more than one block per row
+fp.check_gemv(cpu, dt, 64, 176)                             # K not a power of two
+fp.check_gemv(cpu, dt, 96, 2500)                            # K over more than one BLOCK_K
 fp.check_rope_kv(cpu, dt, 4, 2, 16)
 fp.check_rope_kv(cpu, dt, 6, 6, 32, batch=5)                # MHA, more rows than the default 4 slots
 fp.check_attention(cpu, dt, 4, 2, 16)                       # heuristic splits
@@ -200,14 +202,26 @@ for slot, n in ((0, 7), (2, 66)):
         model.prefill(prompt, slot, cache)
 ids, positions, slots = torch.tensor([5, 9, 0]), torch.tensor([7, 66, 0]), torch.tensor([0, 2, 3])
 for step in range(3):
-    model.fast = FastPath()
+    model.set_fast(FastPath())
     ref = model.decode(ids, positions, slots, kv[0])
-    model.fast = FastPath(attention=True, norm=True, rope_kv=True, silu_mul=True)
+    model.set_fast(FastPath(attention=True, norm=True, rope_kv=True, silu_mul=True, gemv=True))
     ours = model.decode(ids, positions, slots, kv[1])
     err = ((ours - ref).norm() / ref.norm()).item()
     assert err < 1e-2 and torch.equal(ours[:2].argmax(-1), ref[:2].argmax(-1)), err
     assert torch.allclose(kv[0].k[1].float(), kv[1].k[1].float(), atol=1e-2)
     ids, positions = ref.argmax(-1), positions + torch.tensor([1, 1, 0])
+
+# One row: the batch-1 step, where every projection and the LM head run the one-row GEMV.
+fast = FastPath(attention=True, norm=True, rope_kv=True, silu_mul=True, gemv=True)
+ids, positions, slots = torch.tensor([5]), torch.tensor([7]), torch.tensor([0])
+for step in range(3):
+    model.set_fast(FastPath())
+    ref = model.decode(ids, positions, slots, kv[0])
+    model.set_fast(fast)
+    ours = model.decode(ids, positions, slots, kv[1])
+    err = ((ours - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, err
+    ids, positions = ref.argmax(-1), positions + 1
 print("interpreter checks passed")
 """
 

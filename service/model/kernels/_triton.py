@@ -14,9 +14,10 @@ except Exception:  # noqa: BLE001  (ImportError, or a broken install that fails 
     triton = None
     tl = None
 
-__all__ = ["cdiv", "interpreting", "next_pow2", "sm_count", "tl", "triton"]
+__all__ = ["cdiv", "interpreting", "next_pow2", "pdl", "pdl_launch", "sm_count", "tl", "triton"]
 
 _num_sms: dict[int, int] = {}
+_pdl: dict[int, bool] = {}
 
 
 def sm_count(device: torch.device) -> int:
@@ -30,6 +31,28 @@ def sm_count(device: torch.device) -> int:
     return _num_sms[idx]
 
 
+def pdl(device: torch.device) -> bool:
+    """Whether our kernels launch with programmatic dependent launch (PDL): a kernel may then start
+    while the previous one finishes, and waits (griddepcontrol.wait, `pdl_wait`) before it reads what
+    that one wrote. Needs Hopper or newer and a Triton that has it; GRAPHSERVE_PDL=0 turns it off
+    (an operator's switch, and the benchmarks' A/B). Decided once per device."""
+    if device.type != "cuda" or triton is None or interpreting():
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _pdl:
+        from triton.language.extra import cuda as tl_cuda
+
+        _pdl[idx] = (os.environ.get("GRAPHSERVE_PDL", "1") != "0"
+                     and torch.cuda.get_device_capability(idx) >= (9, 0)
+                     and hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents"))
+    return _pdl[idx]
+
+
+def pdl_launch(on: bool) -> dict[str, bool]:
+    """The launch option of a PDL launch (none otherwise: older Triton has no launch_pdl)."""
+    return {"launch_pdl": True} if on else {}
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -41,3 +64,15 @@ def next_pow2(n: int) -> int:
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for launch arithmetic (usable without triton, unlike triton.cdiv)."""
     return -(-a // b)
+
+
+if triton is not None:
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        """First thing in a kernel launched with PDL, before it reads or writes anything another kernel
+        touches: wait for the previous kernel's results, then let the next kernel launch (it waits in
+        turn, so it may only prefetch what no kernel writes: weights)."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()

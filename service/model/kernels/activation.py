@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from service.model.kernels._triton import tl, triton
+from service.model.kernels._triton import pdl, pdl_launch, tl, triton
+
+if triton is not None:
+    from service.model.kernels._triton import pdl_wait
 
 BLOCK = 1024
 
@@ -19,8 +22,9 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     assert gate_up.dim() == 2 and gate_up.stride(-1) == 1 and gate_up.shape[1] % 2 == 0
     n, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((n, inter), device=gate_up.device, dtype=gate_up.dtype)
+    on = pdl(gate_up.device)
     _silu_mul_kernel[(n, triton.cdiv(inter, BLOCK))](
-        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=BLOCK, num_warps=4
+        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=BLOCK, PDL=on, num_warps=4, **pdl_launch(on)
     )
     return out
 
@@ -28,7 +32,8 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, inter, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < inter

@@ -13,7 +13,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from service.model.kernels._triton import cdiv, interpreting, next_pow2, sm_count, tl, triton
+from service.model.kernels._triton import cdiv, interpreting, next_pow2, pdl, pdl_launch, sm_count, tl, triton
+
+if triton is not None:
+    from service.model.kernels._triton import pdl_wait
 
 BLOCK_N = 64  # KV positions per inner step
 
@@ -84,6 +87,7 @@ def decode_attention_triton(
         part, lse = out, out
     block_d = max(16, next_pow2(d))
     block_g = max(16, next_pow2(groups))  # tl.dot needs M >= 16
+    on = pdl(q.device)
     _decode_attn_kernel[(b, kvh, num_splits)](
         q, k_cache, v_cache, slot_ids, positions, out, part, lse,
         d**-0.5,
@@ -91,8 +95,8 @@ def decode_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1),
         GROUPS=groups, HEAD_DIM=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-        SPLIT_LEN=split_len, NUM_SPLITS=num_splits, DYNAMIC_LOOP=not interpreting(),
-        num_warps=4,
+        SPLIT_LEN=split_len, NUM_SPLITS=num_splits, DYNAMIC_LOOP=not interpreting(), PDL=on,
+        num_warps=4, **pdl_launch(on),
     )
     if num_splits > 1:
         _combine_kernel[(b, h)](
@@ -100,8 +104,8 @@ def decode_attention_triton(
             part.stride(0), part.stride(1), part.stride(2),
             lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
-            HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)),
-            num_warps=1,
+            HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)), PDL=on,
+            num_warps=1, **pdl_launch(on),
         )
     return out.view(b, h * d)
 
@@ -135,7 +139,9 @@ if triton is not None:
         stride_ob, stride_oh,
         GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_wait(PDL)
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -195,7 +201,9 @@ if triton is not None:
         stride_lb, stride_lh,
         stride_ob, stride_oh,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_wait(PDL)
         row = tl.program_id(0)
         head = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)

@@ -22,6 +22,7 @@ class FastPath:
     norm: bool = False
     rope_kv: bool = False
     silu_mul: bool = False
+    gemv: bool = False  # one-row linear layers (a batch-1 decode step) through kernels.gemv
 
     @classmethod
     def build(
@@ -44,6 +45,7 @@ class FastPath:
             "norm": lambda: check_norm(device, dtype, hidden_size),
             "rope_kv": lambda: check_rope_kv(device, dtype, **shape),
             "silu_mul": lambda: check_silu_mul(device, dtype, intermediate_size),
+            "gemv": lambda: check_gemv(device, dtype, hidden_size, intermediate_size),
         }
         flags = {}
         for name, check in checks.items():
@@ -136,6 +138,21 @@ def check_silu_mul(device: torch.device, dtype: torch.dtype, intermediate: int, 
     gen = torch.Generator(device).manual_seed(seed)
     gu = torch.randn(rows, 2 * intermediate, device=device, dtype=dtype, generator=gen)
     _close(silu_mul_triton(gu), silu_mul_torch(gu), "silu_mul", atol=1e-2, rtol=1e-2)
+
+
+def check_gemv(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int, seed: int = 0) -> None:
+    """The one-row GEMV against a float32 GEMM on the model's projection shapes (K = hidden and
+    K = intermediate, N not a multiple of its block), with and without a bias; more rows go to F.linear."""
+    from service.model.kernels.gemv import BLOCK_N, gemv_triton, linear
+
+    gen = torch.Generator(device).manual_seed(seed)
+    for n, k, bias in ((3 * BLOCK_N * 7 + 1, hidden, True), (hidden, intermediate, False)):
+        w = (torch.randn(n, k, device=device, dtype=torch.float32, generator=gen) / k**0.5).to(dtype)
+        b = torch.randn(n, device=device, dtype=dtype, generator=gen) if bias else None
+        x = torch.randn(2, k, device=device, dtype=dtype, generator=gen)
+        ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+        _close(gemv_triton(x[1:], w, b), ref[1:], f"gemv [{n}, {k}]", atol=2e-2, rtol=2e-2)
+        _close(linear(x, w, b), torch.nn.functional.linear(x, w, b), f"linear of 2 rows [{n}, {k}]", atol=0, rtol=0)
 
 
 def check_matmul(

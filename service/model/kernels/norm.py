@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from service.model.kernels._triton import tl, triton
+from service.model.kernels._triton import pdl, pdl_launch, tl, triton
+
+if triton is not None:
+    from service.model.kernels._triton import pdl_wait
 
 
 def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,12 +41,13 @@ def add_rmsnorm_triton(
     else:
         delta, res = x, x  # not read / written: HAS_DELTA is False
     block = triton.next_power_of_2(hidden)
+    on = pdl(x.device)
     _add_rmsnorm_kernel[(n,)](
         x, delta, weight, out, res,
         x.stride(0), delta.stride(0), out.stride(0), res.stride(0),
         hidden, eps,
-        HAS_DELTA=res is not x, BLOCK=block,
-        num_warps=max(1, min(16, block // 256)),
+        HAS_DELTA=res is not x, BLOCK=block, PDL=on,
+        num_warps=max(1, min(16, block // 256)), **pdl_launch(on),
     )
     return res, out
 
@@ -55,8 +59,9 @@ if triton is not None:
         x_ptr, d_ptr, w_ptr, out_ptr, res_ptr,
         stride_x, stride_d, stride_o, stride_r,
         hidden, eps,
-        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < hidden

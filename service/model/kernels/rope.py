@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from service.model.kernels._triton import tl, triton
+from service.model.kernels._triton import pdl, pdl_launch, tl, triton
+
+if triton is not None:
+    from service.model.kernels._triton import pdl_wait
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -67,13 +70,14 @@ def rope_kv_write_triton(
     assert cos2.stride(-1) == 1 and sin2.stride() == cos2.stride()
     q = torch.empty((b, num_heads, head_dim), device=qkv.device, dtype=qkv.dtype)
     half = head_dim // 2
+    on = pdl(qkv.device)
     _rope_kv_kernel[(b, num_heads + num_kv_heads)](
         qkv, cos2, sin2, slot_ids, positions, q, k_cache, v_cache,
         qkv.stride(0), cos2.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
-        BLOCK=triton.next_power_of_2(half),
-        num_warps=1,
+        BLOCK=triton.next_power_of_2(half), PDL=on,
+        num_warps=1, **pdl_launch(on),
     )
     return q
 
@@ -86,8 +90,9 @@ if triton is not None:
         stride_qkv, stride_cs, stride_qb, stride_qh,
         stride_ks, stride_kh, stride_kt,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-        BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)  # [0, H) query heads, then [H, H + KVH) key heads
         offs = tl.arange(0, BLOCK)

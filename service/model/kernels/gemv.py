@@ -1,0 +1,73 @@
+"""y = x W^T (+ b) for one row of x: the projections of a batch-1 decode step, with PDL.
+
+A batch-1 step is ~100 kernels that each read one weight once. Under cuBLAS each starts cold when the
+previous one has finished; a small weight (8-34 MB) never reaches full bandwidth in one kernel
+(bench/NOTES.md, "Decode GEMMs of our own against cuBLAS"). This GEMV is launched with programmatic
+dependent launch where the GPU has it (service.model.kernels._triton.pdl): its programs load their
+first weight tile (weights no kernel writes), then wait for the previous kernel, and let the next
+kernel launch as soon as they may. The next weight's reads so overlap this kernel's tail
+(bench/pdl_chain.py: the 1B layer's four projections 42.9 -> 39.5 us on an H200).
+
+CUDA cores, float32 accumulation: BLOCK_N whole weight rows a program, BLOCK_K-wide loads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from service.model.kernels._triton import cdiv, next_pow2, pdl, pdl_launch, tl, triton
+
+BLOCK_N = 4
+BLOCK_K = 1024
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K], weight [N, K] (rows contiguous) -> [1, N] in x's dtype."""
+    assert x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+    assert x.dtype == weight.dtype and weight.stride(1) == 1, (x.dtype, weight.dtype, weight.stride())
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    n, k = weight.shape
+    y = torch.empty((1, n), device=x.device, dtype=x.dtype)
+    on = pdl(x.device)
+    _gemv_kernel[(cdiv(n, BLOCK_N),)](
+        x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, PDL=on, BLOCK_N=BLOCK_N, BLOCK_K=min(BLOCK_K, max(16, next_pow2(k))),
+        num_warps=4, num_stages=2, **pdl_launch(on),
+    )
+    return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, one row through gemv_triton: the fast path's matmul for every linear layer."""
+    if x.dim() == 2 and x.shape[0] == 1:
+        return gemv_triton(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(
+        x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
+        HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_mask = offs_n < N
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
+        # The first weight tile before the wait: it does not depend on the previous kernel.
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + k0 + offs_k, mask=offs_k < K - k0, other=0.0).to(tl.float32)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+            next_k = k0 + BLOCK_K  # the next tile (none past K: the mask loads nothing)
+            w = tl.load(w_ptrs + next_k, mask=n_mask[:, None] & (offs_k[None, :] < K - next_k), other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
