@@ -116,8 +116,9 @@ def test_gemv(dtype, hidden, intermediate):
 
 def test_batch_one_step_runs_the_gemv_with_pdl():
     """On Hopper the kernels launch with PDL, and a batch-1 decode step runs every projection and the
-    LM head through the GEMV (a batch-2 step through cuBLAS), with the greedy token of the torch path."""
-    from service.model.kernels import FastPath
+    LM head through the GEMV (a batch-2 step through cuBLAS), with the greedy tokens of cuBLAS."""
+    from dataclasses import replace
+
     from service.model.kernels._triton import pdl
     from service.model.kv_cache import KVCache
 
@@ -135,10 +136,10 @@ def test_batch_one_step_runs_the_gemv_with_pdl():
             torch.cuda.synchronize()
         names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         assert sum("_gemv_kernel" in n for n in names) == want, (rows, names)
-        model.set_fast(FastPath())
+        model.set_fast(replace(fast, gemv=False))
         ref = model.decode(*args)
         model.set_fast(fast)
-        assert _rel(ours, ref) < 1e-2
+        assert _rel(ours, ref) < 2e-2  # bf16 logits of this wide random head: an ulp is ~1%
         assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 

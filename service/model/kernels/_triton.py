@@ -18,6 +18,10 @@ __all__ = ["cdiv", "interpreting", "next_pow2", "pdl", "pdl_launch", "sm_count",
 
 _num_sms: dict[int, int] = {}
 _pdl: dict[int, bool] = {}
+# PDL pays at decode batch 1 (1B step 1.02 -> 0.90 ms on an H200), is neutral at 8 and 64 and costs
+# at 256 (2.68 -> 2.78 ms: waiting programs of the next kernel hold SM slots): launches of more rows
+# go without it.
+PDL_MAX_ROWS = 64
 
 
 def sm_count(device: torch.device) -> int:
@@ -31,11 +35,12 @@ def sm_count(device: torch.device) -> int:
     return _num_sms[idx]
 
 
-def pdl(device: torch.device) -> bool:
+def pdl(device: torch.device, rows: int = 1) -> bool:
     """Whether our kernels launch with programmatic dependent launch (PDL): a kernel may then start
     while the previous one finishes, and waits (griddepcontrol.wait, `pdl_wait`) before it reads what
     that one wrote. Needs Hopper or newer and a Triton that has it; GRAPHSERVE_PDL=0 turns it off
-    (an operator's switch, and the benchmarks' A/B). Decided once per device."""
+    (an operator's switch, and the benchmarks' A/B). Decided once per device; a launch of more than
+    PDL_MAX_ROWS rows (tokens) goes without."""
     if device.type != "cuda" or triton is None or interpreting():
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -45,7 +50,7 @@ def pdl(device: torch.device) -> bool:
         _pdl[idx] = (os.environ.get("GRAPHSERVE_PDL", "1") != "0"
                      and torch.cuda.get_device_capability(idx) >= (9, 0)
                      and hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents"))
-    return _pdl[idx]
+    return _pdl[idx] and rows <= PDL_MAX_ROWS
 
 
 def pdl_launch(on: bool) -> dict[str, bool]:

@@ -22,7 +22,7 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     assert gate_up.dim() == 2 and gate_up.stride(-1) == 1 and gate_up.shape[1] % 2 == 0
     n, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((n, inter), device=gate_up.device, dtype=gate_up.dtype)
-    on = pdl(gate_up.device)
+    on = pdl(gate_up.device, n)
     _silu_mul_kernel[(n, triton.cdiv(inter, BLOCK))](
         gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=BLOCK, PDL=on, num_warps=4, **pdl_launch(on)
     )

@@ -87,7 +87,7 @@ def decode_attention_triton(
         part, lse = out, out
     block_d = max(16, next_pow2(d))
     block_g = max(16, next_pow2(groups))  # tl.dot needs M >= 16
-    on = pdl(q.device)
+    on = pdl(q.device, b)
     _decode_attn_kernel[(b, kvh, num_splits)](
         q, k_cache, v_cache, slot_ids, positions, out, part, lse,
         d**-0.5,

@@ -41,7 +41,7 @@ def add_rmsnorm_triton(
     else:
         delta, res = x, x  # not read / written: HAS_DELTA is False
     block = triton.next_power_of_2(hidden)
-    on = pdl(x.device)
+    on = pdl(x.device, n)
     _add_rmsnorm_kernel[(n,)](
         x, delta, weight, out, res,
         x.stride(0), delta.stride(0), out.stride(0), res.stride(0),

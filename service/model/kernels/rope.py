@@ -70,7 +70,7 @@ def rope_kv_write_triton(
     assert cos2.stride(-1) == 1 and sin2.stride() == cos2.stride()
     q = torch.empty((b, num_heads, head_dim), device=qkv.device, dtype=qkv.dtype)
     half = head_dim // 2
-    on = pdl(qkv.device)
+    on = pdl(qkv.device, b)
     _rope_kv_kernel[(b, num_heads + num_kv_heads)](
         qkv, cos2, sin2, slot_ids, positions, q, k_cache, v_cache,
         qkv.stride(0), cos2.stride(0), q.stride(0), q.stride(1),
