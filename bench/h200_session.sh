@@ -72,7 +72,7 @@ for part in "$@"; do
     pdl)  # the batch-1 GEMV and programmatic dependent launch: GPU kernel tests, the chain, the step with and without each
       TAIL=8 run pdl-gpu-tests 300 python3 -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py -p no:cacheprovider --timeout 200
       run pdl-chain 120 python3 bench/pdl_chain.py
-      for i in 1 2; do
+      for i in $(seq "${REPEAT:-2}"); do
         run decode-pdl-$i 90 python3 bench/decode_bench.py $M --random-init --batches 1,8,64,256 --no-anchors --no-plot
         run decode-nopdl-$i 90 env GRAPHSERVE_PDL=0 python3 bench/decode_bench.py $M --random-init --batches 1,8,64,256 --no-anchors --no-plot
         run decode-cublas-$i 90 python3 bench/decode_bench.py $M --random-init --batches 1,8,64,256 --no-anchors --no-plot --without gemv
