@@ -17,9 +17,11 @@ graph (each kernel's input is the previous one's output: qkv -> o -> gate_up -> 
 - gemv-pdl-early: as gemv-pdl, and each kernel lets the next one launch right after its wait
   (griddepcontrol.launch_dependents), so the next kernel's weight loads overlap this one's work.
 
-Prints us per layer, TB/s and the share of the copy-rate floor; writes JSON.
+Prints us per layer, TB/s and the share of the copy-rate floor; writes JSON. With --sweep, also the
+served kernel (service.model.kernels.gemv, PDL as served) with one projection at a time in each of a
+few other configurations: which configuration each weight shape should get.
 
-    python bench/pdl_chain.py
+    python bench/pdl_chain.py [--sweep]
 """
 
 from __future__ import annotations
@@ -37,9 +39,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench.common import print_table, time_ms, write_result
 from bench.decode_bench import copy_rate
 from service.model.kernels._triton import cdiv, tl, triton
+from service.model.kernels.gemv import GemvConfig, gemv_triton
 
 # (N, K) of the 1B layer's projections in order, and the slice of the previous output each reads
 LAYER = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]
+HEAD = (128256, 2048)
+SWEEP = [GemvConfig(*c) for c in ((2, 1024, 4, 2), (2, 2048, 4, 1), (4, 512, 4, 3), (4, 1024, 4, 3),
+                                   (4, 2048, 4, 1), (4, 2048, 8, 1), (8, 512, 4, 3), (8, 1024, 4, 2),
+                                   (8, 2048, 8, 1), (16, 512, 8, 2))]
 CONFIGS = {"bn8-bk2048-w8": (8, 2048, 8, 1), "bn4-bk1024-w4": (4, 1024, 4, 2), "bn8-bk1024-w4": (8, 1024, 4, 2)}
 
 
@@ -83,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--sweep", action="store_true", help="the served kernel, one projection at a time in other configurations")
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or triton is None:
         raise SystemExit("needs a CUDA GPU and triton")
@@ -124,15 +132,56 @@ def main(argv: list[str] | None = None) -> int:
             us = ms * 1000 / args.layers
             rows.append({"variant": name, "us_per_layer": us, "tb_s": layer_bytes / us / 1e6,
                          "of_floor": layer_bytes / rate * 1e6 / us})
+        if args.sweep:
+            rows += sweep(weights, bufs, stream, args.replays, layer_bytes, rate)
     floor_us = layer_bytes / rate * 1e6
     path = write_result("pdl-chain", {"layers": args.layers, "layer_bytes": layer_bytes, "copy_rate_gbps": rate / 1e9,
                                       "floor_us_per_layer": floor_us, "triton": triton.__version__, "rows": rows},
                         device=device)
-    print_table(rows, ["variant", "us_per_layer", "tb_s", "of_floor", "error"],
+    print_table(rows, ["variant", "projection", "config", "us_per_layer", "tb_s", "of_floor", "error"],
                 title=f"1B decode projections at batch 1, {args.layers} layers in one CUDA graph; floor "
                       f"{floor_us:.1f} us per layer at the copy rate {rate / 1e12:.2f} TB/s")
     print(f"\nwrote {path}")
     return 0
+
+
+def sweep(weights: list[list[torch.Tensor]], bufs: list[torch.Tensor], stream: torch.cuda.Stream, replays: int,
+          layer_bytes: int, rate: float) -> list[dict]:
+    """The served kernel; then each projection alone in each SWEEP configuration, the others as served."""
+
+    def served(override: dict) -> torch.Tensor:  # the chain, each output the next input (as the model runs)
+        x = bufs[0][None, : LAYER[0][1]]
+        for layer in weights:
+            for w in layer:
+                x = gemv_triton(x[:, : w.shape[1]], w, None, override.get(tuple(w.shape)))
+        return x
+
+    def row(name: str, projection: str, config: str, ms: float) -> dict:
+        us = ms * 1000 / len(weights)
+        return {"variant": name, "projection": projection, "config": config, "us_per_layer": us,
+                "tb_s": layer_bytes / us / 1e6, "of_floor": layer_bytes / rate * 1e6 / us}
+
+    rows = [row("served", "all", "default", graph_ms([partial(served, {})], stream, replays))]
+    for n, k in LAYER:
+        for c in SWEEP:
+            rows.append(row("served, one swept", f"{n}x{k}", f"bn{c.block_n} bk{c.block_k} w{c.num_warps} "
+                            f"s{c.num_stages}", graph_ms([partial(served, {(n, k): c})], stream, replays)))
+    # The LM head alone (525 MB: one kernel a step), 4 copies a graph
+    head = [(torch.randn(HEAD[0], HEAD[1], device=bufs[0].device) / HEAD[1] ** 0.5).to(bufs[0].dtype) for _ in range(4)]
+    x = bufs[0][None, : HEAD[1]]
+    head_bytes = HEAD[0] * HEAD[1] * bufs[0].element_size()
+    for c in [None, *SWEEP]:
+        calls = [partial(gemv_triton, x, w, None, c) for w in head]
+        us = graph_ms(calls, stream, replays) * 1000 / len(head)
+        cublas = c is None and graph_ms([partial(torch.nn.functional.linear, x, w) for w in head], stream, replays)
+        rows.append({"variant": "head", "projection": f"{HEAD[0]}x{HEAD[1]}",
+                     "config": "default" if c is None else f"bn{c.block_n} bk{c.block_k} w{c.num_warps} s{c.num_stages}",
+                     "us_per_layer": us, "tb_s": head_bytes / us / 1e6, "of_floor": head_bytes / rate * 1e6 / us})
+        if cublas:
+            us = cublas * 1000 / len(head)
+            rows.append({"variant": "head", "projection": f"{HEAD[0]}x{HEAD[1]}", "config": "cublas",
+                         "us_per_layer": us, "tb_s": head_bytes / us / 1e6, "of_floor": head_bytes / rate * 1e6 / us})
+    return rows
 
 
 def _call(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, config: tuple, pdl: bool, early: bool) -> None:

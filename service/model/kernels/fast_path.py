@@ -143,10 +143,10 @@ def check_silu_mul(device: torch.device, dtype: torch.dtype, intermediate: int, 
 def check_gemv(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int, seed: int = 0) -> None:
     """The one-row GEMV against a float32 GEMM on the model's projection shapes (K = hidden and
     K = intermediate, N not a multiple of its block), with and without a bias; more rows go to F.linear."""
-    from service.model.kernels.gemv import BLOCK_N, gemv_triton, linear
+    from service.model.kernels.gemv import DEFAULT, gemv_triton, linear
 
     gen = torch.Generator(device).manual_seed(seed)
-    for n, k, bias in ((3 * BLOCK_N * 7 + 1, hidden, True), (hidden, intermediate, False)):
+    for n, k, bias in ((3 * DEFAULT.block_n * 7 + 1, hidden, True), (hidden, intermediate, False)):
         w = (torch.randn(n, k, device=device, dtype=torch.float32, generator=gen) / k**0.5).to(dtype)
         b = torch.randn(n, device=device, dtype=dtype, generator=gen) if bias else None
         x = torch.randn(2, k, device=device, dtype=dtype, generator=gen)

@@ -13,28 +13,46 @@ CUDA cores, float32 accumulation: BLOCK_N whole weight rows a program, BLOCK_K-w
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from service.model.kernels._triton import cdiv, next_pow2, pdl, pdl_launch, tl, triton
 
-BLOCK_N = 4
-BLOCK_K = 1024
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int  # weight rows a program
+    block_k: int  # K elements a load
+    num_warps: int
+    num_stages: int
 
 
-def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [1, K], weight [N, K] (rows contiguous) -> [1, N] in x's dtype."""
+DEFAULT = GemvConfig(4, 1024, 4, 2)  # the best of three on the 1B layer's chain (bench/pdl_chain.py)
+
+
+def gemv_config(n: int, k: int) -> GemvConfig:
+    """The configuration of a weight [n, k]."""
+    return DEFAULT
+
+
+def gemv_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
+) -> torch.Tensor:
+    """x [1, K], weight [N, K] (rows contiguous) -> [1, N] in x's dtype. `config` overrides the weight's own."""
     assert x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
     assert x.dtype == weight.dtype and weight.stride(1) == 1, (x.dtype, weight.dtype, weight.stride())
     if x.stride(1) != 1:
         x = x.contiguous()
     n, k = weight.shape
+    c = config or gemv_config(n, k)
     y = torch.empty((1, n), device=x.device, dtype=x.dtype)
     on = pdl(x.device)
-    _gemv_kernel[(cdiv(n, BLOCK_N),)](
+    _gemv_kernel[(cdiv(n, c.block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, PDL=on, BLOCK_N=BLOCK_N, BLOCK_K=min(BLOCK_K, max(16, next_pow2(k))),
-        num_warps=4, num_stages=2, **pdl_launch(on),
+        HAS_BIAS=bias is not None, PDL=on, BLOCK_N=c.block_n, BLOCK_K=min(c.block_k, max(16, next_pow2(k))),
+        num_warps=c.num_warps, num_stages=c.num_stages, **pdl_launch(on),
     )
     return y
 
