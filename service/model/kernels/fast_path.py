@@ -140,13 +140,17 @@ def check_silu_mul(device: torch.device, dtype: torch.dtype, intermediate: int, 
     _close(silu_mul_triton(gu), silu_mul_torch(gu), "silu_mul", atol=1e-2, rtol=1e-2)
 
 
-def check_gemv(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int, seed: int = 0) -> None:
+def check_gemv(
+    device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int, head: bool = True, seed: int = 0
+) -> None:
     """The one-row GEMV against a float32 GEMM on the model's projection shapes (K = hidden and
-    K = intermediate, N not a multiple of its block), with and without a bias; more rows go to F.linear."""
-    from service.model.kernels.gemv import DEFAULT, gemv_triton, linear
+    K = intermediate, N not a multiple of its block), with and without a bias, and on a head-sized
+    weight (its own configuration); more rows go to F.linear."""
+    from service.model.kernels.gemv import HEAD_ROWS, gemv_triton, linear
 
     gen = torch.Generator(device).manual_seed(seed)
-    for n, k, bias in ((3 * DEFAULT.block_n * 7 + 1, hidden, True), (hidden, intermediate, False)):
+    shapes = [(3 * 7 + 1, hidden, True), (hidden, intermediate, False)] + [(HEAD_ROWS + 3, 64, False)] * head
+    for n, k, bias in shapes:
         w = (torch.randn(n, k, device=device, dtype=torch.float32, generator=gen) / k**0.5).to(dtype)
         b = torch.randn(n, device=device, dtype=dtype, generator=gen) if bias else None
         x = torch.randn(2, k, device=device, dtype=dtype, generator=gen)

@@ -29,12 +29,16 @@ class GemvConfig:
     num_stages: int
 
 
-DEFAULT = GemvConfig(4, 1024, 4, 2)  # the best of three on the 1B layer's chain (bench/pdl_chain.py)
+HEAD = GemvConfig(4, 1024, 4, 2)  # the LM head's: 4.4 TB/s on the 1B head (bench/pdl_chain.py --sweep)
+LAYER = GemvConfig(2, 2048, 4, 1)  # a layer's projections: 40.2 -> 36-39 us a 1B layer, swept one at a time
+HEAD_ROWS = 65536  # a weight of more rows is a (vocabulary) head
 
 
 def gemv_config(n: int, k: int) -> GemvConfig:
-    """The configuration of a weight [n, k]."""
-    return DEFAULT
+    """The configuration of a weight [n, k], from the H200 sweep (bench/pdl_chain.py --sweep): a
+    layer's projection streams best as two whole weight rows a program read in 2048-wide loads, a
+    vocabulary head (one kernel of hundreds of MB) as four rows in 1024-wide loads."""
+    return HEAD if n >= HEAD_ROWS else LAYER
 
 
 def gemv_triton(
