@@ -57,7 +57,7 @@ class FastPath:
                 log.warning("fast_path_disabled", kernel=name, reason=f"{type(e).__name__}: {e}"[:500])
                 flags[name] = False
         fast = cls(**flags)
-        log.info("fast_path", **flags)
+        log.info("fast_path", **flags, pdl=_triton.pdl(device))
         return fast
 
 
