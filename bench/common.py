@@ -165,6 +165,21 @@ def time_ms(fn: Callable[[], Any], device: torch.device, iters: int = 20, warmup
     return statistics.median(samples)
 
 
+def graph_ms(calls: list[Callable[[], Any]], stream: torch.cuda.Stream, replays: int, warmup: int = 1) -> float:
+    """Median milliseconds of one replay of a CUDA graph of all the calls, in order (no launch gaps,
+    as served). The calls run once on `stream` first: compiles, and lets cuBLAS allocate its
+    workspace outside the capture."""
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for call in calls:
+            call()
+    return time_ms(graph.replay, stream.device, iters=replays, warmup=warmup)
+
+
 def wall_ms(fn: Callable[[], Any], device: torch.device) -> float:
     """Wall milliseconds of one call, device work included."""
     if device.type == "cuda":

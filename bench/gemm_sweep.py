@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, time_ms, write_result
+from bench.common import graph_ms, print_table, write_result
 from service.model.kernels._triton import next_pow2, tl, triton
 from service.model.kernels.matmul import MatmulConfig, matmul_triton
 
@@ -92,15 +92,7 @@ def check(x: torch.Tensor, w: torch.Tensor, tile: Tile) -> None:
 
 def graph_us(calls: list, stream: torch.cuda.Stream, replays: int) -> float:
     """Microseconds per call, from CUDA-graph replays of all the calls (no launch gaps, as served)."""
-    with torch.cuda.stream(stream):
-        for call in calls:  # compiles, and lets cuBLAS allocate its workspace outside the capture
-            call()
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for call in calls:
-            call()
-    return time_ms(graph.replay, stream.device, iters=replays, warmup=1) * 1000.0 / len(calls)
+    return graph_ms(calls, stream, replays) * 1000.0 / len(calls)
 
 
 def main(argv: list[str] | None = None) -> int:

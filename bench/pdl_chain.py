@@ -12,10 +12,11 @@ graph (each kernel's input is the previous one's output: qkv -> o -> gate_up -> 
 16 layers of distinct weights (1.9 GB, far beyond L2), as:
 
 - cublas: F.linear;
-- gemv: a Triton CUDA-core GEMV, launched plainly;
+- gemv: the served GEMV (service.model.kernels.gemv) in a few tile configurations, launched plainly;
 - gemv-pdl: the same kernel launched with PDL, first weight tile loaded before the wait;
 - gemv-pdl-early: as gemv-pdl, and each kernel lets the next one launch right after its wait
-  (griddepcontrol.launch_dependents), so the next kernel's weight loads overlap this one's work.
+  (griddepcontrol.launch_dependents), so the next kernel's weight loads overlap this one's work
+  (what the model runs).
 
 Prints us per layer, TB/s and the share of the copy-rate floor; writes JSON. With --sweep, also the
 served kernel (service.model.kernels.gemv, PDL as served) with one projection at a time in each of a
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -36,54 +38,36 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, time_ms, write_result
+from bench.common import graph_ms, print_table, write_result
 from bench.decode_bench import copy_rate
-from service.model.kernels._triton import cdiv, tl, triton
+from service.model.kernels._triton import triton
 from service.model.kernels.gemv import GemvConfig, gemv_triton
 
-# (N, K) of the 1B layer's projections in order, and the slice of the previous output each reads
+# (N, K) of the 1B layer's projections in order; each reads the first K elements of the previous output
 LAYER = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]
 HEAD = (128256, 2048)
 SWEEP = [GemvConfig(*c) for c in ((2, 1024, 4, 2), (2, 2048, 4, 1), (4, 512, 4, 3), (4, 1024, 4, 3),
                                    (4, 2048, 4, 1), (4, 2048, 8, 1), (8, 512, 4, 3), (8, 1024, 4, 2),
                                    (8, 2048, 8, 1), (16, 512, 8, 2))]
-CONFIGS = {"bn8-bk2048-w8": (8, 2048, 8, 1), "bn4-bk1024-w4": (4, 1024, 4, 2), "bn8-bk1024-w4": (8, 1024, 4, 2)}
+CONFIGS = {"bn8-bk2048-w8": GemvConfig(8, 2048, 8, 1), "bn4-bk1024-w4": GemvConfig(4, 1024, 4, 2),
+           "bn8-bk1024-w4": GemvConfig(8, 1024, 4, 2)}
+LAUNCHES = {"gemv": "plain", "gemv-pdl": "pdl-wait", "gemv-pdl-early": "pdl-early"}
+
+Project = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [1, K], weight [N, K]) -> [1, N]
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, config: tuple[int, int, int, int], pdl: bool,
-         early: bool) -> None:
-    """y [N] = W [N, K] x [K] (x: the first K elements of the previous output)."""
-    n, k = w.shape
-    block_n, block_k, warps, stages = config
-    kwargs = {"launch_pdl": True} if pdl else {}
-    _gemv_kernel[(cdiv(n, block_n),)](x, w, y, n, k, w.stride(0), BLOCK_N=block_n, BLOCK_K=min(block_k, k),
-                                      PDL=pdl, EARLY=early, num_warps=warps, num_stages=stages, **kwargs)
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
-    torch.mm(x[None], w.t(), out=y[None])  # what F.linear runs for one row
-
-
-def chain(weights: list[list[torch.Tensor]], bufs: list[torch.Tensor], call) -> list:  # noqa: ANN001
-    """The calls of every layer: projection j reads buffer j (sliced to K) and writes buffer j + 1."""
-    calls = []
+def run_chain(x: torch.Tensor, weights: list[list[torch.Tensor]], project: Project,
+              override: dict | None = None) -> torch.Tensor:
+    """Every layer's projections in order, each output the next input (as a decode step runs them);
+    `override` gives a weight shape its own projection."""
     for layer in weights:
-        for j, w in enumerate(layer):
-            src, dst = bufs[j], bufs[(j + 1) % len(LAYER)]
-            calls.append(partial(call, src[: w.shape[1]], w, dst[: w.shape[0]]))
-    return calls
+        for w in layer:
+            x = (override or {}).get(tuple(w.shape), project)(x[:, : w.shape[1]], w)
+    return x
 
 
-def graph_ms(calls: list, stream: torch.cuda.Stream, replays: int) -> float:
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for c in calls:
-            c()
-    return time_ms(graph.replay, stream.device, iters=replays, warmup=2)
+def _name(c: GemvConfig) -> str:
+    return f"bn{c.block_n} bk{c.block_k} w{c.num_warps} s{c.num_stages}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,40 +84,54 @@ def main(argv: list[str] | None = None) -> int:
     weights = [[(torch.randn(n, k, device=device, generator=gen) / k**0.5).to(dtype) for n, k in LAYER]
                for _ in range(args.layers)]
     layer_bytes = sum(n * k for n, k in LAYER) * dtype.itemsize
-    # buffer j is projection j's input: the previous projection's output (K <= its N)
-    bufs = [torch.randn(max(n for n, _ in LAYER), device=device, generator=gen).to(dtype) for _ in LAYER]
+    x0 = torch.randn(1, max(n for n, _ in LAYER), device=device, generator=gen).to(dtype)
     stream = torch.cuda.Stream(device)
 
-    # every variant against cuBLAS on one layer's inputs first
-    for j, w in enumerate(weights[0]):
-        ref = F.linear(bufs[j][: w.shape[1]].float(), w.float())
-        for config in CONFIGS.values():
-            for pdl, early in ((False, False), (True, False), (True, True)):
-                out = torch.empty(w.shape[0], device=device, dtype=dtype)
-                gemv(bufs[j][: w.shape[1]], w, out, config, pdl, early)
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-                if not err < 1e-2:
-                    raise AssertionError(f"gemv {w.shape} {config} pdl={pdl} early={early}: relative error {err:.3g}")
+    def row(variant: str, projection: str, config: str, ms: float, nbytes: int, per: int) -> dict:
+        us = ms * 1000 / per
+        return {"variant": variant, "projection": projection, "config": config, "us_per_layer": us,
+                "tb_s": nbytes / us / 1e6, "of_floor": nbytes / rate * 1e6 / us}
 
-    variants = {"cublas": linear}
+    variants: dict[str, Project] = {"cublas": F.linear}
     for name, config in CONFIGS.items():
-        variants[f"gemv {name}"] = partial(_call, config=config, pdl=False, early=False)
-        variants[f"gemv-pdl {name}"] = partial(_call, config=config, pdl=True, early=False)
-        variants[f"gemv-pdl-early {name}"] = partial(_call, config=config, pdl=True, early=True)
+        for label, launch in LAUNCHES.items():
+            variants[f"{label} {name}"] = partial(gemv_triton, bias=None, config=config, launch=launch)
+    for name, project in variants.items():  # every variant against a float32 GEMM on one layer first
+        for w in weights[0]:
+            x = x0[:, : w.shape[1]]
+            ref = F.linear(x.float(), w.float())
+            err = ((project(x, w).float() - ref).norm() / ref.norm()).item()
+            if not err < 1e-2:
+                raise AssertionError(f"{name} {tuple(w.shape)}: relative error {err:.3g}")
+
     rows = []
     with torch.inference_mode():
-        for name, call in variants.items():
+        for name, project in variants.items():
             try:
-                ms = graph_ms(chain(weights, bufs, call), stream, args.replays)
+                ms = graph_ms([partial(run_chain, x0, weights, project)], stream, args.replays, warmup=2)
             except Exception as e:  # noqa: BLE001 - a variant that cannot be captured is a result too
                 rows.append({"variant": name, "error": f"{type(e).__name__}: {e}"[:300]})
                 torch.cuda.synchronize()
                 continue
-            us = ms * 1000 / args.layers
-            rows.append({"variant": name, "us_per_layer": us, "tb_s": layer_bytes / us / 1e6,
-                         "of_floor": layer_bytes / rate * 1e6 / us})
+            rows.append(row(name, "-", "-", ms, layer_bytes, args.layers))
         if args.sweep:
-            rows += sweep(weights, bufs, stream, args.replays, layer_bytes, rate)
+            # The served kernel; then each projection alone in each SWEEP configuration, the others as served.
+            def chain_ms(override: dict) -> float:
+                return graph_ms([partial(run_chain, x0, weights, gemv_triton, override)], stream, args.replays, warmup=2)
+
+            rows.append(row("served", "all", "default", chain_ms({}), layer_bytes, args.layers))
+            for n, k in LAYER:
+                for c in SWEEP:
+                    rows.append(row("served, one swept", f"{n}x{k}", _name(c),
+                                    chain_ms({(n, k): partial(gemv_triton, bias=None, config=c)}),
+                                    layer_bytes, args.layers))
+            # The LM head alone (525 MB: one kernel a step), 4 copies a graph
+            head = [(torch.randn(*HEAD, device=device) / HEAD[1] ** 0.5).to(dtype) for _ in range(4)]
+            x, head_bytes, shape = x0[:, : HEAD[1]], HEAD[0] * HEAD[1] * dtype.itemsize, f"{HEAD[0]}x{HEAD[1]}"
+            for label, project in [("cublas", F.linear), ("default", gemv_triton)] + [
+                    (_name(c), partial(gemv_triton, bias=None, config=c)) for c in SWEEP]:
+                ms = graph_ms([partial(project, x, w) for w in head], stream, args.replays)
+                rows.append(row("head", shape, label, ms, head_bytes, len(head)))
     floor_us = layer_bytes / rate * 1e6
     path = write_result("pdl-chain", {"layers": args.layers, "layer_bytes": layer_bytes, "copy_rate_gbps": rate / 1e9,
                                       "floor_us_per_layer": floor_us, "triton": triton.__version__, "rows": rows},
@@ -143,73 +141,6 @@ def main(argv: list[str] | None = None) -> int:
                       f"{floor_us:.1f} us per layer at the copy rate {rate / 1e12:.2f} TB/s")
     print(f"\nwrote {path}")
     return 0
-
-
-def sweep(weights: list[list[torch.Tensor]], bufs: list[torch.Tensor], stream: torch.cuda.Stream, replays: int,
-          layer_bytes: int, rate: float) -> list[dict]:
-    """The served kernel; then each projection alone in each SWEEP configuration, the others as served."""
-
-    def served(override: dict) -> torch.Tensor:  # the chain, each output the next input (as the model runs)
-        x = bufs[0][None, : LAYER[0][1]]
-        for layer in weights:
-            for w in layer:
-                x = gemv_triton(x[:, : w.shape[1]], w, None, override.get(tuple(w.shape)))
-        return x
-
-    def row(name: str, projection: str, config: str, ms: float) -> dict:
-        us = ms * 1000 / len(weights)
-        return {"variant": name, "projection": projection, "config": config, "us_per_layer": us,
-                "tb_s": layer_bytes / us / 1e6, "of_floor": layer_bytes / rate * 1e6 / us}
-
-    rows = [row("served", "all", "default", graph_ms([partial(served, {})], stream, replays))]
-    for n, k in LAYER:
-        for c in SWEEP:
-            rows.append(row("served, one swept", f"{n}x{k}", f"bn{c.block_n} bk{c.block_k} w{c.num_warps} "
-                            f"s{c.num_stages}", graph_ms([partial(served, {(n, k): c})], stream, replays)))
-    # The LM head alone (525 MB: one kernel a step), 4 copies a graph
-    head = [(torch.randn(HEAD[0], HEAD[1], device=bufs[0].device) / HEAD[1] ** 0.5).to(bufs[0].dtype) for _ in range(4)]
-    x = bufs[0][None, : HEAD[1]]
-    head_bytes = HEAD[0] * HEAD[1] * bufs[0].element_size()
-    for c in [None, *SWEEP]:
-        calls = [partial(gemv_triton, x, w, None, c) for w in head]
-        us = graph_ms(calls, stream, replays) * 1000 / len(head)
-        cublas = c is None and graph_ms([partial(torch.nn.functional.linear, x, w) for w in head], stream, replays)
-        rows.append({"variant": "head", "projection": f"{HEAD[0]}x{HEAD[1]}",
-                     "config": "default" if c is None else f"bn{c.block_n} bk{c.block_k} w{c.num_warps} s{c.num_stages}",
-                     "us_per_layer": us, "tb_s": head_bytes / us / 1e6, "of_floor": head_bytes / rate * 1e6 / us})
-        if cublas:
-            us = cublas * 1000 / len(head)
-            rows.append({"variant": "head", "projection": f"{HEAD[0]}x{HEAD[1]}", "config": "cublas",
-                         "us_per_layer": us, "tb_s": head_bytes / us / 1e6, "of_floor": head_bytes / rate * 1e6 / us})
-    return rows
-
-
-def _call(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, config: tuple, pdl: bool, early: bool) -> None:
-    gemv(x, w, y, config, pdl, early)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _gemv_kernel(
-        x_ptr, w_ptr, y_ptr, N, K, stride_w,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-    ):
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        n_mask = offs_n < N
-        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)  # independent of x
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # the previous kernel's output (x) is complete and visible
-            if EARLY:
-                tl.extra.cuda.gdc_launch_dependents()
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x = tl.load(x_ptr + k0 + offs_k, mask=offs_k < K - k0, other=0.0).to(tl.float32)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
-            w = tl.load(w_ptrs + k0 + BLOCK_K, mask=n_mask[:, None] & (offs_k[None, :] < K - k0 - BLOCK_K), other=0.0)
-        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 if __name__ == "__main__":

@@ -41,10 +41,17 @@ def gemv_config(n: int, k: int) -> GemvConfig:
     return HEAD if n >= HEAD_ROWS else LAYER
 
 
+# How a GEMV launches: plainly, with PDL letting the next kernel launch only when this one exits, or
+# with PDL letting it launch right after this one's wait (served wherever PDL is on).
+LAUNCHES = ("plain", "pdl-wait", "pdl-early")
+
+
 def gemv_triton(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
+    launch: str | None = None,
 ) -> torch.Tensor:
-    """x [1, K], weight [N, K] (rows contiguous) -> [1, N] in x's dtype. `config` overrides the weight's own."""
+    """x [1, K], weight [N, K] (rows contiguous) -> [1, N] in x's dtype. `config` overrides the
+    weight's own, `launch` (one of LAUNCHES) the served launch (bench/pdl_chain.py compares them)."""
     assert x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
     assert x.dtype == weight.dtype and weight.stride(1) == 1, (x.dtype, weight.dtype, weight.stride())
     if x.stride(1) != 1:
@@ -52,10 +59,13 @@ def gemv_triton(
     n, k = weight.shape
     c = config or gemv_config(n, k)
     y = torch.empty((1, n), device=x.device, dtype=x.dtype)
-    on = pdl(x.device)
+    launch = launch or ("pdl-early" if pdl(x.device) else "plain")
+    assert launch in LAUNCHES, launch
+    on = launch != "plain"
     _gemv_kernel[(cdiv(n, c.block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, PDL=on, BLOCK_N=c.block_n, BLOCK_K=min(c.block_k, max(16, next_pow2(k))),
+        HAS_BIAS=bias is not None, PDL=on, EARLY=launch == "pdl-early",
+        BLOCK_N=c.block_n, BLOCK_K=min(c.block_k, max(16, next_pow2(k))),
         num_warps=c.num_warps, num_stages=c.num_stages, **pdl_launch(on),
     )
     return y
@@ -73,7 +83,8 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(
         x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
-        HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -83,7 +94,8 @@ if triton is not None:
         w = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if EARLY:
+                tl.extra.cuda.gdc_launch_dependents()
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_ptr + k0 + offs_k, mask=offs_k < K - k0, other=0.0).to(tl.float32)
