@@ -25,6 +25,7 @@ GRAPH_MODES = ("none", "full", "piecewise", "full_and_piecewise")
 @dataclass(frozen=True)
 class ServeConfig:
     model: str = "builtin:tiny"
+    served_model_name: str | None = None  # the model's name to clients and gateways (default: --model)
     model_cache_dir: Path | None = None
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
@@ -86,6 +87,11 @@ class ServeConfig:
         return self.max_num_batched_tokens
 
     @property
+    def model_name(self) -> str:
+        """What clients and gateways call the model."""
+        return self.served_model_name or self.model
+
+    @property
     def lora_slots(self) -> int:
         """Adapter slots on the device (0: adapters are off)."""
         return self.max_loras or (4 if self.lora_modules else 0)
@@ -107,6 +113,8 @@ class ServeConfig:
             if not ok:
                 raise ConfigError(message)
 
+        need(self.served_model_name is None or (self.served_model_name.strip() != "" and self.served_model_name.isprintable()),
+             f"--served-model-name must be printable, non-empty text, got {self.served_model_name!r}")
         need(self.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, not {self.device!r}")
         need(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -218,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("model")
     g.add_argument("--model", default=d.model, help="builtin:<name> or a local Hugging Face directory")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model's name in the vLLM engine protocol and on vllm: metrics (default: --model)")
     g.add_argument("--model-cache-dir", type=Path, default=None, help="where built-in models are generated")
     g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])

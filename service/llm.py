@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import queue
 import random
 import re
-import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,10 +30,20 @@ import structlog
 from service.chat import ChatMessage, Conversation, chat_prompt
 from service.config import ConfigError, ServeConfig
 from service.engine import request as engine_request
+from service.server.validation import (
+    Fields,
+    Limits,
+    RequestValues,
+    check_prompt_ids,
+    check_sampling,
+    generation_request,
+)
 
 log = structlog.get_logger("graphserve.llm")
 
 PromptInput = str | Sequence[int]
+# How the Python API's messages name what they check.
+LLM_FIELDS = Fields("SamplingParams.", "SamplingParams.", "prompt", "max_seq_len")
 # generate() shows a progress bar from this many prompts on (use_tqdm=None).
 TQDM_MIN_PROMPTS = 8
 
@@ -70,15 +78,13 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        t = self.temperature
-        _need(isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t) and t >= 0,
+        # Python types here; the values are checked by the server's own checks (validation.py).
+        t, p = self.temperature, self.top_p
+        _need(isinstance(t, int | float) and not isinstance(t, bool),
               f"SamplingParams.temperature must be a finite number >= 0 (0 is greedy), got {t!r}")
-        p = self.top_p
-        _need(isinstance(p, int | float) and not isinstance(p, bool) and 0 < p <= 1,
-              f"SamplingParams.top_p must be in (0, 1], got {p!r}")
+        _need(isinstance(p, int | float) and not isinstance(p, bool), f"SamplingParams.top_p must be in (0, 1], got {p!r}")
         _need(_is_int(self.top_k) and self.top_k >= -1, f"SamplingParams.top_k must be an int >= 0 (0 or -1: off), got {self.top_k!r}")
-        _need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64),
-              f"SamplingParams.seed must be None or an int in [0, 2**64), got {self.seed!r}")
+        _need(self.seed is None or _is_int(self.seed), f"SamplingParams.seed must be None or an int in [0, 2**64), got {self.seed!r}")
         _need(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
               f"SamplingParams.max_tokens must be None or an int >= 1, got {self.max_tokens!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -88,6 +94,12 @@ class SamplingParams:
         object.__setattr__(self, "top_k", max(0, self.top_k))
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", ids)
+        check_sampling(self.values(), LLM_FIELDS)
+
+    def values(self) -> RequestValues:
+        return RequestValues(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                             max_tokens=self.max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                             ignore_eos=self.ignore_eos)
 
 
 @dataclass(frozen=True)
@@ -262,6 +274,9 @@ class LLM:
         self.tokenizer = lr.loaded.tokenizer
         self.max_seq_len = lr.max_seq_len
         self.vocab_size = lr.loaded.spec.vocab_size
+        # The server's request limits; no server cap on max_tokens beyond the context.
+        self._limits = dataclasses.replace(Limits.from_config(config, self.vocab_size), max_seq_len=self.max_seq_len,
+                                           max_tokens_limit=2**31)
         self._seeds = random.Random(o.seed) if o.seed is not None else None
         self._ids = itertools.count()
         self._closed = False
@@ -350,29 +365,15 @@ class LLM:
         return [self._output(prompt, ids, c) for (prompt, ids), c in zip(encoded, collectors)]
 
     def _request(self, index: int, ids: list[int], p: SamplingParams) -> engine_request.GenerationRequest:
-        _need(len(ids) > 0, f"prompt {index} has no tokens")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        _need(bad is None, f"prompt {index}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        room = self.max_seq_len - len(ids)
-        _need(room >= 1, f"prompt {index} has {len(ids)} tokens; the context holds {self.max_seq_len} (max_seq_len)")
-        _need(p.max_tokens is None or p.max_tokens <= room,
-              f"prompt {index} ({len(ids)} tokens) plus max_tokens ({p.max_tokens}) exceeds the context of "
-              f"{self.max_seq_len} tokens (max_seq_len): ask for at most {room}")
-        bad = next((t for t in p.stop_token_ids if t >= self.vocab_size), None)
-        _need(bad is None, f"stop_token_ids: id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        max_tokens = p.max_tokens or min(self.config.default_max_tokens, room)
-        if p.seed is not None:
-            seed = p.seed
-        else:
-            seed = self._seeds.getrandbits(63) if self._seeds is not None else secrets.randbits(63)
-        return engine_request.GenerationRequest(
-            request_id=f"llm-{next(self._ids)}",
-            prompt_token_ids=ids,
-            sampling=engine_request.SamplingParams(p.temperature, p.top_p, p.top_k, seed),
-            stopping=engine_request.StoppingParams(max_tokens, tuple(p.stop), tuple(p.stop_token_ids), p.ignore_eos),
-            stream_interval=max_tokens,  # nothing streams: the text arrives in one piece with the finish
-            arrival_time=time.monotonic(),
-        )
+        """The engine's request, checked by the server's checks (validation.py): ValueError naming the field."""
+        fields = dataclasses.replace(LLM_FIELDS, prompt_ids=f"prompt {index}")
+        values = p.values()
+        if values.seed is None and self._seeds is not None:
+            values = dataclasses.replace(values, seed=self._seeds.getrandbits(63))
+        request = generation_request(f"llm-{next(self._ids)}", check_prompt_ids(ids, self._limits, fields), values,
+                                     self._limits, fields)
+        # Nothing streams: the text arrives in one piece with the finish.
+        return dataclasses.replace(request, stream_interval=request.stopping.max_tokens)
 
     def _wait(self, done: queue.SimpleQueue, count: int, show: bool) -> None:
         from tqdm.auto import tqdm

@@ -23,6 +23,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from service.config import ServeConfig
 from service.model.spec import ModelLoadError
@@ -32,9 +33,12 @@ from service.server.decoding import RequestDecodingInterceptor
 from service.server.engine_process import EngineProcess, EngineStartError, RemoteGraphs, read_tokenizer
 from service.server.engine_worker import WorkerReady, WorkerSpec
 from service.server.faults import Faults
-from service.server.inference_servicer import AdmissionLimits, InferenceServicer
+from service.server.inference_servicer import InferenceServicer
+from service.server.streams import AdmissionLimits, Streams
 from service.server.transport import add_port
 from service.server.validation import Limits
+from service.server.vllm_servicer import SERVICE_NAME as VLLM_SERVICE
+from service.server.vllm_servicer import ModelFacts, VllmEngineServicer
 from service.telemetry.metrics import Metrics
 
 log = structlog.get_logger("graphserve.app")
@@ -81,11 +85,14 @@ class App:
         self.health = health.aio.HealthServicer()
         self.metrics = Metrics()
         self.metrics_port: int | None = None
-        self.servicer = InferenceServicer(
+        # One set of streams behind both protocols: the limits and the drain count them all.
+        self.streams = Streams(
             AdmissionLimits(config.max_waiting_requests, config.max_waiting_tokens, config.max_concurrent_streams,
                             config.stream_stall_timeout, config.max_stream_backlog_tokens),
             metrics=self.metrics,
         )
+        self.servicer = InferenceServicer(self.streams)
+        self.vllm_servicer = VllmEngineServicer(self.streams)
         self.engine: EngineProcess | None = None
         self.graphs: RemoteGraphs | None = None
         self.model: WorkerReady | None = None  # the loaded model's description, from the engine process
@@ -110,9 +117,11 @@ class App:
         self.server = grpc.aio.server(options=options,
                                       interceptors=[RequestDecodingInterceptor(self.metrics.undecodable)])
         inference_pb2_grpc.add_InferenceServicer_to_server(self.servicer, self.server)
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.vllm_servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (INFERENCE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (INFERENCE_SERVICE, VLLM_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME),
             self.server,
         )
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -139,7 +148,10 @@ class App:
             self.metrics.set_lora_graph_source(self.graphs.lora_snapshot)
         self.admin_server, self.admin_port = await start_admin_server(c, self.engine, self.graphs, self.metrics)
         limits = Limits.from_config(dataclasses.replace(c, max_seq_len=ready.max_seq_len), vocab_size=spec.vocab_size)
-        self.servicer.attach(self.engine, self.tokenizer, limits, self._model_info(ready))
+        self.streams.attach(self.engine)
+        self.servicer.attach(self.tokenizer, limits, self._model_info(ready))
+        self.vllm_servicer.attach(self.tokenizer, limits, ModelFacts.read(
+            c.model_name, ready.model_path, spec, ready.max_seq_len, c.max_running_seqs, ready.dtype))
         self.servicer.adapter_names = self.graphs.adapters.names
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.ready.set()
@@ -156,7 +168,8 @@ class App:
         )
 
     async def _set_health(self, status: int) -> None:
-        for name in ("", INFERENCE_SERVICE):
+        self.streams.serving = status == health_pb2.HealthCheckResponse.SERVING
+        for name in ("", INFERENCE_SERVICE, VLLM_SERVICE):
             await self.health.set(name, status)
 
     # ---- run and stop -------------------------------------------------------------------------
@@ -204,7 +217,7 @@ class App:
                 return
             idle_for = time.monotonic() - engine.last_progress
             now_stuck = engine.has_pending_work() and idle_for > self.config.watchdog_timeout
-            if now_stuck != stuck and not self.servicer.draining:
+            if now_stuck != stuck and not self.streams.draining:
                 stuck = now_stuck
                 log.warning("engine_stalled" if stuck else "engine_recovered", seconds_without_progress=round(idle_for, 1))
                 await self._set_health(
@@ -215,19 +228,19 @@ class App:
         """Bounded: --drain-timeout for the streams, then --engine-stop-timeout for the engine (the
         aborts it has not answered, its own stop and stats save), then it is killed."""
         c = self.config
-        log.info("draining", timeout_s=c.drain_timeout, open_streams=len(self.servicer.active))
-        self.servicer.draining = True
+        log.info("draining", timeout_s=c.drain_timeout, open_streams=len(self.streams.active))
+        self.streams.draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         engine_deadline = None
-        if self.servicer.active and not await self._streams_idle_within(c.drain_timeout):
-            log.warning("drain_timeout", aborted=len(self.servicer.active))
+        if self.streams.active and not await self._streams_idle_within(c.drain_timeout):
+            log.warning("drain_timeout", aborted=len(self.streams.active))
             engine_deadline = time.monotonic() + c.engine_stop_timeout
             responsive = self.engine is not None and self.engine.responsive
             if responsive:  # a hung engine reads no aborts: sending them could block the loop
-                self.servicer.abort_all()
+                self.streams.abort_all()
             if not responsive or not await self._streams_idle_within(c.engine_stop_timeout / 2):
                 # The engine does not answer the aborts: end the streams here, as aborted.
-                log.warning("engine_not_answering", streams_ended=self.servicer.end_all_locally())
+                log.warning("engine_not_answering", streams_ended=self.streams.end_all_locally())
                 await self._streams_idle_within(1.0)
         if self.admin_server is not None:
             await self.admin_server.stop(grace=1.0)
@@ -242,7 +255,7 @@ class App:
 
     async def _streams_idle_within(self, seconds: float) -> bool:
         try:
-            await asyncio.wait_for(self.servicer.streams_idle.wait(), seconds)
+            await asyncio.wait_for(self.streams.idle.wait(), seconds)
             return True
         except TimeoutError:
             return False

@@ -1,6 +1,9 @@
-"""Request validation: every check names the field and says what to change.
+"""Request validation, the one source of truth for every way in: both gRPC protocols
+(graphserve_requests.py, vllm_requests.py) and the Python API (service/llm.py).
 
-Runs before admission, on the event loop, and never lets a malformed request reach the engine.
+Protocol-free: each caller hands over plain values and a `Fields` that names them as its users
+spell them, so every message names the field and says what to change. Runs before admission and
+never lets a malformed request reach the engine.
 """
 
 from __future__ import annotations
@@ -9,13 +12,12 @@ import math
 import secrets
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from service.chat import ChatError, chat_prompt_ids
 from service.config import ServeConfig
 from service.engine.request import GenerationRequest, SamplingParams, StoppingParams
-from service.proto import inference_pb2
 
 MAX_REQUEST_ID_BYTES = 256
 MAX_STREAM_INTERVAL = 1024
@@ -52,61 +54,50 @@ class Limits:
         )
 
 
-def _need(ok: bool, message: str) -> None:
+@dataclass(frozen=True)
+class Fields:
+    """How one way in names the values it checks (for the messages)."""
+
+    sampling: str  # prefix of the sampling fields: "sampling." -> "sampling.temperature"
+    stopping: str  # prefix of the stopping fields
+    prompt_ids: str  # the prompt's token ids
+    max_seq_len: str  # the setting that bounds the context
+
+
+GRAPHSERVE_FIELDS = Fields("sampling.", "stopping.", "prompt.token_ids", "--max-seq-len")
+
+
+@dataclass(frozen=True)
+class RequestValues:
+    """What every protocol's request comes down to, before the checks. None: not given."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+
+
+def need(ok: bool, message: str) -> None:
     if not ok:
         raise InvalidRequest(message)
 
 
-def prompt_bytes(request: inference_pb2.GenerateRequest) -> int:
-    """Bytes of a text or chat prompt (at most one token per byte); 0 for token ids."""
-    kind = request.WhichOneof("prompt")
-    if kind == "text":
-        return len(request.text.encode("utf-8", "surrogatepass"))
-    if kind == "messages":
-        return sum(len(m.content.encode("utf-8", "surrogatepass")) for m in request.messages.messages)
-    return 0
+def check_prompt_ids(ids: Sequence[int], limits: Limits, f: Fields) -> list[int]:
+    """Token ids of a prompt: non-empty, in the vocabulary, leaving room for one completion token."""
+    need(len(ids) > 0, f"{f.prompt_ids} is empty: send at least one token id")
+    need(len(ids) < limits.max_seq_len,
+         f"{f.prompt_ids} has {len(ids)} tokens; the context holds {limits.max_seq_len} ({f.max_seq_len}): shorten it")
+    bad = next((i for i in ids if not 0 <= i < limits.vocab_size), None)
+    need(bad is None, f"{f.prompt_ids}: token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
+    return list(ids)
 
 
-def check_prompt_size(request: inference_pb2.GenerateRequest, limits: Limits) -> int:
-    """Cheap checks done before any tokenization; returns the prompt's bytes (0 for token ids)."""
-    kind = request.WhichOneof("prompt")
-    _need(kind is not None, "prompt: set text, token_ids or messages")
-    if kind == "messages":
-        _need(len(request.messages.messages) > 0, "prompt.messages is empty: send at least one message")
-        size = prompt_bytes(request)
-        _need(size <= limits.max_prompt_bytes,
-              f"prompt.messages hold {size} bytes, over the limit of {limits.max_prompt_bytes} bytes (--max-prompt-bytes)")
-    elif kind == "text":
-        size = prompt_bytes(request)
-        _need(size > 0, "prompt.text is empty: send at least one character")
-        _need(size <= limits.max_prompt_bytes,
-              f"prompt.text is {size} bytes, over the limit of {limits.max_prompt_bytes} bytes (--max-prompt-bytes)")
-    else:
-        count = len(request.token_ids.ids)
-        _need(count > 0, "prompt.token_ids is empty: send at least one token id")
-        _need(count < limits.max_seq_len,
-              f"prompt.token_ids has {count} tokens; the context holds {limits.max_seq_len} (--max-seq-len)")
-        size = 0
-    return size
-
-
-def prompt_ids(request: inference_pb2.GenerateRequest, tokenizer: Any, limits: Limits) -> list[int]:
-    if request.WhichOneof("prompt") == "token_ids":
-        ids = list(request.token_ids.ids)
-        bad = next((i for i in ids if i >= limits.vocab_size), None)
-        _need(bad is None, f"prompt.token_ids: id {bad} is outside the vocabulary [0, {limits.vocab_size})")
-        return ids
-    if request.WhichOneof("prompt") == "messages":
-        try:
-            return chat_prompt_ids(tokenizer, list(request.messages.messages), model="this model")
-        except ChatError as exc:
-            raise InvalidRequest(str(exc)) from None
-    ids = encode_capped(tokenizer, request.text, limits.max_seq_len - 1)
-    _need(len(ids) > 0, "prompt.text encodes to no tokens")
-    return ids
-
-
-def encode_capped(tokenizer: Any, text: str, max_tokens: int) -> list[int]:
+def encode_capped(tokenizer: Any, text: str, max_tokens: int, field: str = "prompt.text",
+                  add_special_tokens: bool = True) -> list[int]:
     """The token ids of `text`, or InvalidRequest as soon as a prefix has more than `max_tokens`.
 
     Tokenizes prefixes of growing length (cut before whitespace, where tokenizers split words anyway),
@@ -115,12 +106,11 @@ def encode_capped(tokenizer: Any, text: str, max_tokens: int) -> list[int]:
     """
     window = _CHARS_PER_TOKEN_GUESS * (max_tokens + 1)
     while len(text) > window:
-        ids = tokenizer.encode(text[:_cut(text, window)], add_special_tokens=True)
-        _need(len(ids) <= max_tokens,
-              f"prompt.text has more than {max_tokens} tokens; the context holds {max_tokens + 1} (--max-seq-len): "
-              "shorten it")
+        ids = tokenizer.encode(text[:_cut(text, window)], add_special_tokens=add_special_tokens)
+        need(len(ids) <= max_tokens,
+             f"{field} has more than {max_tokens} tokens; the context holds {max_tokens + 1} (--max-seq-len): shorten it")
         window *= 2
-    return tokenizer.encode(text, add_special_tokens=True)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _cut(text: str, end: int) -> int:
@@ -130,82 +120,80 @@ def _cut(text: str, end: int) -> int:
     return cut if cut > 0 else end
 
 
-def request_id_of(request: inference_pb2.GenerateRequest) -> str:
+def request_id_of(given: str) -> str:
     """The client's id, checked, or a fresh one when it sent none."""
-    request_id = request.request_id or uuid.uuid4().hex
-    _need(len(request_id.encode("utf-8", "surrogatepass")) <= MAX_REQUEST_ID_BYTES,
-          f"request_id is longer than {MAX_REQUEST_ID_BYTES} bytes")
-    _need(request_id.isprintable(), "request_id must be printable text")
+    request_id = given or uuid.uuid4().hex
+    need(len(request_id.encode("utf-8", "surrogatepass")) <= MAX_REQUEST_ID_BYTES,
+         f"request_id is longer than {MAX_REQUEST_ID_BYTES} bytes")
+    need(request_id.isprintable(), "request_id must be printable text")
     return request_id
 
 
-def to_generation_request(
-    request: inference_pb2.GenerateRequest, request_id: str, prompt: list[int], limits: Limits,
-    arrival_time: float | None = None,
-) -> GenerationRequest:
-    return GenerationRequest(
-        request_id=request_id,
-        adapter=request.adapter,
-        prompt_token_ids=prompt,
-        sampling=_sampling(request.sampling),
-        stopping=_stopping(request.stopping, len(prompt), limits),
-        stream_interval=_stream_interval(request),
-        arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-    )
-
-
-def check_adapter(request: inference_pb2.GenerateRequest, loaded: set[str] | frozenset[str]) -> None:
+def check_adapter(name: str, loaded: set[str] | frozenset[str], field: str = "adapter") -> None:
     """An adapter name must be one of the loaded ones (empty: the base model)."""
-    name = request.adapter
     if name and name not in loaded:
         shown = ", ".join(repr(n) for n in sorted(loaded)[:32]) or "none"
-        raise InvalidRequest(f"adapter {name!r} is not loaded; loaded adapters: {shown} (leave adapter empty for "
+        raise InvalidRequest(f"{field} {name!r} is not loaded; loaded adapters: {shown} (leave {field} empty for "
                              "the base model)")
 
 
-def _sampling(s: inference_pb2.SamplingParams) -> SamplingParams:
-    temperature = s.temperature if s.HasField("temperature") else 1.0
-    _need(math.isfinite(temperature) and temperature >= 0,
-          f"sampling.temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
-    top_p = s.top_p if s.HasField("top_p") else 1.0
-    _need(math.isfinite(top_p) and 0 < top_p <= 1, f"sampling.top_p must be in (0, 1], got {top_p}")
-    # top_k is unsigned on the wire, so it cannot be negative; 0 disables it.
-    seed = s.seed if s.HasField("seed") else secrets.randbits(63)
-    return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=int(s.top_k), seed=int(seed))
+def check_sampling(v: RequestValues, f: Fields) -> None:
+    """The sampling values alone (the Python API checks them when SamplingParams is made)."""
+    if v.temperature is not None:
+        need(math.isfinite(v.temperature) and v.temperature >= 0,
+             f"{f.sampling}temperature must be a finite number >= 0 (0 is greedy), got {v.temperature}")
+    if v.top_p is not None:
+        need(math.isfinite(v.top_p) and 0 < v.top_p <= 1, f"{f.sampling}top_p must be in (0, 1], got {v.top_p}")
+    need(v.top_k >= 0, f"{f.sampling}top_k must be >= 0 (0 is off), got {v.top_k}")
+    need(v.seed is None or 0 <= v.seed < 2**64, f"{f.sampling}seed must be in [0, 2**64), got {v.seed}")
 
 
-def _stopping(s: inference_pb2.StoppingCriteria, prompt_len: int, limits: Limits) -> StoppingParams:
-    _need(prompt_len < limits.max_seq_len,
-          f"the prompt has {prompt_len} tokens; the context holds {limits.max_seq_len} (--max-seq-len): shorten it")
+def sampling_params(v: RequestValues, f: Fields) -> SamplingParams:
+    check_sampling(v, f)
+    seed = v.seed if v.seed is not None else secrets.randbits(63)
+    return SamplingParams(temperature=1.0 if v.temperature is None else float(v.temperature),
+                          top_p=1.0 if v.top_p is None else float(v.top_p), top_k=int(v.top_k), seed=int(seed))
+
+
+def stopping_params(v: RequestValues, prompt_len: int, limits: Limits, f: Fields) -> StoppingParams:
+    need(prompt_len < limits.max_seq_len,
+         f"the prompt has {prompt_len} tokens; the context holds {limits.max_seq_len} ({f.max_seq_len}): shorten it")
     room = limits.max_seq_len - prompt_len
-    if s.HasField("max_tokens"):
-        max_tokens = s.max_tokens
-        _need(max_tokens >= 1, "stopping.max_tokens must be >= 1")
-        _need(max_tokens <= limits.max_tokens_limit,
-              f"stopping.max_tokens is {max_tokens}, over the server limit of {limits.max_tokens_limit}")
-        _need(max_tokens <= room,
-              f"prompt ({prompt_len} tokens) plus stopping.max_tokens ({max_tokens}) exceeds the context of "
-              f"{limits.max_seq_len} tokens: ask for at most {room}")
+    if v.max_tokens is not None:
+        max_tokens = v.max_tokens
+        need(max_tokens >= 1, f"{f.stopping}max_tokens must be >= 1")
+        need(max_tokens <= limits.max_tokens_limit,
+             f"{f.stopping}max_tokens is {max_tokens}, over the server limit of {limits.max_tokens_limit}")
+        need(max_tokens <= room,
+             f"prompt ({prompt_len} tokens) plus {f.stopping}max_tokens ({max_tokens}) exceeds the context of "
+             f"{limits.max_seq_len} tokens ({f.max_seq_len}): ask for at most {room}")
     else:
         max_tokens = min(limits.default_max_tokens, room)
-    stops = tuple(s.stop)
-    _need(len(stops) <= limits.max_stop_strings,
-          f"stopping.stop has {len(stops)} strings; at most {limits.max_stop_strings} are allowed")
+    stops = tuple(v.stop)
+    need(len(stops) <= limits.max_stop_strings,
+         f"{f.stopping}stop has {len(stops)} strings; at most {limits.max_stop_strings} are allowed")
     for text in stops:
-        _need(text != "", "stopping.stop contains an empty string")
-        _need(len(text.encode("utf-8", "surrogatepass")) <= limits.max_stop_string_bytes,
-              f"a stopping.stop string is longer than {limits.max_stop_string_bytes} bytes")
-    ids = tuple(s.stop_token_ids)
-    _need(len(ids) <= limits.max_stop_token_ids,
-          f"stopping.stop_token_ids has {len(ids)} ids; at most {limits.max_stop_token_ids} are allowed")
-    bad = next((i for i in ids if i >= limits.vocab_size), None)
-    _need(bad is None, f"stopping.stop_token_ids: id {bad} is outside the vocabulary [0, {limits.vocab_size})")
-    return StoppingParams(max_tokens=max_tokens, stop=stops, stop_token_ids=ids, ignore_eos=s.ignore_eos)
+        need(text != "", f"{f.stopping}stop contains an empty string")
+        need(len(text.encode("utf-8", "surrogatepass")) <= limits.max_stop_string_bytes,
+             f"a {f.stopping}stop string is longer than {limits.max_stop_string_bytes} bytes")
+    ids = tuple(v.stop_token_ids)
+    need(len(ids) <= limits.max_stop_token_ids,
+         f"{f.stopping}stop_token_ids has {len(ids)} ids; at most {limits.max_stop_token_ids} are allowed")
+    bad = next((i for i in ids if not 0 <= i < limits.vocab_size), None)
+    need(bad is None, f"{f.stopping}stop_token_ids: id {bad} is outside the vocabulary [0, {limits.vocab_size})")
+    return StoppingParams(max_tokens=max_tokens, stop=stops, stop_token_ids=ids, ignore_eos=v.ignore_eos)
 
 
-def _stream_interval(request: inference_pb2.GenerateRequest) -> int:
-    if not request.HasField("stream_interval"):
-        return 1
-    value = request.stream_interval
-    _need(1 <= value <= MAX_STREAM_INTERVAL, f"stream_interval must be in [1, {MAX_STREAM_INTERVAL}], got {value}")
-    return value
+def generation_request(request_id: str, prompt: list[int], v: RequestValues, limits: Limits, f: Fields, *,
+                       adapter: str = "", stream_interval: int = 1, arrival_time: float | None = None
+                       ) -> GenerationRequest:
+    """The engine's request for checked values; InvalidRequest names the first bad field."""
+    return GenerationRequest(
+        request_id=request_id,
+        adapter=adapter,
+        prompt_token_ids=prompt,
+        sampling=sampling_params(v, f),
+        stopping=stopping_params(v, len(prompt), limits, f),
+        stream_interval=stream_interval,
+        arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+    )

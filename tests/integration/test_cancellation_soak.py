@@ -81,7 +81,7 @@ def test_cancellation_soak(model_cache_dir) -> None:  # noqa: ANN001
             time.sleep(0.05)
         assert engine.num_running == 0 and engine.num_waiting == 0
         assert engine.num_free_slots == 16
-        assert not server.app.servicer.active
+        assert not server.app.streams.active
         # Memory settles: the last round grows the process by little over the second.
         assert rss[-1] - rss[1] < 100, f"RSS per round (MiB): {rss}"
         print(f"soak: {len(plans)} streams in {elapsed:.1f} s, RSS per 200 streams (MiB): {[round(r) for r in rss]}")

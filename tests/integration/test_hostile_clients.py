@@ -58,14 +58,14 @@ def test_one_connection_cannot_take_every_stream_slot(start) -> None:  # noqa: A
             hostile.start_call(GENERATE, long_request(200))
         hostile.pump(1.0)
         assert hostile.max_concurrent_streams == 4
-        assert wait_until(lambda: len(server.app.servicer.active) == 4, 10), len(server.app.servicer.active)
+        assert wait_until(lambda: len(server.app.streams.active) == 4, 10), len(server.app.streams.active)
         time.sleep(0.5)
-        assert len(server.app.servicer.active) == 4
+        assert len(server.app.streams.active) == 4
         _, finished = generate(server.stub(), **greedy("another client", 4))
         assert finished.usage.completion_tokens == 4
     finally:
         hostile.close()
-    assert wait_until(lambda: not server.app.servicer.active and server.app.engine.num_running == 0)
+    assert wait_until(lambda: not server.app.streams.active and server.app.engine.num_running == 0)
 
 
 def test_a_stream_whose_client_reads_nothing_is_aborted_after_the_stall_timeout(start) -> None:  # noqa: ANN001
@@ -73,12 +73,12 @@ def test_a_stream_whose_client_reads_nothing_is_aborted_after_the_stall_timeout(
     hostile = StallingClient(server.address)
     try:
         streams = [hostile.start_call(GENERATE, long_request(100)) for _ in range(2)]
-        assert wait_until(lambda: len(server.app.servicer.active) == 2, 10)
+        assert wait_until(lambda: len(server.app.streams.active) == 2, 10)
         with pytest.raises(grpc.RpcError) as info:
             generate(server.stub(), **greedy("blocked for now", 4))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         # The slots come back once the stall timeout passed, while the hostile socket stays open.
-        assert wait_until(lambda: not server.app.servicer.active, 30)
+        assert wait_until(lambda: not server.app.streams.active, 30)
         _, finished = generate(server.stub(), **greedy("served again", 4))
         assert finished.usage.completion_tokens == 4
         assert wait_until(lambda: server.app.engine.num_running == 0, 10)
@@ -106,7 +106,7 @@ def test_an_unread_stream_stops_generating_at_the_backlog_bound(start) -> None: 
         assert finished.usage.completion_tokens == 4
     finally:
         hostile.close()
-    assert wait_until(lambda: not server.app.servicer.active and server.app.engine.num_running == 0)
+    assert wait_until(lambda: not server.app.streams.active and server.app.engine.num_running == 0)
 
 
 def test_a_slow_reader_gets_every_token(start) -> None:  # noqa: ANN001
@@ -167,7 +167,7 @@ def test_a_burst_to_an_idle_server_fills_the_slots_then_the_queue(start) -> None
         assert wait_until(lambda: rejected() >= 14, 30)
         time.sleep(1.0)
         assert rejected() == 14, outcomes  # 2 running + 4 waiting admitted
-        assert len(server.app.servicer.active) == 6
+        assert len(server.app.streams.active) == 6
     finally:
         for call in calls:
             call.cancel()

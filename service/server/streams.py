@@ -1,0 +1,265 @@
+"""Open Generate streams of every protocol: admission, back-pressure, the stall timeout, abort on exit, drain.
+
+Both servicers (graphserve.v1 and vllm.grpc.engine) serve their streams through one `Streams`, so the
+limits count every stream whatever protocol opened it, and a drain ends them all. A servicer brings
+only what is its own: how to check and map its request (`prepare`) and how to write the engine's
+events as its messages (`StreamWriter`).
+
+The event loop never waits on the engine: each step's events arrive from the engine process in one
+message (see engine_process.py), and each stream drains its own queue. A client that falls behind
+gets the tokens that piled up merged into one message instead of one message per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+import structlog
+
+from service.engine.engine import EngineStopped
+from service.engine.request import EngineError, Finish, FinishReason, GenerationRequest, RequestEvent, TokenDelta
+from service.server.validation import InvalidRequest
+
+log = structlog.get_logger("graphserve.server")
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    max_waiting_requests: int
+    max_waiting_tokens: int
+    max_concurrent_streams: int
+    stream_stall_timeout: float = 30.0  # seconds a client may accept no data before its stream is aborted
+    max_stream_backlog_tokens: int = 128  # undelivered tokens per stream before its sequence is paused
+
+
+class _Stalled(Exception):
+    """The client accepted no data for stream_stall_timeout seconds."""
+
+
+class Stream:
+    """One open Generate stream: its queue of engine events, and the back-pressure on its sequence.
+
+    `put` runs on the event loop (the engine process's events are delivered there). When more than
+    `max_backlog` tokens wait in the queue (the client reads slower than the engine generates, or not
+    at all), the sequence is paused in the engine: it keeps its KV slot but is not scheduled, so an
+    unread stream costs neither device steps nor memory beyond the bound. It resumes once the queue
+    is drained.
+    """
+
+    def __init__(self, engine: Any, max_backlog: int, arrival: float) -> None:
+        self.engine = engine
+        self.max_backlog = max_backlog
+        self.arrival = arrival
+        self.queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
+        self.key: str | None = None
+        self.prompt_tokens = 0
+        self.sent_tokens = 0
+        self.backlog = 0
+        self.paused = False
+
+    def put(self, event: RequestEvent) -> None:
+        self.queue.put_nowait(event)
+        if isinstance(event, TokenDelta):
+            self.backlog += len(event.token_ids)
+            if self.backlog > self.max_backlog and not self.paused and self.key is not None:
+                self.paused = True
+                self.engine.pause(self.key, True)
+
+    def taken(self, delta: TokenDelta) -> None:
+        self.backlog -= len(delta.token_ids)
+        self.sent_tokens += len(delta.token_ids)
+        if self.paused and self.queue.empty() and self.key is not None:
+            self.paused = False
+            self.engine.pause(self.key, False)
+
+    def abort(self) -> None:
+        """Ask the engine to end this stream (finish_reason abort); a no-op before it was submitted."""
+        if self.key is not None:
+            self.engine.abort(self.key)
+
+    def local_abort(self) -> None:
+        """End the stream with finish_reason abort without the engine (it does not answer)."""
+        self.queue.put_nowait(Finish(FinishReason.ABORT, self.prompt_tokens, self.sent_tokens + self.backlog,
+                                     total_seconds=max(0.0, time.monotonic() - self.arrival)))
+
+
+class StreamWriter(Protocol):
+    """A protocol's messages for the engine's events."""
+
+    def chunk(self, delta: TokenDelta) -> Any | None: ...
+
+    def finished(self, finish: Finish) -> list[Any]: ...
+
+
+# A servicer's checks and mapping: the validated, tokenized request for the engine, or InvalidRequest.
+Prepare = Callable[[Stream], Awaitable[GenerationRequest]]
+
+
+class Streams:
+    """Every open stream, the engine they run on, and the admission and drain rules they share.
+
+    Before `attach` (model loading) calls get UNAVAILABLE. `serving` follows the health status: while
+    the watchdog reports NOT_SERVING (a hung engine) new streams are refused rather than left to hang.
+    """
+
+    def __init__(self, admission: AdmissionLimits, metrics: Any = None) -> None:
+        self.admission = admission
+        self.metrics = metrics
+        self.engine: Any = None
+        self.draining = False
+        self.serving = False
+        self.active: dict[tuple[str, str], Stream] = {}  # (scope, request id) -> stream
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.last_received = 0.0  # time.time() of the latest Generate
+
+    def attach(self, engine: Any) -> None:
+        self.engine = engine
+
+    def abort_all(self) -> None:
+        """Ask the engine to abort every open stream (end of the drain)."""
+        for stream in list(self.active.values()):
+            stream.abort()
+
+    def end_all_locally(self) -> int:
+        """End every open stream with finish_reason abort here, for an engine that does not answer."""
+        streams = list(self.active.values())
+        for stream in streams:
+            stream.local_abort()
+        return len(streams)
+
+    # ---- checks before a stream opens ----------------------------------------------------------
+
+    async def reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str, message: str) -> None:
+        if self.metrics is not None:
+            self.metrics.rejected(reason)
+        await context.abort(code, message)
+
+    async def check_available(self, context: grpc.aio.ServicerContext) -> None:
+        """UNAVAILABLE (retry on another replica) while loading, draining, hung or down."""
+        self.last_received = time.time()
+        if self.engine is None:
+            await self.reject(context, grpc.StatusCode.UNAVAILABLE, "loading", "the model is still loading; retry shortly")
+        if self.draining:
+            await self.reject(context, grpc.StatusCode.UNAVAILABLE, "draining",
+                              "the server is shutting down; retry on another replica")
+        if not self.engine.alive:
+            await self.reject(context, grpc.StatusCode.UNAVAILABLE, "engine_down",
+                              "the engine is not running; retry on another replica")
+        if not self.serving:
+            await self.reject(context, grpc.StatusCode.UNAVAILABLE, "not_serving",
+                              "the engine makes no progress (health NOT_SERVING); retry on another replica")
+
+    async def admit(self, context: grpc.aio.ServicerContext, estimated_prompt_tokens: Callable[[], int]) -> None:
+        """Overload checks, before any tokenization: a rejected request costs almost nothing."""
+        a, engine = self.admission, self.engine
+        if len(self.active) >= a.max_concurrent_streams:
+            await self.reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "concurrent_streams",
+                              f"{len(self.active)} streams are open, the limit is {a.max_concurrent_streams}: retry later")
+        if engine.num_waiting >= a.max_waiting_requests:
+            await self.reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_full",
+                              f"{engine.num_waiting} requests are waiting, the limit is "
+                              f"{a.max_waiting_requests}: retry later")
+        if engine.num_waiting == 0:
+            return
+        if engine.waiting_prompt_tokens + estimated_prompt_tokens() > a.max_waiting_tokens:
+            await self.reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_tokens",
+                              f"the waiting queue holds {engine.waiting_prompt_tokens} prompt tokens, the "
+                              f"limit is {a.max_waiting_tokens}: retry later")
+
+    # ---- one stream ----------------------------------------------------------------------------
+
+    async def serve(self, context: grpc.aio.ServicerContext, scope: tuple[str, str], prepare: Prepare,
+                    writer: StreamWriter) -> None:
+        """Open the stream, run `prepare`, submit, and write the engine's events until the finish.
+
+        A stream that ends any other way (cancelled, deadline, disconnect, stall) is aborted in the
+        engine, so its slot is freed at the next step.
+        """
+        request_id = scope[1]
+        if scope in self.active:
+            await self.reject(context, grpc.StatusCode.INVALID_ARGUMENT, "duplicate_request_id",
+                              f"request_id {request_id!r} is already streaming: use a unique id or leave it empty")
+        # Counted from here, before any await: admission and drain see the stream while it tokenizes.
+        stream = self.active[scope] = Stream(self.engine, self.admission.max_stream_backlog_tokens, time.monotonic())
+        self.idle.clear()
+        finished = stalled = False
+        try:
+            try:
+                gen = await prepare(stream)
+            except InvalidRequest as exc:
+                await self.reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
+            if self.draining:
+                await self.reject(context, grpc.StatusCode.UNAVAILABLE, "draining",
+                                  "the server is shutting down; retry on another replica")
+            stream.prompt_tokens = len(gen.prompt_token_ids)
+            try:
+                stream.key = self.engine.submit(gen, stream.put)
+            except EngineStopped:
+                await self.reject(context, grpc.StatusCode.UNAVAILABLE, "engine_down",
+                                  "the engine is not running; retry on another replica")
+            while True:
+                event = await stream.queue.get()
+                if isinstance(event, TokenDelta):
+                    event = _merge_ready(event, stream.queue)
+                if isinstance(event, TokenDelta):
+                    stream.taken(event)
+                    message = writer.chunk(event)
+                    if message is not None:
+                        await self._write(context, message)
+                elif isinstance(event, Finish):
+                    finished = True
+                    for message in writer.finished(event):
+                        await self._write(context, message)
+                    log.info("request_finished", request_id=request_id, reason=event.reason.value,
+                             prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                             queue_s=round(event.queue_seconds, 4), ttft_s=round(event.time_to_first_token_seconds, 4),
+                             total_s=round(event.total_seconds, 4))
+                    return
+                elif isinstance(event, EngineError):
+                    finished = True
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, event.message)
+        except _Stalled:
+            finished, stalled = False, True
+            log.warning("stream_stalled", request_id=request_id, seconds=self.admission.stream_stall_timeout)
+        finally:
+            if not finished:
+                stream.abort()
+                if stream.key is not None:
+                    log.info("request_cancelled", request_id=request_id)
+            del self.active[scope]
+            if not self.active:
+                self.idle.set()
+        if stalled:  # after the slot is freed: the status may never reach a client that reads nothing
+            await self.reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "stream_stalled",
+                              f"the client accepted no data for {self.admission.stream_stall_timeout:g} s "
+                              "(--stream-stall-timeout): the stream was aborted")
+
+    async def _write(self, context: grpc.aio.ServicerContext, message: Any) -> None:
+        """Send one message; a client that accepts none of it (HTTP/2 window closed) for the stall
+        timeout loses the stream."""
+        try:
+            async with asyncio.timeout(self.admission.stream_stall_timeout):  # a timer, not a task per message
+                await context.write(message)
+        except TimeoutError:
+            raise _Stalled from None
+
+
+def _merge_ready(first: TokenDelta, queue: asyncio.Queue[RequestEvent]) -> RequestEvent | TokenDelta:
+    """Merge the deltas already queued behind `first`; stop at (and keep) anything else."""
+    if queue.empty():
+        return first
+    ids, text = list(first.token_ids), first.text
+    while not queue.empty():
+        nxt = queue._queue[0]  # noqa: SLF001 - peek: a Finish must stay queued for the next get()
+        if not isinstance(nxt, TokenDelta):
+            break
+        queue.get_nowait()
+        ids += nxt.token_ids
+        text += nxt.text
+    return TokenDelta(ids, text)

@@ -1,0 +1,327 @@
+"""vLLM's engine protocol (`vllm.grpc.engine.VllmEngine`, from smg-grpc-proto), beside graphserve.v1.
+
+What gateways speak to vLLM workers: the Shepherd Model Gateway (smg) sends tokenized prompts,
+detokenizes, applies stop strings and chat templates itself, balances replicas on GetLoads, and
+fetches the tokenizer with GetTokenizer. The checks are validation.py's (shared with graphserve.v1
+and the Python API); the stream's life is streams.py's.
+
+Semantics follow vLLM's servicer: chunks carry the new token ids (a delta) and their count; the
+complete message carries every output id, the finish reason as vLLM names it ("stop" for EOS, a stop
+string or a stop token; "length"; "abort") and the matched stop. What graphserve does not do yet
+(sampling fields beyond temperature / top-p / top-k / seed, n > 1, logprobs, structured outputs,
+LoRA by name) is refused with INVALID_ARGUMENT naming the field; what it will not do (embeddings,
+multimodal inputs, prefill/decode disaggregation, the profiler) with UNIMPLEMENTED or INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hashlib
+import io
+import json
+import time
+import zipfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from service.engine.request import Finish, FinishReason, GenerationRequest, TokenDelta
+from service.server.streams import Stream, Streams
+from service.server.validation import (
+    Fields,
+    InvalidRequest,
+    Limits,
+    RequestValues,
+    check_prompt_ids,
+    encode_capped,
+    generation_request,
+    need,
+    request_id_of,
+)
+
+SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+FIELDS = Fields("sampling_params.", "sampling_params.", "tokenized.input_ids", "--max-seq-len")
+INLINE_TOKENIZE_BYTES = 16 * 1024  # text prompts above this are tokenized off the event loop
+TOKENIZER_CHUNK_BYTES = 64 * 1024
+# The files a gateway needs to tokenize, detokenize and render chats as the worker would (smg's list).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json",
+                   "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "tiktoken.model",
+                   "chat_template.json", "chat_template.jinja")
+
+_FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP: "stop",
+                   FinishReason.ABORT: "abort"}
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What GetModelInfo and GetServerInfo report, fixed at load."""
+
+    served_model_name: str
+    model_path: str
+    model_type: str
+    architectures: tuple[str, ...]
+    vocab_size: int
+    max_seq_len: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int
+    pad_token_id: int
+    max_running_seqs: int
+    dtype: str
+
+    @classmethod
+    def read(cls, served_model_name: str, model_path: str, spec: Any, max_seq_len: int, max_running_seqs: int,
+             dtype: str) -> ModelFacts:
+        config_file = Path(model_path) / "config.json"
+        hf = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        pad = hf.get("pad_token_id")
+        return cls(served_model_name, model_path, str(hf.get("model_type") or ""), (spec.architecture,),
+                   spec.vocab_size, max_seq_len, tuple(spec.eos_token_ids), int(spec.bos_token_id or 0),
+                   int(pad) if isinstance(pad, int) else 0, max_running_seqs, dtype)
+
+
+class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
+    """Serves the engine protocol once `attach` gave it a tokenizer, limits and the model's facts.
+
+    Request ids are the gateway's and are global on this protocol (not per connection): the gateway
+    aborts a request with Abort, on a call of its own.
+    """
+
+    def __init__(self, streams: Streams) -> None:
+        self.streams = streams
+        self.tokenizer: Any = None
+        self.limits: Limits | None = None
+        self.facts: ModelFacts | None = None
+        self.started = time.time()
+        self._tokenizer_zip: tuple[bytes, str] | None = None
+
+    def attach(self, tokenizer: Any, limits: Limits, facts: ModelFacts) -> None:
+        self.tokenizer, self.limits, self.facts = tokenizer, limits, facts
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    async def Generate(self, request: vllm_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        streams = self.streams
+        await streams.check_available(context)
+        await streams.admit(context, lambda: _estimated_tokens(request))
+        try:
+            request_id = request_id_of(request.request_id)
+        except InvalidRequest as exc:
+            await streams.reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
+
+        writer = _Writer(request.stream)
+
+        async def prepare(stream: Stream) -> GenerationRequest:
+            check_supported(request)
+            prompt = await self._prompt_ids(request)
+            writer.prompt_tokens = len(prompt)
+            return generation_request(request_id, prompt, request_values(request.sampling_params), self.limits, FIELDS,
+                                      arrival_time=stream.arrival)
+
+        await streams.serve(context, (SERVICE_NAME, request_id), prepare, writer)
+
+    async def _prompt_ids(self, request: vllm_engine_pb2.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("input")
+        need(kind is not None, "input: set tokenized.input_ids or text")
+        if kind == "tokenized":
+            return check_prompt_ids(request.tokenized.input_ids, self.limits, FIELDS)
+        size = len(request.text.encode("utf-8", "surrogatepass"))
+        need(size > 0, "text is empty: send at least one character")
+        need(size <= self.limits.max_prompt_bytes,
+             f"text is {size} bytes, over the limit of {self.limits.max_prompt_bytes} bytes (--max-prompt-bytes)")
+        encode = (self.tokenizer, request.text, self.limits.max_seq_len - 1, "text")
+        ids = await asyncio.to_thread(encode_capped, *encode) if size > INLINE_TOKENIZE_BYTES else encode_capped(*encode)
+        need(len(ids) > 0, "text encodes to no tokens")
+        return ids
+
+    async def Abort(self, request: vllm_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
+                    ) -> vllm_engine_pb2.AbortResponse:
+        """Abort these requests; ids that are not streaming (finished, unknown) are ignored, as vLLM does."""
+        for request_id in request.request_ids:
+            stream = self.streams.active.get((SERVICE_NAME, request_id))
+            if stream is not None:
+                stream.abort()
+        return vllm_engine_pb2.AbortResponse()
+
+    async def Embed(self, request: vllm_engine_pb2.EmbedRequest, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "graphserve serves text generation only; embeddings are not available")
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    async def HealthCheck(self, request: vllm_engine_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+                          ) -> vllm_engine_pb2.HealthCheckResponse:
+        s = self.streams
+        if s.engine is None:
+            return vllm_engine_pb2.HealthCheckResponse(healthy=False, message="the model is still loading")
+        if s.draining:
+            return vllm_engine_pb2.HealthCheckResponse(healthy=False, message="the server is shutting down")
+        if not s.engine.alive or not s.serving:
+            return vllm_engine_pb2.HealthCheckResponse(healthy=False, message="the engine is not making progress")
+        return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="serving")
+
+    async def GetModelInfo(self, request: vllm_engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+                           ) -> vllm_engine_pb2.GetModelInfoResponse:
+        f = await self._facts(context)
+        return vllm_engine_pb2.GetModelInfoResponse(
+            model_path=f.model_path, is_generation=True, max_context_length=f.max_seq_len, vocab_size=f.vocab_size,
+            supports_vision=False, served_model_name=f.served_model_name, tokenizer_path=f.model_path,
+            model_type=f.model_type, architectures=list(f.architectures), eos_token_ids=list(f.eos_token_ids),
+            pad_token_id=f.pad_token_id, bos_token_id=f.bos_token_id, max_req_input_len=f.max_seq_len - 1,
+        )
+
+    async def GetServerInfo(self, request: vllm_engine_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+                            ) -> vllm_engine_pb2.GetServerInfoResponse:
+        f = await self._facts(context)
+        return vllm_engine_pb2.GetServerInfoResponse(
+            active_requests=len(self.streams.active), is_paused=False,
+            last_receive_timestamp=self.streams.last_received, uptime_seconds=time.time() - self.started,
+            server_type="graphserve", data_parallel_size=1, max_num_seqs=f.max_running_seqs,
+            model_dtype=f.dtype, kv_cache_dtype=f.dtype,
+        )
+
+    async def GetLoads(self, request: vllm_engine_pb2.GetLoadsRequest, context: grpc.aio.ServicerContext
+                       ) -> vllm_engine_pb2.GetLoadsResponse:
+        f = await self._facts(context)
+        engine = self.streams.engine
+        running, waiting = engine.num_running, engine.num_waiting
+        # One KV slot of max_seq_len tokens per running sequence: usage is the share of slots held.
+        used_slots = max(0, f.max_running_seqs - engine.num_free_slots)
+        load = vllm_engine_pb2.SchedulerLoad(
+            dp_rank=0, num_running_reqs=running, num_waiting_reqs=waiting, num_total_reqs=running + waiting,
+            num_used_tokens=used_slots * f.max_seq_len, max_total_num_tokens=f.max_running_seqs * f.max_seq_len,
+            token_usage=used_slots / f.max_running_seqs, max_running_requests=f.max_running_seqs,
+            num_waiting_uncached_tokens=engine.waiting_prompt_tokens,
+        )
+        return vllm_engine_pb2.GetLoadsResponse(
+            timestamp=datetime.datetime.now(datetime.UTC).isoformat(), version="graphserve", dp_rank_count=1,
+            loads=[load],
+        )
+
+    async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
+                           ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        """The model's tokenizer files as one zip, in chunks; the last carries the zip's SHA-256."""
+        f = await self._facts(context)
+        if self._tokenizer_zip is None:
+            try:
+                self._tokenizer_zip = await asyncio.to_thread(tokenizer_zip, Path(f.model_path))
+            except OSError as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the tokenizer cannot be served: {exc}")
+        data, sha256 = self._tokenizer_zip
+        for start in range(0, len(data), TOKENIZER_CHUNK_BYTES):
+            end = min(start + TOKENIZER_CHUNK_BYTES, len(data))
+            yield common_pb2.GetTokenizerChunk(data=data[start:end], sha256=sha256 if end == len(data) else "")
+
+    async def FlushCache(self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
+                         ) -> common_pb2.FlushCacheResponse:
+        return common_pb2.FlushCacheResponse(success=True, message="graphserve keeps no prefix cache: nothing to flush")
+
+    async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
+                                context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "graphserve keeps no prefix cache yet, so it publishes no KV cache events")
+
+    async def StartProfile(self, request: common_pb2.StartProfileRequest, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the profiler is not served over gRPC; see bench/ for profiles")
+
+    async def StopProfile(self, request: common_pb2.StopProfileRequest, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the profiler is not served over gRPC; see bench/ for profiles")
+
+    async def _facts(self, context: grpc.aio.ServicerContext) -> ModelFacts:
+        if self.facts is None:
+            await self.streams.reject(context, grpc.StatusCode.UNAVAILABLE, "loading",
+                                      "the model is still loading; retry shortly")
+        return self.facts
+
+
+class _Writer:
+    """vLLM's messages: a chunk per delta (streaming), then the complete message."""
+
+    def __init__(self, stream: bool) -> None:
+        self.stream = stream
+        self.output_ids: list[int] = []
+        self.prompt_tokens = 0
+
+    def chunk(self, delta: TokenDelta) -> vllm_engine_pb2.GenerateResponse | None:
+        self.output_ids += delta.token_ids
+        if not self.stream or not delta.token_ids:
+            return None
+        return vllm_engine_pb2.GenerateResponse(chunk=vllm_engine_pb2.GenerateStreamChunk(
+            token_ids=delta.token_ids, prompt_tokens=self.prompt_tokens, completion_tokens=len(delta.token_ids)))
+
+    def finished(self, f: Finish) -> list[vllm_engine_pb2.GenerateResponse]:
+        last = None if f.final_delta is None else self.chunk(f.final_delta)
+        complete = vllm_engine_pb2.GenerateComplete(
+            output_ids=self.output_ids, finish_reason=_FINISH_REASONS[f.reason], prompt_tokens=f.prompt_tokens,
+            completion_tokens=f.completion_tokens, cached_tokens=0)
+        if isinstance(f.matched_stop, str):
+            complete.matched_stop_str = f.matched_stop
+        elif isinstance(f.matched_stop, int):
+            complete.matched_token_id = f.matched_stop
+        return [*([last] if last is not None else []), vllm_engine_pb2.GenerateResponse(complete=complete)]
+
+
+# ---- vllm.grpc.engine request -> checked values -------------------------------------------------
+
+def _estimated_tokens(request: vllm_engine_pb2.GenerateRequest) -> int:
+    if request.WhichOneof("input") == "tokenized":
+        return len(request.tokenized.input_ids)
+    return len(request.text.encode("utf-8", "surrogatepass"))
+
+
+def check_supported(request: vllm_engine_pb2.GenerateRequest) -> None:
+    """Refuse, naming the field, what graphserve cannot honour: never drop a field silently.
+
+    Fields at their neutral value (as gateways send them on every request) pass.
+    """
+    need(not request.HasField("mm_inputs") and not request.extra_mm_inputs and not request.HasField("media_refs"),
+         "mm_inputs / media_refs: graphserve serves text-only models; multimodal inputs are not supported")
+    need(not request.HasField("kv_transfer_params") and not request.HasField("kv_transfer_params_json"),
+         "kv_transfer_params: prefill/decode disaggregation is not supported; send the whole request to one worker")
+    need(not request.HasField("data_parallel_rank") or request.data_parallel_rank == 0,
+         f"data_parallel_rank is {request.data_parallel_rank}: this worker has one data-parallel rank (0)")
+    p = request.sampling_params
+    unsupported = {
+        "min_p": p.min_p != 0, "frequency_penalty": p.frequency_penalty != 0,
+        "presence_penalty": p.presence_penalty != 0, "repetition_penalty": p.repetition_penalty not in (0, 1),
+        "min_tokens": p.min_tokens != 0, "n": p.n > 1, "logprobs": p.HasField("logprobs"),
+        "prompt_logprobs": p.HasField("prompt_logprobs"), "logit_bias": len(p.logit_bias) > 0,
+        "truncate_prompt_tokens": p.HasField("truncate_prompt_tokens"),
+        "include_stop_str_in_output": p.include_stop_str_in_output,
+    }
+    constraint = p.WhichOneof("constraint")
+    if constraint is not None:
+        unsupported[constraint] = True
+    named = [name for name, used in unsupported.items() if used]
+    need(not named, f"sampling_params.{named[0] if named else ''} is not supported by graphserve yet: leave it unset "
+                    "(supported: temperature, top_p, top_k, seed, max_tokens, stop, stop_token_ids, ignore_eos)")
+
+
+def request_values(p: vllm_engine_pb2.SamplingParams) -> RequestValues:
+    return RequestValues(
+        temperature=p.temperature if p.HasField("temperature") else None,
+        top_p=p.top_p if p.top_p != 0 else None,  # not optional on the wire: 0 is unset
+        top_k=p.top_k,
+        # int32 on the wire: a negative seed is taken as its 32-bit two's-complement value
+        seed=(p.seed & 0xFFFFFFFF) if p.HasField("seed") else None,
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
+        stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
+    )
+
+
+def tokenizer_zip(model_dir: Path) -> tuple[bytes, str]:
+    """The tokenizer files of a model directory as zip bytes, and their SHA-256 (hex)."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        names = [n for n in TOKENIZER_FILES if (model_dir / n).is_file()]
+        names += sorted(p.name for p in model_dir.glob("*.jinja") if p.is_file() and p.name not in names)
+        if not any(n in names for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")):
+            raise FileNotFoundError(f"{model_dir} holds no tokenizer file")
+        for name in names:
+            archive.write(model_dir / name, name)
+    data = buffer.getvalue()
+    return data, hashlib.sha256(data).hexdigest()
