@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import hashlib
+import importlib.metadata
 import io
 import json
 import time
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.unknown_fields import UnknownFieldSet
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from service.engine.request import Finish, FinishReason, GenerationRequest, TokenDelta
@@ -44,6 +46,7 @@ from service.server.validation import (
     request_id_of,
 )
 
+PROTO_VERSION = importlib.metadata.version("smg-grpc-proto")
 SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 FIELDS = Fields("sampling_params.", "sampling_params.", "tokenized.input_ids", "--max-seq-len")
 INLINE_TOKENIZE_BYTES = 16 * 1024  # text prompts above this are tokenized off the event loop
@@ -276,8 +279,14 @@ def _estimated_tokens(request: vllm_engine_pb2.GenerateRequest) -> int:
 def check_supported(request: vllm_engine_pb2.GenerateRequest) -> None:
     """Refuse, naming the field, what graphserve cannot honour: never drop a field silently.
 
-    Fields at their neutral value (as gateways send them on every request) pass.
+    Fields at their neutral value (as gateways send them on every request) pass; fields of a newer
+    protocol version than this worker reads are refused by number.
     """
+    for message, name in ((request, "GenerateRequest"), (request.sampling_params, "SamplingParams"),
+                          (request.tokenized, "TokenizedInput")):
+        unknown = sorted({f.field_number for f in UnknownFieldSet(message)})
+        need(not unknown, f"{name} field {unknown[0] if unknown else ''} is not part of the engine protocol this "
+                          f"worker reads (smg-grpc-proto {PROTO_VERSION}): leave it unset or upgrade graphserve")
     need(not request.HasField("mm_inputs") and not request.extra_mm_inputs and not request.HasField("media_refs"),
          "mm_inputs / media_refs: graphserve serves text-only models; multimodal inputs are not supported")
     need(not request.HasField("kv_transfer_params") and not request.HasField("kv_transfer_params_json"),
