@@ -7,6 +7,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 KUSTOMIZATIONS = ("base", "overlays/gpu", "overlays/gpu-tp2", "overlays/cpu-dev")
+# graphserve behind a front (smg; a Gateway API InferencePool): other workloads and a custom
+# resource beside the gpu overlay's graphserve, which they leave unchanged. test_k8s_gateway.py.
+GATEWAY_KUSTOMIZATIONS = ("overlays/gateway", "overlays/inference-pool")
 
 
 def find_kubectl() -> str | None:
