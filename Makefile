@@ -8,7 +8,7 @@ PROTO_SRC := protos/graphserve/v1
 PROTO_OUT := service/proto
 STUBS := $(PROTO_OUT)/inference_pb2.py $(PROTO_OUT)/admin_pb2.py
 
-.PHONY: setup protos run test test-gpu bench bench-tp bench-cpu lint clean
+.PHONY: setup protos run gateway test test-gpu bench bench-tp bench-cpu lint clean
 
 setup: $(VENV)/.installed protos
 
@@ -27,6 +27,11 @@ $(PROTO_OUT)/%_pb2.py: $(PROTO_SRC)/%.proto | $(VENV)/.installed
 
 run: setup
 	$(VENV)/bin/graphserve serve $(ARGS)
+
+# REPLICAS graphserve processes behind smg: an OpenAI-compatible endpoint on http://127.0.0.1:8080/v1.
+REPLICAS ?= 2
+gateway: setup
+	$(VENV)/bin/graphserve gateway --replicas $(REPLICAS) $(GATEWAY_ARGS) -- $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)

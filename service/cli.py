@@ -15,8 +15,9 @@ from service.telemetry.log import configure_logging
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     top = argparse.ArgumentParser(prog="graphserve", description="LLM inference over gRPC with lazy CUDA graphs.")
-    top.add_argument("command", choices=["serve", "generate"],
-                     help="serve: run the gRPC server (`graphserve serve --help`); generate: stream a completion")
+    top.add_argument("command", choices=["serve", "generate", "gateway"],
+                     help="serve: run the gRPC server (`graphserve serve --help`); generate: stream a completion; "
+                          "gateway: replicas behind smg, an OpenAI-compatible endpoint (`graphserve gateway --help`)")
     if not argv or argv[0] in ("-h", "--help"):
         top.print_help()
         build_parser().print_help() if argv else None
@@ -26,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
         from service.client import main as generate_main
 
         return generate_main(rest)
+    if command == "gateway":
+        from service.gateway import main as gateway_main
+
+        return gateway_main(rest)
     if command != "serve":
         top.error(f"unknown command {command!r}")
     try:
