@@ -134,6 +134,15 @@ class AdapterRegistry:
         assert self._running.get(slot, 0) > 0, slot
         self._running[slot] -= 1
 
+    def request_adapters(self) -> tuple[list[str], list[str]]:
+        """The adapters of running sequences and those of streams still waiting for admission (sorted).
+        Any thread may call it: it reads copies of the engine thread's dicts (each copy is one call
+        under the GIL)."""
+        holds, slot_of, running = dict(self._holds), dict(self._slot_of), dict(self._running)
+        running_of = {name: running.get(slot, 0) for name, slot in slot_of.items()}
+        return (sorted(n for n, count in running_of.items() if count),
+                sorted(n for n, count in holds.items() if count > running_of.get(n, 0)))
+
     def list(self) -> list[AdapterInfo]:
         return [AdapterInfo(n, a.path, a.rank, tuple(a.targets), self._slot_of.get(n, 0), self._holds.get(n, 0))
                 for n, a in sorted(self._adapters.items())]

@@ -135,6 +135,12 @@ class Engine:
         return self.scheduler.num_waiting + len(self._inbox)
 
     @property
+    def kv_cache_usage(self) -> tuple[int, int]:
+        """(used, total) units of the KV cache: today one slot per running sequence."""
+        total = self.scheduler.max_running
+        return total - self.scheduler.num_free_slots, total
+
+    @property
     def waiting_prompt_tokens(self) -> int:
         return self.scheduler.waiting_prompt_tokens + sum(len(r.prompt_token_ids) for _, r, _ in list(self._inbox))
 

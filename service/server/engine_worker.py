@@ -115,7 +115,7 @@ class _Worker:
         self.engine: Any = None
         self.graphs: Any = None
         self.runner: Any = None  # LoadedRunner
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(model_name=spec.config.model)
         self.received = 0
         self.received_tokens = 0
         self.replies = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphserve-reply")
@@ -262,11 +262,16 @@ class _Worker:
         return getattr(self.graphs, name)(*args)
 
     def metric_families(self) -> list[Any]:
-        """The engine's metrics for a scrape of the gRPC process. The gauges are set from the engine's
-        counters first: on_step comes after a step's events went out, so a client that saw its
-        stream end could otherwise scrape the counts of the step before."""
+        """The engine's metrics for a scrape of the gRPC process. The gauges (with the KV-cache usage
+        and the adapters of running and waiting requests) are set from the engine's state first:
+        on_step comes after a step's events went out, so a client that saw its stream end could
+        otherwise scrape the counts of the step before."""
         e = self.engine
         self.metrics.set_queue(e.num_running, e.num_waiting)
+        self.metrics.set_kv_cache_usage(*e.kv_cache_usage)
+        adapters = self.runner.adapters
+        if adapters is not None:
+            self.metrics.set_lora_requests(*adapters.request_adapters(), max_lora=adapters.max_loras)
         stats = self.graphs.stats
         self.metrics.set_stats_saves(stats.save_failures, stats.save_stalled)
         return self.metrics.families()

@@ -1,4 +1,5 @@
-"""The engine's metrics: requests by finish reason, running and waiting gauges, latencies, tokens.
+"""The engine's metrics: requests by finish reason, running and waiting gauges, latencies, tokens,
+also under vLLM's names (vllm_metrics.py).
 
 `EngineMetrics` is the engine's EngineObserver, so it lives where the engine runs: in the engine
 process (engine_worker.py), or in the test's process for an in-process engine. The gRPC process
@@ -11,12 +12,16 @@ dict that only the engine thread uses, so `families` may be called from any thre
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import Metric
 from prometheus_client.metrics import MetricWrapperBase
 
 from service.engine.request import Finish, FinishReason
 from service.engine.sequence import Sequence, SequenceStatus
+from service.telemetry.vllm_metrics import VllmCollector
 
 # Seconds. TTFT spans a warm batch-1 prefill (ms) to a long prompt behind a full queue (tens of s).
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75,
@@ -38,7 +43,8 @@ QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 class EngineMetrics:
     """The engine's metrics in a registry of their own; implements the EngineObserver protocol."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        """`model_name`: the served model, the model_name label of the vllm: series."""
         self.registry = r = CollectorRegistry()
         self.requests = Counter("graphserve_requests", "Finished requests by finish reason.",
                                 ["finish_reason"], registry=r)
@@ -72,6 +78,19 @@ class EngineMetrics:
         self._adapter_token_counters: dict[str, MetricWrapperBase] = {}  # label -> its child: one lookup per token batch
         # sequence key -> (time of its latest token, completion tokens seen); engine thread only.
         self._last_token: dict[str, tuple[float, int]] = {}
+        # Set by whoever knows them (the engine process, on each scrape); read by VllmCollector.
+        self.kv_cache_usage = 0.0  # fraction of the KV cache in use, 0..1
+        # (running adapters, waiting adapters, adapter slots, time.time() of the update); None: adapters off
+        self.lora_requests: tuple[tuple[str, ...], tuple[str, ...], int, float] | None = None
+        r.register(VllmCollector(self, model_name))
+
+    def set_kv_cache_usage(self, used: int, total: int) -> None:
+        """KV-cache units in use of `total` (today slots of running sequences; a block pool: blocks)."""
+        self.kv_cache_usage = used / total if total > 0 else 0.0
+
+    def set_lora_requests(self, running: Iterable[str], waiting: Iterable[str], max_lora: int) -> None:
+        """The adapters of running requests and of waiting ones, and the adapter slots, as of now."""
+        self.lora_requests = (tuple(running), tuple(waiting), max_lora, time.time())
 
     def set_stats_saves(self, failures: int, stalled: bool) -> None:
         self.stats_save_failures.set(failures)

@@ -170,3 +170,21 @@ def test_lora_flags(tmp_path: pathlib.Path) -> None:
             load_config(["--lora-modules", value], {})
     with pytest.raises(ConfigError, match="--max-lora-rank must be >= 1"):
         load_config(["--max-lora-rank", "0"], {})
+
+
+def test_request_adapters_name_the_adapters_of_running_and_of_waiting_streams() -> None:
+    reg, _ = registry(1, "a", "b", "c")
+    assert reg.request_adapters() == ([], [])
+    for name in ("a", "a", "b"):  # submitted: two streams of a, one of b
+        reg.hold(name)
+    assert reg.request_adapters() == ([], ["a", "b"])
+    assert reg.admit("a") == 1  # one of a's streams runs, the other still waits
+    assert reg.request_adapters() == (["a"], ["a", "b"])
+    assert reg.admit("a") == 1 and reg.admit("b") is None  # b waits for the slot
+    assert reg.request_adapters() == (["a"], ["b"])
+    for _ in range(2):
+        reg.release(1)
+        reg.unhold("a")
+    assert reg.request_adapters() == ([], ["b"])  # a stays resident but runs nothing
+    assert reg.admit("b") == 1
+    assert reg.request_adapters() == (["b"], [])

@@ -13,7 +13,8 @@ import torch
 
 from cache_manager import Fingerprint, GraphCache, GraphCacheConfig, OpOutcome
 from cache_manager.testing import CountingStep, FakeGraphBackend
-from service.server.engine_worker import RESULT, _Worker
+from service.config import ServeConfig
+from service.server.engine_worker import RESULT, WorkerSpec, _Worker
 
 SIZES = (1, 2, 4, 8)
 
@@ -44,7 +45,7 @@ def _cache(step: CountingStep, backend: FakeGraphBackend) -> GraphCache:
 def worker():
     base, lora = _cache(CountingStep(8), FakeGraphBackend()), _cache(CountingStep(8), FakeGraphBackend())
     base.share_budget_with(lora)
-    w = _Worker(_Pipe(), spec=None)
+    w = _Worker(_Pipe(), spec=WorkerSpec(ServeConfig(), faults=None))
     w.engine, w.graphs, w.runner = _InlineEngine(), base, types.SimpleNamespace(lora_graphs=lora)
     yield w
     w.replies.shutdown()

@@ -4,6 +4,7 @@ metrics (EngineMetrics) are observed where the engine runs; the server's Metrics
 from __future__ import annotations
 
 import pickle
+import time
 import urllib.request
 
 import pytest
@@ -92,6 +93,78 @@ def test_a_finished_request_counts_tokens_and_latencies() -> None:
     assert value(s, "graphserve_inter_token_latency_seconds_bucket", le="0.01") == 1
     assert value(s, "graphserve_inter_token_latency_seconds_bucket", le="0.02") == 2
     assert m.tracked_requests == 0
+
+
+def families_of(metrics: Metrics) -> dict[str, str]:
+    """Family name -> type, as a scraper parses the exposition text."""
+    text = generate_latest(metrics.registry).decode()
+    return {family.name: family.type for family in text_string_to_metric_families(text)}
+
+
+VLLM = {"model_name": "builtin:tiny", "engine": "0"}
+
+
+def test_the_vllm_series_count_what_the_graphserve_ones_count_under_vllms_names_and_labels() -> None:
+    engine = EngineMetrics(model_name="builtin:tiny")
+    m = server_metrics(engine)
+    run_to_length(engine, make_seq("r1", prompt_len=5, max_tokens=4), [10.5, 10.51, 10.53, 10.56], scheduled=10.2)
+    for i, reason in enumerate([FinishReason.EOS, FinishReason.STOP, FinishReason.ABORT]):
+        seq = make_seq(f"f{i}", prompt_len=3, max_tokens=8)
+        seq.status = SequenceStatus.FINISHED
+        engine.on_finish(seq, finish_of(seq, reason, 11.0))
+    engine.on_step(num_running=3, num_waiting=7, num_decode=2, num_prefill=1)
+    types = families_of(m)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert types[name] == "gauge"
+    for name in ("vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success"):
+        assert types[name] == "counter"
+    for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                 "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds"):
+        assert types[name] == "histogram"
+    assert "vllm:lora_requests_info" not in types  # a server without adapter slots, as vLLM's without LoRA
+    s = scrape(m)
+    assert value(s, "vllm:num_requests_running", **VLLM) == 3
+    assert value(s, "vllm:num_requests_waiting", **VLLM) == 7
+    assert value(s, "vllm:prompt_tokens_total", **VLLM) == 5
+    assert value(s, "vllm:generation_tokens_total", **VLLM) == 4
+    # eos and stop are vLLM's "stop"; every reason exported from the start
+    assert value(s, "vllm:request_success_total", finished_reason="stop", **VLLM) == 2
+    assert value(s, "vllm:request_success_total", finished_reason="length", **VLLM) == 1
+    assert value(s, "vllm:request_success_total", finished_reason="abort", **VLLM) == 1
+    assert value(s, "vllm:time_to_first_token_seconds_count", **VLLM) == 1
+    assert value(s, "vllm:time_to_first_token_seconds_sum", **VLLM) == pytest.approx(0.5)
+    assert value(s, "vllm:inter_token_latency_seconds_count", **VLLM) == 3
+    assert value(s, "vllm:inter_token_latency_seconds_bucket", le="+Inf", **VLLM) == 3
+    assert value(s, "vllm:e2e_request_latency_seconds_count", **VLLM) == 4
+    assert value(s, "vllm:request_queue_time_seconds_sum", **VLLM) == pytest.approx(0.2)
+    assert value(s, "graphserve_requests_total", finish_reason="eos") == 1  # the graphserve_ series are unchanged
+
+
+def test_kv_cache_usage_is_a_fraction_of_what_the_engine_reports() -> None:
+    engine = EngineMetrics(model_name="builtin:tiny")
+    m = server_metrics(engine)
+    assert value(scrape(m), "vllm:kv_cache_usage_perc", **VLLM) == 0
+    engine.set_kv_cache_usage(3, 4)
+    assert value(scrape(m), "vllm:kv_cache_usage_perc", **VLLM) == 0.75
+    engine.set_kv_cache_usage(0, 0)
+    assert value(scrape(m), "vllm:kv_cache_usage_perc", **VLLM) == 0
+
+
+def test_lora_requests_info_is_one_series_of_the_current_adapters_valued_at_its_update_time() -> None:
+    engine = EngineMetrics(model_name="builtin:tiny")
+    m = server_metrics(engine)
+    before = time.time()
+    engine.set_lora_requests(["sql"], ["chat", "poet"], max_lora=2)
+    s = scrape(m)
+    lora = {k: v for k, v in s.items() if k[0] == "vllm:lora_requests_info"}
+    key = ("vllm:lora_requests_info", (("max_lora", "2"), ("running_lora_adapters", "sql"),
+                                       ("waiting_lora_adapters", "chat,poet")))
+    assert list(lora) == [key]
+    assert before <= lora[key] <= time.time()
+    engine.set_lora_requests([], [], max_lora=2)
+    lora = {k for k in scrape(m) if k[0] == "vllm:lora_requests_info"}
+    assert lora == {("vllm:lora_requests_info", (("max_lora", "2"), ("running_lora_adapters", ""),
+                                                 ("waiting_lora_adapters", "")))}
 
 
 def test_a_one_token_request_has_a_ttft_and_no_inter_token_latency() -> None:
