@@ -115,7 +115,7 @@ class _Worker:
         self.engine: Any = None
         self.graphs: Any = None
         self.runner: Any = None  # LoadedRunner
-        self.metrics = EngineMetrics(model_name=spec.config.model)
+        self.metrics = EngineMetrics(model_name=spec.config.model_name)
         self.received = 0
         self.received_tokens = 0
         self.replies = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphserve-reply")

@@ -161,3 +161,14 @@ def test_lora_requests_info_names_the_adapters_of_running_and_waiting_requests(
         assert list(chat)[-1].finished.usage.completion_tokens == 4
         done = wait_for(port, lambda s: lora_info(s)["running_lora_adapters"] == "")
         assert lora_info(done) == {"max_lora": "1", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+
+
+def test_served_model_name_names_the_model_to_gateways_and_metrics(model_cache_dir) -> None:
+    from smg_grpc_proto.generated import vllm_engine_pb2 as v
+    from smg_grpc_proto.generated import vllm_engine_pb2_grpc
+
+    with running_server(["--model-cache-dir", str(model_cache_dir), "--served-model-name", "tiny-chat"]) as server:
+        info = vllm_engine_pb2_grpc.VllmEngineStub(server.channel()).GetModelInfo(v.GetModelInfoRequest(), timeout=10)
+        assert info.served_model_name == "tiny-chat"
+        _, samples = scrape(server.app.metrics_port)
+        assert samples[("vllm:num_requests_running", (("engine", "0"), ("model_name", "tiny-chat")))] == 0
