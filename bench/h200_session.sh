@@ -11,6 +11,7 @@
 #   bash bench/h200_session.sh gemm-sweep  # decode GEMMs: cuBLAS against Triton kernels of ours, per shape and M
 #   bash bench/h200_session.sh invariant  # --batch-invariant: GPU tests, decode and prefill steps both ways
 #   bash bench/h200_session.sh invariant-bench invariant-grpc  # the steps only; the gRPC tests on cuda
+#   bash bench/h200_session.sh gateway  # 64 streams through smg against direct gRPC (wheels: bench/fetch_wheels.sh)
 set -uo pipefail
 OUT=${OUT:-bench/results/h200-$(date -u +%Y%m%dT%H%MZ)}
 mkdir -p "$OUT"
@@ -79,6 +80,12 @@ for part in "$@"; do
       done
       run decode-profile-pdl 150 python3 bench/profile_decode.py $M --random-init --batches 1,8 ;;
     profile) run decode-profile 150 python3 bench/profile_decode.py $M --random-init --batches 1,8,64,256 ;;
+    gateway)  # through the Shepherd Model Gateway against direct graphserve.v1, one server, two rounds in turn
+      if ! python3 -c "import smg, openai" 2>/dev/null; then
+        echo "gateway: smg / openai not importable: install the wheels of bench/fetch_wheels.sh first (see there)"; continue
+      fi
+      TAIL=20 run gateway-1b 500 python3 bench/gateway_bench.py $M --dtype bfloat16 --concurrency 64 --requests 256 \
+        --output-tokens 128 --client-procs 4 --rounds 2 --server-log "$OUT/gateway-1b-server.log" --smg-log "$OUT/gateway-1b-smg.log" ;;
     gemm-sweep)  # decode GEMMs, cuBLAS against our Triton GEMV / small tiles: the 1B shapes, then 8B's at TP=2
       TAIL=40 run gemm-sweep-1b 150 python3 bench/gemm_sweep.py
       TAIL=40 run gemm-sweep-8b-tp2 150 python3 bench/gemm_sweep.py --shapes 3072x4096,4096x2048,14336x4096,4096x7168,64128x4096 ;;

@@ -26,6 +26,7 @@ import shlex
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,12 +43,17 @@ class Trace:
 
     sent: float
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (receive time, tokens in chunk)
+    # The chunks that carried text, each with the tokens received since the last one: what a client
+    # reading text sees when the server holds back bytes of an incomplete character.
+    text_chunks: list[tuple[float, int]] = field(default_factory=list)
     done: float | None = None
     error: str | None = None
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(description: str | None = __doc__, engine: bool = True) -> argparse.ArgumentParser:
+    """The workload's and the started server's flags; engine: also --skip-engine / --skip-grpc
+    (gateway_bench.py runs no engine-alone path and adds flags of its own)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="builtin:tiny")
     p.add_argument("--cache-dir", type=pathlib.Path, default=None, help="where built-in models are generated")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -64,8 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stream-interval", type=int, default=1)
     p.add_argument("--warmup-requests", type=int, default=None,
                    help="short untimed requests first, to capture graphs (default: --concurrency)")
-    p.add_argument("--skip-engine", action="store_true", help="skip the engine-alone run")
-    p.add_argument("--skip-grpc", action="store_true", help="skip the gRPC run")
+    if engine:
+        p.add_argument("--skip-engine", action="store_true", help="skip the engine-alone run")
+        p.add_argument("--skip-grpc", action="store_true", help="skip the gRPC run")
     p.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false",
                    help="the server and the engine read each step's tokens before launching the next")
     p.add_argument("--client-procs", type=int, default=1, help="client processes sharing the streams")
@@ -73,12 +80,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-args", default="",
                    help="more flags for the started server, e.g. '--cudagraph-mode full --stats-file s.json'")
-    args = p.parse_args(argv)
+    return p
+
+
+def finish_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Defaults that depend on other flags."""
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.max_running_seqs = args.max_running_seqs or args.concurrency
     args.warmup_requests = args.concurrency if args.warmup_requests is None else args.warmup_requests
     args.max_seq_len = args.prompt_tokens + args.output_tokens + 8
     return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return finish_args(build_parser().parse_args(argv))
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -102,10 +117,13 @@ def arrival_offsets(n: int, rate: float | None, seed: int) -> list[float]:
 
 def summarize(label: str, traces: list[Trace], wall_s: float, output_tokens: int) -> dict[str, Any]:
     """TTFT per request; ITL = gaps between consecutive chunk arrivals, one sample per chunk (a chunk
-    carrying k > 1 tokens is one gap: "coalesced" counts those chunks)."""
+    carrying k > 1 tokens is one gap: "coalesced" counts those chunks); TPOT per request = (last
+    chunk - first chunk) / the tokens after the first chunk, which coalescing does not change."""
     ok = [t for t in traces if t.error is None and t.chunks]
     ttft = [(t.chunks[0][0] - t.sent) * 1000.0 for t in ok]
     itl = [(b[0] - a[0]) * 1000.0 for t in ok for a, b in zip(t.chunks, t.chunks[1:])]
+    tpot = [(t.chunks[-1][0] - t.chunks[0][0]) * 1000.0 / after for t in ok
+            if (after := sum(k for _, k in t.chunks[1:])) > 0]
     chunks = [k for t in ok for _, k in t.chunks]
     tokens = sum(chunks)
     return {
@@ -123,6 +141,8 @@ def summarize(label: str, traces: list[Trace], wall_s: float, output_tokens: int
         "ttft_p99_ms": percentile(ttft, 99),
         "itl_p50_ms": percentile(itl, 50),
         "itl_p99_ms": percentile(itl, 99),
+        "itl_max_ms": max(itl, default=None),
+        "tpot_p50_ms": percentile(tpot, 50),
         "chunks": len(chunks),
         "coalesced_chunks": sum(1 for k in chunks if k > 1),
         "tokens_per_chunk": tokens / max(len(chunks), 1),
@@ -139,17 +159,45 @@ async def _one_grpc(stub: Any, pb: Any, prompt: list[int], args: argparse.Namesp
         stopping=pb.StoppingCriteria(max_tokens=args.output_tokens, ignore_eos=True),
         stream_interval=args.stream_interval,
     )
+    held = 0  # tokens received since the last chunk with text
     try:
         async for response in stub.Generate(request, timeout=600):
-            if response.WhichOneof("kind") == "chunk" and response.chunk.token_ids:
-                trace.chunks.append((time.perf_counter(), len(response.chunk.token_ids)))
+            if response.WhichOneof("kind") != "chunk":
+                continue
+            now, k = time.perf_counter(), len(response.chunk.token_ids)
+            if k:
+                trace.chunks.append((now, k))
+            held += k
+            if response.chunk.text and held:
+                trace.text_chunks.append((now, held))
+                held = 0
     except Exception as exc:  # noqa: BLE001 - recorded per request
         trace.error = f"{type(exc).__name__}: {exc}"
     trace.done = time.perf_counter()
+    if held and trace.error is None:  # the completion ended inside a character
+        trace.text_chunks.append((trace.done, held))
 
 
-async def _drive_grpc(address: str, prompts: list[list[int]], offsets: list[float],
-                      args: argparse.Namespace) -> tuple[list[Trace], float]:
+async def closed_loop(prompts: list[Any], offsets: list[float], args: argparse.Namespace,
+                      send: Callable[[Any, Trace], Awaitable[None]]) -> tuple[list[Trace], float]:
+    """send(prompt, trace) for every prompt at its offset, at most --concurrency at once."""
+    gate = asyncio.Semaphore(args.concurrency)
+    traces: list[Trace] = []
+    start = time.perf_counter()
+
+    async def one(prompt: Any, offset: float) -> None:
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        async with gate:
+            trace = Trace(sent=time.perf_counter())
+            traces.append(trace)
+            await send(prompt, trace)
+
+    await asyncio.gather(*(one(p, o) for p, o in zip(prompts, offsets)))
+    return traces, time.perf_counter() - start
+
+
+async def drive_grpc(address: str, prompts: list[list[int]], offsets: list[float],
+                     args: argparse.Namespace) -> tuple[list[Trace], float]:
     import grpc
 
     from service.proto import inference_pb2 as pb
@@ -157,36 +205,28 @@ async def _drive_grpc(address: str, prompts: list[list[int]], offsets: list[floa
 
     async with grpc.aio.insecure_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
-        gate = asyncio.Semaphore(args.concurrency)
-        traces: list[Trace] = []
-        start = time.perf_counter()
-
-        async def one(prompt: list[int], offset: float) -> None:
-            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-            async with gate:
-                trace = Trace(sent=time.perf_counter())
-                traces.append(trace)
-                await _one_grpc(stub, pb, prompt, args, trace)
-
-        await asyncio.gather(*(one(p, o) for p, o in zip(prompts, offsets)))
-        return traces, time.perf_counter() - start
+        return await closed_loop(prompts, offsets, args, lambda prompt, trace: _one_grpc(stub, pb, prompt, args, trace))
 
 
-def _grpc_worker(address: str, prompts: list[list[int]], offsets: list[float],
-                 args: argparse.Namespace, start_at: float) -> tuple[list[Trace], float, float]:
+Driver = Callable[[str, list[Any], list[float], argparse.Namespace], Awaitable[tuple[list[Trace], float]]]
+
+
+def _client_worker(drive: Driver, target: str, prompts: list[Any], offsets: list[float],
+                   args: argparse.Namespace, start_at: float) -> tuple[list[Trace], float, float]:
     time.sleep(max(0.0, start_at - time.perf_counter()))  # every client process starts together
     start = time.perf_counter()
-    traces, wall = asyncio.run(_drive_grpc(address, prompts, offsets, args))
+    traces, wall = asyncio.run(drive(target, prompts, offsets, args))
     return traces, start, start + wall
 
 
-def run_grpc(address: str, prompts: list[list[int]], offsets: list[float],
-             args: argparse.Namespace) -> tuple[list[Trace], float]:
-    """Requests i, i + n, i + 2n, ... go to client process i (n = --client-procs), each with its
-    share of the concurrency; perf_counter is CLOCK_MONOTONIC, shared by the processes."""
+def run_clients(drive: Driver, target: str, prompts: list[Any], offsets: list[float],
+                args: argparse.Namespace) -> tuple[list[Trace], float]:
+    """asyncio.run(drive(target, ...)) here, or in --client-procs processes: requests i, i + n,
+    i + 2n, ... go to client process i, each with its share of the concurrency; perf_counter is
+    CLOCK_MONOTONIC, shared by the processes. `drive` must be a module-level function (pickled)."""
     n = max(1, min(args.client_procs, args.concurrency, len(prompts)))
     if n == 1:
-        return asyncio.run(_drive_grpc(address, prompts, offsets, args))
+        return asyncio.run(drive(target, prompts, offsets, args))
     import concurrent.futures
     import multiprocessing
 
@@ -195,10 +235,15 @@ def run_grpc(address: str, prompts: list[list[int]], offsets: list[float],
     with concurrent.futures.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
         list(pool.map(time.sleep, [0.5] * n))  # spawned and imported before the clock starts
         start_at = time.perf_counter() + 0.5
-        parts = list(pool.map(_grpc_worker, [address] * n, [prompts[i::n] for i in range(n)],
+        parts = list(pool.map(_client_worker, [drive] * n, [target] * n, [prompts[i::n] for i in range(n)],
                               [offsets[i::n] for i in range(n)], shares, [start_at] * n))
     traces = [t for part, _, _ in parts for t in part]
     return traces, max(end for _, _, end in parts) - min(start for _, start, _ in parts)
+
+
+def run_grpc(address: str, prompts: list[list[int]], offsets: list[float],
+             args: argparse.Namespace) -> tuple[list[Trace], float]:
+    return run_clients(drive_grpc, address, prompts, offsets, args)
 
 
 def start_server(args: argparse.Namespace) -> Any:

@@ -1,4 +1,4 @@
-"""Both benchmarks run end to end on a CPU at tiny sizes and write the JSON the README promises."""
+"""The benchmarks run end to end on a CPU at tiny sizes and write the JSON the README promises."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import os
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PROVENANCE = {"name", "command", "timestamp", "git_commit", "machine"}
@@ -47,6 +49,21 @@ def test_serve_bench(tmp_path: pathlib.Path) -> None:
         assert row["ok"] == 8 and row["tokens"] == 64 and row["short_requests"] == 0
         assert {"ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "req_per_s", "tok_per_s"} <= row.keys()
     assert record["grpc_over_engine_token_throughput"] > 0
+
+
+def test_gateway_bench(tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("openai")
+    pytest.importorskip("smg")
+    record = _run("gateway_bench.py", [
+        "--device", "cpu", "--cache-dir", str(tmp_path / "models"), "--concurrency", "4", "--requests", "8",
+        "--prompt-tokens", "32", "--output-tokens", "8", "--warmup-requests", "0"], tmp_path)
+    rows = {row["path"]: row for row in record["results"]}
+    assert set(rows) == {"grpc", "grpc text", "smg"}
+    for row in rows.values():  # smg forwarded ignore_eos and counted the same prompt length
+        assert row["ok"] == 8 and row["tokens"] == 64 and row["short_requests"] == 0
+        assert row["itl_p50_ms"] > 0 and row["tpot_p50_ms"] > 0
+    assert rows["smg"]["smg_cpu_s"] is not None  # read from /proc (a few clock ticks at this size)
+    assert record["smg_over_direct_median"]["tok_per_s"] > 0
 
 
 def test_lora_bench(tmp_path: pathlib.Path) -> None:
