@@ -26,7 +26,6 @@ from service.server.validation import (
     encode_capped,
     generation_request,
     need,
-    request_id_of,
 )
 
 # Prompts above this many bytes are tokenized off the event loop.
@@ -66,12 +65,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         streams = self.streams
-        await streams.check_available(context)
-        await streams.admit(context, lambda: _estimated_tokens(request))
-        try:
-            request_id = request_id_of(request.request_id)
-        except InvalidRequest as exc:
-            await streams.reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
+        request_id = await streams.begin(context, request.request_id, lambda: _estimated_tokens(request))
 
         async def prepare(stream: Stream) -> GenerationRequest:
             size = check_prompt_size(request, self.limits)

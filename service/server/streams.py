@@ -23,7 +23,7 @@ import structlog
 
 from service.engine.engine import EngineStopped
 from service.engine.request import EngineError, Finish, FinishReason, GenerationRequest, RequestEvent, TokenDelta
-from service.server.validation import InvalidRequest
+from service.server.validation import InvalidRequest, request_id_of
 
 log = structlog.get_logger("graphserve.server")
 
@@ -171,6 +171,16 @@ class Streams:
             await self.reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_tokens",
                               f"the waiting queue holds {engine.waiting_prompt_tokens} prompt tokens, the "
                               f"limit is {a.max_waiting_tokens}: retry later")
+
+    async def begin(self, context: grpc.aio.ServicerContext, given_id: str, estimated_prompt_tokens: Callable[[], int]
+                    ) -> str:
+        """Every protocol's checks before its own: available, admitted, a valid request id (returned)."""
+        await self.check_available(context)
+        await self.admit(context, estimated_prompt_tokens)
+        try:
+            return request_id_of(given_id)
+        except InvalidRequest as exc:
+            await self.reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
 
     # ---- one stream ----------------------------------------------------------------------------
 

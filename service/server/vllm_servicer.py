@@ -36,14 +36,12 @@ from service.engine.request import Finish, FinishReason, GenerationRequest, Toke
 from service.server.streams import Stream, Streams
 from service.server.validation import (
     Fields,
-    InvalidRequest,
     Limits,
     RequestValues,
     check_prompt_ids,
     encode_capped,
     generation_request,
     need,
-    request_id_of,
 )
 
 PROTO_VERSION = importlib.metadata.version("smg-grpc-proto")
@@ -109,12 +107,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def Generate(self, request: vllm_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         streams = self.streams
-        await streams.check_available(context)
-        await streams.admit(context, lambda: _estimated_tokens(request))
-        try:
-            request_id = request_id_of(request.request_id)
-        except InvalidRequest as exc:
-            await streams.reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
+        request_id = await streams.begin(context, request.request_id, lambda: _estimated_tokens(request))
 
         writer = _Writer(request.stream)
 
