@@ -15,11 +15,14 @@ to the engine at once (continuous batching) and returns when all are done, in pr
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import queue
 import random
 import re
+import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,6 +246,41 @@ class _Collector:
         self.text += delta.text
 
 
+_open_lock = threading.Lock()
+_num_open = 0  # LLMs whose engine is not released yet
+
+
+def _opened() -> None:
+    global _num_open
+    with _open_lock:
+        _num_open += 1
+
+
+def _release(held: dict[str, Any]) -> None:
+    """Stop the engine and free what it holds. The runner's warm-up froze every object alive then
+    (gc.freeze, so that collections while serving skip the model), the model's reference cycles
+    included: only a collection after gc.unfreeze() frees them. What other open LLMs hold is frozen
+    again."""
+    global _num_open
+    from service.engine.builder import close_engine
+
+    engine = held["engine"]
+    close_engine(engine, engine.runner.graph_caches)
+    held.clear()
+    del engine
+    with _open_lock:
+        _num_open -= 1
+        others = _num_open
+    gc.unfreeze()
+    gc.collect()
+    if others:
+        gc.freeze()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 class LLM:
     """A model served in this process: `generate` for prompts, `chat` for conversations.
 
@@ -266,10 +304,12 @@ class LLM:
 
         t0 = time.monotonic()
         lr = load_runner(config)
-        self._graphs = lr.graphs
-        self._runner = lr.runner
         self.adapters: tuple[str, ...] = tuple(lr.adapters.names) if lr.adapters is not None else ()
-        self._engine = new_engine(config, lr)
+        # The engine (its thread, runner, model, KV cache and graphs) is released once: by close(), when
+        # this LLM is garbage-collected, or at interpreter exit, whichever comes first.
+        self._held: dict[str, Any] = {"engine": new_engine(config, lr)}
+        self._finalizer = weakref.finalize(self, _release, self._held)
+        _opened()
         self._engine.start()
         self.tokenizer = lr.loaded.tokenizer
         self.max_seq_len = lr.max_seq_len
@@ -279,7 +319,6 @@ class LLM:
                                            max_tokens_limit=2**31)
         self._seeds = random.Random(o.seed) if o.seed is not None else None
         self._ids = itertools.count()
-        self._closed = False
         log.info("llm_ready", model=config.model, device=str(lr.loaded.device), graph_mode=lr.mode.value,
                  seconds=round(time.monotonic() - t0, 2))
 
@@ -349,18 +388,19 @@ class LLM:
         requests = [self._request(i, ids, p) for i, ((_, ids), p) in enumerate(zip(encoded, params))]
         for request, adapter in zip(requests, adapters or []):
             request.adapter = adapter
+        engine = self._engine  # held here: close() from another thread may run while we wait
         done: queue.SimpleQueue = queue.SimpleQueue()
         collectors = [_Collector(i, done) for i in range(len(requests))]
         show = len(requests) >= TQDM_MIN_PROMPTS if use_tqdm is None else use_tqdm
         keys: list[str] = []
         try:
             for request, collector in zip(requests, collectors):
-                keys.append(self._engine.submit(request, collector))
-            self._wait(done, len(requests), show)
+                keys.append(engine.submit(request, collector))
+            self._wait(engine, done, len(requests), show)
         except BaseException:  # KeyboardInterrupt, a failed engine: nothing keeps running for us
             for key, collector in zip(keys, collectors):
                 if collector.finish is None:
-                    self._engine.abort(key)
+                    engine.abort(key)
             raise
         return [self._output(prompt, ids, c) for (prompt, ids), c in zip(encoded, collectors)]
 
@@ -375,7 +415,8 @@ class LLM:
         # Nothing streams: the text arrives in one piece with the finish.
         return dataclasses.replace(request, stream_interval=request.stopping.max_tokens)
 
-    def _wait(self, done: queue.SimpleQueue, count: int, show: bool) -> None:
+    @staticmethod
+    def _wait(engine: Any, done: queue.SimpleQueue, count: int, show: bool) -> None:
         from tqdm.auto import tqdm
 
         with tqdm(total=count, desc="Generating", unit="prompt", disable=not show) as bar:
@@ -384,14 +425,15 @@ class LLM:
                 try:
                     done.get(timeout=1.0)
                 except queue.Empty:
-                    if not self._engine.thread_alive:
-                        raise RuntimeError(f"the engine stopped: {self._engine.error!r}") from None
+                    if not engine.thread_alive:
+                        raise RuntimeError(f"the engine stopped: {engine.error!r}") from None
                     continue
                 finished += 1
                 bar.update(1)
 
-    @staticmethod
-    def _output(prompt: str | None, ids: list[int], c: _Collector) -> GenerationOutput:
+    def _output(self, prompt: str | None, ids: list[int], c: _Collector) -> GenerationOutput:
+        if c.finish is None and not self._finalizer.alive:
+            raise RuntimeError("this LLM was closed (close(), or the interpreter exiting) while generate() ran")
         if c.finish is None:
             raise RuntimeError(c.error or "the engine ended the request without a result")
         f = c.finish
@@ -407,27 +449,19 @@ class LLM:
         """The graph cache's state (cache_manager.CacheSnapshot), as the admin RPC reports it: mode,
         device, budget and used bytes, capture sizes and each bucket's state and counters."""
         self._check_open()
-        return self._graphs.snapshot()
+        return self._engine.runner.graphs.snapshot()
 
     def close(self) -> None:
-        """Stop the engine, save the graph statistics and release the device. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        from service.engine.builder import close_engine
+        """Stop the engine, save the graph statistics and release the model, the KV cache and the
+        graphs (host and device memory). Idempotent."""
+        self._finalizer()
 
-        close_engine(self._engine, self._runner.graph_caches)
-        self._engine = self._graphs = None  # the model, the KV cache and the graphs go with the last references
-        import gc
-
-        import torch
-
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    @property
+    def _engine(self) -> Any:
+        return self._held["engine"]
 
     def _check_open(self) -> None:
-        if self._closed:
+        if not self._finalizer.alive:
             raise RuntimeError("this LLM is closed; create a new one")
 
     def __enter__(self) -> LLM:
