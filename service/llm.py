@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import os
 import queue
 import random
 import re
@@ -60,6 +61,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _check_not_bytes(prompt: object, name: str) -> None:
+    # bytes are a sequence of ints: they would pass for token ids.
+    if isinstance(prompt, bytes | bytearray | memoryview):
+        raise TypeError(f"{name} is {type(prompt).__name__}: give text (decode it first, e.g. "
+                        ".decode('utf-8')) or a list of token ids")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one completion and when to stop it.
@@ -92,6 +100,7 @@ class SamplingParams:
               f"SamplingParams.max_tokens must be None or an int >= 1, got {self.max_tokens!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         _need(all(isinstance(s, str) and s for s in stop), f"SamplingParams.stop must hold non-empty strings, got {self.stop!r}")
+        _need(isinstance(self.ignore_eos, bool), f"SamplingParams.ignore_eos must be True or False, got {self.ignore_eos!r}")
         ids = tuple(self.stop_token_ids or ())
         _need(all(_is_int(i) and i >= 0 for i in ids), f"SamplingParams.stop_token_ids must hold token ids >= 0, got {ids!r}")
         object.__setattr__(self, "top_k", max(0, self.top_k))
@@ -175,7 +184,8 @@ def _config_of(model: str, o: _Options) -> ServeConfig:
         max_num_batched_tokens=o.max_num_batched_tokens, default_max_tokens=o.default_max_tokens,
         max_tokens_limit=max(ServeConfig.max_tokens_limit, o.default_max_tokens), overlap_steps=o.overlap_steps,
         batch_invariant=o.batch_invariant,
-        cudagraph_mode=str(mode).lower(), capture_sizes=sizes, graph_memory_budget=o.graph_memory_budget,
+        cudagraph_mode=str(mode).lower(), capture_sizes=sizes,
+        graph_memory_budget=None if o.graph_memory_budget is None else str(o.graph_memory_budget),
         stats_file=None if o.stats_file is None else Path(o.stats_file), warm_start=o.warm_start,
         log_level=o.log_level, lora_modules=_lora_modules(o.lora_weights),
         max_loras=o.max_loras or (max(4, len(_lora_entries(o.lora_weights))) if o.lora_weights else 0),
@@ -187,6 +197,37 @@ def _config_of(model: str, o: _Options) -> ServeConfig:
         message = re.sub(r"--([a-z][a-z-]*)", lambda m: _KEYWORD_OF_FLAG.get(m[1], m[1].replace("-", "_")), str(exc))
         raise ConfigError(message) from None
     return config
+
+
+_INT_KEYWORDS = ("tensor_parallel_size", "max_loras", "max_lora_rank", "max_seq_len", "max_num_batched_tokens",
+                 "default_max_tokens")
+_BOOL_KEYWORDS = ("overlap_steps", "batch_invariant", "warm_start")
+
+
+def _check_types(o: _Options) -> None:
+    """TypeError for a keyword of the wrong type, before any is used: the server's flags are parsed
+    as their type, so neither takes "8" for 8 nor "no" (a true string) for False."""
+    def need(ok: bool, name: str, what: str) -> None:
+        if not ok:
+            value = getattr(o, name)
+            raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+
+    for name in _INT_KEYWORDS:
+        need(_is_int(getattr(o, name)), name, "an int")
+    for name in ("max_running_seqs", "seed"):
+        need(getattr(o, name) is None or _is_int(getattr(o, name)), name, "an int or None")
+    for name in _BOOL_KEYWORDS:
+        need(isinstance(getattr(o, name), bool), name, "True or False")
+    for name in ("device", "log_level"):
+        need(isinstance(getattr(o, name), str), name, "a string")
+    sizes = o.cudagraph_capture_sizes
+    need(sizes is None or (isinstance(sizes, Sequence) and not isinstance(sizes, str | bytes)
+                           and all(_is_int(s) for s in sizes)), "cudagraph_capture_sizes", "None or a list of ints")
+    budget = o.graph_memory_budget
+    need(budget is None or (isinstance(budget, str | int | float) and not isinstance(budget, bool)),
+         "graph_memory_budget", "None, bytes ('8GiB', 8 << 30) or a fraction of device memory (0.2)")
+    for name in ("stats_file", "model_cache_dir"):
+        need(getattr(o, name) is None or isinstance(getattr(o, name), str | os.PathLike), name, "None or a path")
 
 
 def _check_unavailable(o: _Options) -> None:
@@ -294,6 +335,7 @@ class LLM:
             raise TypeError(f"LLM() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
                             f"valid keywords: {', '.join(VALID_KEYWORDS)}")
         o = _Options(**options)
+        _check_types(o)
         _check_unavailable(o)
         self.config = config = _config_of(model, o)
         if not structlog.is_configured():
@@ -336,10 +378,15 @@ class LLM:
         prompt, in order. A progress bar shows from TQDM_MIN_PROMPTS prompts on (use_tqdm=None).
         lora_adapter_names: one adapter name (of lora_weights) for every prompt, or one per prompt;
         "" is the base model."""
+        _check_not_bytes(prompts, "prompts")
+        if not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a string, a list of token ids or a list of those, "
+                            f"not {type(prompts).__name__}")
         items = [prompts] if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and all(_is_int(t) for t in prompts)) else list(prompts)
+            prompts and all(_is_int(t) for t in prompts)) else list(prompts)
         encoded = []
         for i, p in enumerate(items):
+            _check_not_bytes(p, f"prompt {i}")
             if isinstance(p, str):
                 _need(p != "", f"prompt {i} is empty")
                 encoded.append((p, self.tokenizer.encode(p, add_special_tokens=True)))
