@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
 import time
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,8 @@ from service.proto import admin_pb2, admin_pb2_grpc
 EXIT_OK, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_UNAUTHENTICATED, EXIT_REFUSED = 0, 2, 3, 4, 5
 DEFAULT_TARGET = "127.0.0.1:50052"
 NOT_DONE = ("failed", "over_budget")  # per-size outcomes that make an operation exit non-zero
+MAX_TOKEN_FILE_BYTES = 4096  # a token file holds one token: /dev/zero or a log file given by mistake is refused
+MAX_TIMEOUT_S = 86400.0  # gRPC's deadline overflows into "already expired" far above this
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
@@ -52,16 +56,21 @@ class CtlError(Exception):
 
 def parse_bytes(text: str) -> int:
     """"8GiB", "512MiB", "1.5G", "1e9", "1000000" -> bytes. Unlike --graph-memory-budget, a plain
-    number is always bytes, never a fraction of device memory."""
+    number is always bytes, never a fraction of device memory. A count that is not a whole number of
+    bytes ("1.999", "0.1KiB") is refused, not rounded."""
     m = _BYTES_RE.match(text)
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _UNITS:
         raise ValueError(f"{text!r} is not a byte count; write e.g. 8GiB, 512MiB or 1000000")
-    value = float(m.group(1)) * _UNITS[unit]
-    if value < 1:
+    approx = float(m.group(1)) * _UNITS[unit]  # the range first: the exact value of "1e999999" is huge
+    if approx < 1:
         raise ValueError(f"{text!r} is below one byte; the budget must be > 0")
-    if value >= 2**64:
+    if approx >= 2**64:
         raise ValueError(f"{text!r} is more bytes than any device has")
+    value = Fraction(m.group(1)) * _UNITS[unit]
+    if value.denominator != 1:
+        raise ValueError(f"{text!r} is {float(value):.6g} bytes, not a whole number; write e.g. "
+                         f"{math.floor(value)} or {math.ceil(value)}")
     return int(value)
 
 
@@ -210,16 +219,29 @@ def format_operation(r: admin_pb2.OperationResponse) -> str:
 
 def read_token(token_file: Path | None) -> str:
     if token_file is not None:
+        source = f"--token-file {token_file}"
         try:
-            token = token_file.read_text().strip()
+            with token_file.open("rb") as f:
+                data = f.read(MAX_TOKEN_FILE_BYTES + 1)
         except OSError as exc:
-            raise CtlError(EXIT_USAGE, f"cannot read --token-file {token_file}: {exc.strerror}") from None
+            raise CtlError(EXIT_USAGE, f"cannot read {source}: {exc.strerror}") from None
+        if len(data) > MAX_TOKEN_FILE_BYTES:
+            raise CtlError(EXIT_USAGE, f"{source} is larger than {MAX_TOKEN_FILE_BYTES} bytes; "
+                                       "it must hold only the admin token")
+        try:
+            token = data.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise CtlError(EXIT_USAGE, f"{source} is not UTF-8 text; it must hold only the admin token") from None
         if not token:
-            raise CtlError(EXIT_USAGE, f"--token-file {token_file} is empty")
-        return token
-    token = os.environ.get("GRAPHSERVE_ADMIN_TOKEN", "").strip()
-    if not token:
-        raise CtlError(EXIT_UNAUTHENTICATED, "no admin token: pass --token-file F or set GRAPHSERVE_ADMIN_TOKEN")
+            raise CtlError(EXIT_USAGE, f"{source} is empty")
+    else:
+        source = "GRAPHSERVE_ADMIN_TOKEN"
+        token = os.environ.get(source, "").strip()
+        if not token:
+            raise CtlError(EXIT_UNAUTHENTICATED, "no admin token: pass --token-file F or set GRAPHSERVE_ADMIN_TOKEN")
+    if not all("!" <= ch <= "~" for ch in token):  # the server refuses such a token at start, too
+        raise CtlError(EXIT_USAGE, f"{source}: the admin token must be visible ASCII characters (no spaces, "
+                                   "control or non-ASCII characters)")
     return token
 
 
@@ -357,8 +379,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.budget = parse_bytes(args.budget)
             except ValueError as exc:
                 raise CtlError(EXIT_USAGE, f"budget: {exc}") from None
-        if args.timeout <= 0:
-            raise CtlError(EXIT_USAGE, "--timeout must be > 0 seconds")
+        if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT_S):
+            raise CtlError(EXIT_USAGE, f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], "
+                                       f"got {args.timeout:g}")
         metadata = (("authorization", f"Bearer {read_token(args.token_file)}"),)
         with open_channel(args) as channel:
             stub = admin_pb2_grpc.GraphCacheAdminStub(channel)

@@ -15,11 +15,15 @@ to the engine at once (continuous batching) and returns when all are done, in pr
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
+import os
 import queue
 import random
 import re
+import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +61,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _check_not_bytes(prompt: object, name: str) -> None:
+    # bytes are a sequence of ints: they would pass for token ids.
+    if isinstance(prompt, bytes | bytearray | memoryview):
+        raise TypeError(f"{name} is {type(prompt).__name__}: give text (decode it first, e.g. "
+                        ".decode('utf-8')) or a list of token ids")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one completion and when to stop it.
@@ -89,6 +100,7 @@ class SamplingParams:
               f"SamplingParams.max_tokens must be None or an int >= 1, got {self.max_tokens!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         _need(all(isinstance(s, str) and s for s in stop), f"SamplingParams.stop must hold non-empty strings, got {self.stop!r}")
+        _need(isinstance(self.ignore_eos, bool), f"SamplingParams.ignore_eos must be True or False, got {self.ignore_eos!r}")
         ids = tuple(self.stop_token_ids or ())
         _need(all(_is_int(i) and i >= 0 for i in ids), f"SamplingParams.stop_token_ids must hold token ids >= 0, got {ids!r}")
         object.__setattr__(self, "top_k", max(0, self.top_k))
@@ -172,7 +184,8 @@ def _config_of(model: str, o: _Options) -> ServeConfig:
         max_num_batched_tokens=o.max_num_batched_tokens, default_max_tokens=o.default_max_tokens,
         max_tokens_limit=max(ServeConfig.max_tokens_limit, o.default_max_tokens), overlap_steps=o.overlap_steps,
         batch_invariant=o.batch_invariant,
-        cudagraph_mode=str(mode).lower(), capture_sizes=sizes, graph_memory_budget=o.graph_memory_budget,
+        cudagraph_mode=str(mode).lower(), capture_sizes=sizes,
+        graph_memory_budget=None if o.graph_memory_budget is None else str(o.graph_memory_budget),
         stats_file=None if o.stats_file is None else Path(o.stats_file), warm_start=o.warm_start,
         log_level=o.log_level, lora_modules=_lora_modules(o.lora_weights),
         max_loras=o.max_loras or (max(4, len(_lora_entries(o.lora_weights))) if o.lora_weights else 0),
@@ -184,6 +197,37 @@ def _config_of(model: str, o: _Options) -> ServeConfig:
         message = re.sub(r"--([a-z][a-z-]*)", lambda m: _KEYWORD_OF_FLAG.get(m[1], m[1].replace("-", "_")), str(exc))
         raise ConfigError(message) from None
     return config
+
+
+_INT_KEYWORDS = ("tensor_parallel_size", "max_loras", "max_lora_rank", "max_seq_len", "max_num_batched_tokens",
+                 "default_max_tokens")
+_BOOL_KEYWORDS = ("overlap_steps", "batch_invariant", "warm_start")
+
+
+def _check_types(o: _Options) -> None:
+    """TypeError for a keyword of the wrong type, before any is used: the server's flags are parsed
+    as their type, so neither takes "8" for 8 nor "no" (a true string) for False."""
+    def need(ok: bool, name: str, what: str) -> None:
+        if not ok:
+            value = getattr(o, name)
+            raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+
+    for name in _INT_KEYWORDS:
+        need(_is_int(getattr(o, name)), name, "an int")
+    for name in ("max_running_seqs", "seed"):
+        need(getattr(o, name) is None or _is_int(getattr(o, name)), name, "an int or None")
+    for name in _BOOL_KEYWORDS:
+        need(isinstance(getattr(o, name), bool), name, "True or False")
+    for name in ("device", "log_level"):
+        need(isinstance(getattr(o, name), str), name, "a string")
+    sizes = o.cudagraph_capture_sizes
+    need(sizes is None or (isinstance(sizes, Sequence) and not isinstance(sizes, str | bytes)
+                           and all(_is_int(s) for s in sizes)), "cudagraph_capture_sizes", "None or a list of ints")
+    budget = o.graph_memory_budget
+    need(budget is None or (isinstance(budget, str | int | float) and not isinstance(budget, bool)),
+         "graph_memory_budget", "None, bytes ('8GiB', 8 << 30) or a fraction of device memory (0.2)")
+    for name in ("stats_file", "model_cache_dir"):
+        need(getattr(o, name) is None or isinstance(getattr(o, name), str | os.PathLike), name, "None or a path")
 
 
 def _check_unavailable(o: _Options) -> None:
@@ -243,6 +287,41 @@ class _Collector:
         self.text += delta.text
 
 
+_open_lock = threading.Lock()
+_num_open = 0  # LLMs whose engine is not released yet
+
+
+def _opened() -> None:
+    global _num_open
+    with _open_lock:
+        _num_open += 1
+
+
+def _release(held: dict[str, Any]) -> None:
+    """Stop the engine and free what it holds. The runner's warm-up froze every object alive then
+    (gc.freeze, so that collections while serving skip the model), the model's reference cycles
+    included: only a collection after gc.unfreeze() frees them. What other open LLMs hold is frozen
+    again."""
+    global _num_open
+    from service.engine.builder import close_engine
+
+    engine = held["engine"]
+    close_engine(engine, engine.runner.graph_caches)
+    held.clear()
+    del engine
+    with _open_lock:
+        _num_open -= 1
+        others = _num_open
+    gc.unfreeze()
+    gc.collect()
+    if others:
+        gc.freeze()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 class LLM:
     """A model served in this process: `generate` for prompts, `chat` for conversations.
 
@@ -256,6 +335,7 @@ class LLM:
             raise TypeError(f"LLM() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
                             f"valid keywords: {', '.join(VALID_KEYWORDS)}")
         o = _Options(**options)
+        _check_types(o)
         _check_unavailable(o)
         self.config = config = _config_of(model, o)
         if not structlog.is_configured():
@@ -266,10 +346,12 @@ class LLM:
 
         t0 = time.monotonic()
         lr = load_runner(config)
-        self._graphs = lr.graphs
-        self._runner = lr.runner
         self.adapters: tuple[str, ...] = tuple(lr.adapters.names) if lr.adapters is not None else ()
-        self._engine = new_engine(config, lr)
+        # The engine (its thread, runner, model, KV cache and graphs) is released once: by close(), when
+        # this LLM is garbage-collected, or at interpreter exit, whichever comes first.
+        self._held: dict[str, Any] = {"engine": new_engine(config, lr)}
+        self._finalizer = weakref.finalize(self, _release, self._held)
+        _opened()
         self._engine.start()
         self.tokenizer = lr.loaded.tokenizer
         self.max_seq_len = lr.max_seq_len
@@ -279,7 +361,6 @@ class LLM:
                                            max_tokens_limit=2**31)
         self._seeds = random.Random(o.seed) if o.seed is not None else None
         self._ids = itertools.count()
-        self._closed = False
         log.info("llm_ready", model=config.model, device=str(lr.loaded.device), graph_mode=lr.mode.value,
                  seconds=round(time.monotonic() - t0, 2))
 
@@ -297,10 +378,15 @@ class LLM:
         prompt, in order. A progress bar shows from TQDM_MIN_PROMPTS prompts on (use_tqdm=None).
         lora_adapter_names: one adapter name (of lora_weights) for every prompt, or one per prompt;
         "" is the base model."""
+        _check_not_bytes(prompts, "prompts")
+        if not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a string, a list of token ids or a list of those, "
+                            f"not {type(prompts).__name__}")
         items = [prompts] if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and all(_is_int(t) for t in prompts)) else list(prompts)
+            prompts and all(_is_int(t) for t in prompts)) else list(prompts)
         encoded = []
         for i, p in enumerate(items):
+            _check_not_bytes(p, f"prompt {i}")
             if isinstance(p, str):
                 _need(p != "", f"prompt {i} is empty")
                 encoded.append((p, self.tokenizer.encode(p, add_special_tokens=True)))
@@ -349,18 +435,19 @@ class LLM:
         requests = [self._request(i, ids, p) for i, ((_, ids), p) in enumerate(zip(encoded, params))]
         for request, adapter in zip(requests, adapters or []):
             request.adapter = adapter
+        engine = self._engine  # held here: close() from another thread may run while we wait
         done: queue.SimpleQueue = queue.SimpleQueue()
         collectors = [_Collector(i, done) for i in range(len(requests))]
         show = len(requests) >= TQDM_MIN_PROMPTS if use_tqdm is None else use_tqdm
         keys: list[str] = []
         try:
             for request, collector in zip(requests, collectors):
-                keys.append(self._engine.submit(request, collector))
-            self._wait(done, len(requests), show)
+                keys.append(engine.submit(request, collector))
+            self._wait(engine, done, len(requests), show)
         except BaseException:  # KeyboardInterrupt, a failed engine: nothing keeps running for us
             for key, collector in zip(keys, collectors):
                 if collector.finish is None:
-                    self._engine.abort(key)
+                    engine.abort(key)
             raise
         return [self._output(prompt, ids, c) for (prompt, ids), c in zip(encoded, collectors)]
 
@@ -375,7 +462,8 @@ class LLM:
         # Nothing streams: the text arrives in one piece with the finish.
         return dataclasses.replace(request, stream_interval=request.stopping.max_tokens)
 
-    def _wait(self, done: queue.SimpleQueue, count: int, show: bool) -> None:
+    @staticmethod
+    def _wait(engine: Any, done: queue.SimpleQueue, count: int, show: bool) -> None:
         from tqdm.auto import tqdm
 
         with tqdm(total=count, desc="Generating", unit="prompt", disable=not show) as bar:
@@ -384,14 +472,15 @@ class LLM:
                 try:
                     done.get(timeout=1.0)
                 except queue.Empty:
-                    if not self._engine.thread_alive:
-                        raise RuntimeError(f"the engine stopped: {self._engine.error!r}") from None
+                    if not engine.thread_alive:
+                        raise RuntimeError(f"the engine stopped: {engine.error!r}") from None
                     continue
                 finished += 1
                 bar.update(1)
 
-    @staticmethod
-    def _output(prompt: str | None, ids: list[int], c: _Collector) -> GenerationOutput:
+    def _output(self, prompt: str | None, ids: list[int], c: _Collector) -> GenerationOutput:
+        if c.finish is None and not self._finalizer.alive:
+            raise RuntimeError("this LLM was closed (close(), or the interpreter exiting) while generate() ran")
         if c.finish is None:
             raise RuntimeError(c.error or "the engine ended the request without a result")
         f = c.finish
@@ -407,27 +496,19 @@ class LLM:
         """The graph cache's state (cache_manager.CacheSnapshot), as the admin RPC reports it: mode,
         device, budget and used bytes, capture sizes and each bucket's state and counters."""
         self._check_open()
-        return self._graphs.snapshot()
+        return self._engine.runner.graphs.snapshot()
 
     def close(self) -> None:
-        """Stop the engine, save the graph statistics and release the device. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        from service.engine.builder import close_engine
+        """Stop the engine, save the graph statistics and release the model, the KV cache and the
+        graphs (host and device memory). Idempotent."""
+        self._finalizer()
 
-        close_engine(self._engine, self._runner.graph_caches)
-        self._engine = self._graphs = None  # the model, the KV cache and the graphs go with the last references
-        import gc
-
-        import torch
-
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    @property
+    def _engine(self) -> Any:
+        return self._held["engine"]
 
     def _check_open(self) -> None:
-        if self._closed:
+        if not self._finalizer.alive:
             raise RuntimeError("this LLM is closed; create a new one")
 
     def __enter__(self) -> LLM:

@@ -189,7 +189,8 @@ class Engine:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._thread is not None:
+        # Stopped from its own thread (a garbage collection there released the owner): it ends after this step.
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     # ---- engine thread -----------------------------------------------------------------------

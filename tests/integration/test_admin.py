@@ -284,6 +284,41 @@ def test_budget_accepts_units(admin: Admin, capsys) -> None:
     assert code == 0 and "nothing evicted" in out and "budget 1.0 GiB" in out
 
 
+def test_budget_in_fractional_bytes_is_refused_not_rounded(admin: Admin, capsys) -> None:
+    before = admin.ctl_json(capsys, "state")["budget_bytes"]
+    for text, message in (("1.999", "'1.999' is 1.999 bytes, not a whole number; write e.g. 1 or 2"),
+                          ("0.1KiB", "'0.1KiB' is 102.4 bytes, not a whole number; write e.g. 102 or 103"),
+                          ("1e999999", "more bytes than any device has")):
+        code, out, err = admin.ctl(capsys, "budget", text)
+        assert code == graphctl.EXIT_USAGE and out == ""
+        assert message in one_line_error(err)
+    assert admin.ctl_json(capsys, "state")["budget_bytes"] == before  # nothing was sent
+    response = admin.ctl_json(capsys, "budget", "1.5GiB")  # a fraction of a unit that is whole bytes
+    assert int(response["budget_bytes"]) == 3 << 29
+    admin.ctl_json(capsys, "budget", str(before))
+
+
+def test_token_file_that_is_not_a_token_is_one_line_and_exit_2(admin: Admin, capsys, tmp_path) -> None:
+    binary, spaced, big = tmp_path / "binary", tmp_path / "spaced", tmp_path / "big"
+    binary.write_bytes(TOKEN.encode() + b"\xff\xfe")
+    spaced.write_text("s3cret admin")
+    big.write_text(TOKEN + "x" * 5000)
+    for path, message in (("/dev/zero", "is larger than 4096 bytes; it must hold only the admin token"),
+                          (str(big), "is larger than 4096 bytes"),
+                          (str(binary), "is not UTF-8 text; it must hold only the admin token"),
+                          (str(spaced), "the admin token must be visible ASCII characters")):
+        code, out, err = admin.ctl(capsys, "state", token_file=path)
+        assert code == graphctl.EXIT_USAGE and out == ""
+        assert f"--token-file {path}" in one_line_error(err) and message in err
+
+
+@pytest.mark.parametrize("timeout", ["nan", "inf", "-1", "0", "1e20"])
+def test_timeout_must_be_finite_and_positive(admin: Admin, capsys, timeout: str) -> None:
+    code, out, err = admin.ctl(capsys, "--timeout", timeout, "state")
+    assert code == graphctl.EXIT_USAGE and out == ""
+    assert "--timeout must be a number of seconds in (0, 86400]" in one_line_error(err)
+
+
 def test_reset_stats_zeroes_the_histogram(admin: Admin, capsys) -> None:
     generate(admin.server.stub(), **greedy("before the reset", 4))
     assert requested(admin.ctl_json(capsys, "stats"))

@@ -7,6 +7,7 @@ gRPC server produces.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from collections.abc import Iterator
 
@@ -121,6 +122,18 @@ def test_bad_prompts_and_params_are_clear_errors(llm: LLM) -> None:
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="SamplingParams.top_p must be in"):
         SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="SamplingParams.ignore_eos must be True or False, got 'no'"):
+        SamplingParams(ignore_eos="no")
+
+
+def test_bytes_are_not_taken_for_token_ids(llm: LLM) -> None:
+    # bytes are a sequence of ints: b"hello" would otherwise be the token ids [104, 101, 108, 108, 111].
+    for prompts, name in ((b"hello", "prompts is bytes"), ([b"hello"], "prompt 0 is bytes"),
+                          (["ok", bytearray(b"hi")], "prompt 1 is bytearray")):
+        with pytest.raises(TypeError, match=rf"{name}: give text \(decode it first"):
+            llm.generate(prompts, SamplingParams(max_tokens=1))
+    with pytest.raises(TypeError, match="prompts must be a string, a list of token ids or a list of those, not int"):
+        llm.generate(5)
 
 
 def test_graph_cache_state_is_the_admin_view(llm: LLM) -> None:
@@ -187,3 +200,21 @@ def test_keywords_are_checked_before_loading() -> None:
         LLM(model="builtin:tiny", max_running_seqs=32, cudagraph_capture_sizes=[8, 4096])
     with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
         LLM(model="builtin:tiny", tensor_parallel_size=0)
+
+
+@pytest.mark.parametrize(("keyword", "value", "message"), [
+    ("overlap_steps", "no", "overlap_steps must be True or False, got 'no' (str)"),
+    ("warm_start", 0, "warm_start must be True or False, got 0 (int)"),
+    ("batch_invariant", None, "batch_invariant must be True or False, got None (NoneType)"),
+    ("max_running_seqs", "8", "max_running_seqs must be an int or None, got '8' (str)"),
+    ("max_seq_len", 512.0, "max_seq_len must be an int, got 512.0 (float)"),
+    ("tensor_parallel_size", True, "tensor_parallel_size must be an int, got True (bool)"),
+    ("seed", "7", "seed must be an int or None, got '7' (str)"),
+    ("cudagraph_capture_sizes", "8,16", "cudagraph_capture_sizes must be None or a list of ints, got '8,16' (str)"),
+    ("cudagraph_capture_sizes", [8, "16"], "cudagraph_capture_sizes must be None or a list of ints"),
+    ("graph_memory_budget", True, "graph_memory_budget must be None, bytes"),
+    ("device", None, "device must be a string, got None"),
+])
+def test_keywords_of_the_wrong_type_are_type_errors(keyword: str, value: object, message: str) -> None:
+    with pytest.raises(TypeError, match=re.escape(message)):
+        LLM(model="builtin:tiny", **{keyword: value})
