@@ -24,6 +24,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -78,7 +79,7 @@ def _target_of(module_path: str) -> str | None:
 def _targets(config: dict, config_file: pathlib.Path, num_layers: int) -> set[str]:
     spec = config.get("target_modules")
     if isinstance(spec, str):  # PEFT: a regex matched against the full module name
-        pattern = re.compile(spec)
+        pattern = _regex(spec, config_file, "target_modules")
         names = [f"model.layers.{i}.{owner}.{t}" for i in range(num_layers) for owner in ("self_attn", "mlp")
                  for t in TARGETS]
         found = {n.rsplit(".", 1)[-1] for n in names if pattern.fullmatch(n)}
@@ -96,12 +97,40 @@ def _targets(config: dict, config_file: pathlib.Path, num_layers: int) -> set[st
     return found
 
 
-def _pattern_value(patterns: dict, module_path: str, default: float) -> float:
-    """PEFT's rank_pattern / alpha_pattern: the first key that the module's name ends with (or matches)."""
-    for key, value in patterns.items():
-        if module_path.endswith(key) or re.fullmatch(key, module_path) or re.search(rf"(^|\.){key}$", module_path):
+def _regex(pattern: str, config_file: pathlib.Path, field: str) -> Any:
+    """A pattern from an adapter's config, compiled by RE2: matching is linear in the name, so no
+    pattern (an untrusted file's) can make the engine spin."""
+    import re2
+
+    try:
+        return re2.compile(pattern)
+    except re2.error as exc:
+        raise LoraError(f"{config_file}: {field} {pattern!r} is not a valid regular expression ({exc})") from None
+
+
+def _patterns(config: dict, key: str, config_file: pathlib.Path) -> list[tuple[str, Any, float]]:
+    """PEFT's rank_pattern / alpha_pattern, checked: {module name or regex: a finite positive number}."""
+    patterns = config.get(key) or {}
+    if not isinstance(patterns, dict):
+        raise LoraError(f"{config_file}: {key} must be an object of module name -> number, got {type(patterns).__name__}")
+    out = []
+    for name, value in patterns.items():
+        if not _positive_number(value):
+            raise LoraError(f"{config_file}: {key}[{name!r}] must be a finite positive number, got {value!r}")
+        out.append((name, _regex(rf"(?:.*\.)?(?:{name})", config_file, f"{key} key"), float(value)))
+    return out
+
+
+def _pattern_value(patterns: list[tuple[str, Any, float]], module_path: str, default: float) -> float:
+    """The first pattern whose key the module's name ends with (or that matches it whole), as PEFT does."""
+    for key, regex, value in patterns:
+        if module_path.endswith(key) or regex.fullmatch(module_path):
             return value
     return default
+
+
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def read_adapter(name: str, path: str | pathlib.Path, spec: ModelSpec, max_rank: int, pin: bool = False,
@@ -121,23 +150,23 @@ def read_adapter(name: str, path: str | pathlib.Path, spec: ModelSpec, max_rank:
         if not f.is_file():
             raise LoraError(f"adapter {name!r}: {f} is missing")
     try:
-        config = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise LoraError(f"{config_file}: not valid JSON ({exc})") from None
     if not isinstance(config, dict):
         raise LoraError(f"{config_file}: expected a JSON object")
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise LoraError(f"{config_file}: peft_type is {config.get('peft_type')!r}; only LORA adapters are served")
     for key in ("r", "lora_alpha"):
-        if not isinstance(config.get(key), int | float) or config[key] <= 0:
-            raise LoraError(f"{config_file}: {key} must be a positive number, got {config.get(key)!r}")
+        if not _positive_number(config.get(key)):
+            raise LoraError(f"{config_file}: {key} must be a finite positive number, got {config.get(key)!r}")
     if config.get("bias", "none") != "none":
         raise LoraError(f"{config_file}: bias={config['bias']!r} is not supported (train with bias='none')")
     for key in ("use_dora", "modules_to_save"):
         if config.get(key):
             raise LoraError(f"{config_file}: {key} is not supported")
     targets = _targets(config, config_file, spec.num_layers)
-    rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    rank_pattern, alpha_pattern = _patterns(config, "rank_pattern", config_file), _patterns(config, "alpha_pattern", config_file)
     rslora = bool(config.get("use_rslora", False))
     dims = shapes(spec)
 
@@ -183,6 +212,8 @@ def read_adapter(name: str, path: str | pathlib.Path, spec: ModelSpec, max_rank:
                     if part not in targets:
                         raise LoraError(f"{weights_file}: {module} has weights but {config_file} does not target {part}")
                     A, B = pair["A"].float(), pair["B"].float()
+                    if not (torch.isfinite(A).all() and torch.isfinite(B).all()):
+                        raise LoraError(f"{weights_file}: {module} holds non-finite weights (NaN or infinity)")
                     r = A.shape[0]
                     want_r = int(_pattern_value(rank_pattern, module, config["r"]))
                     alpha = float(_pattern_value(alpha_pattern, module, config["lora_alpha"]))
@@ -201,6 +232,9 @@ def read_adapter(name: str, path: str | pathlib.Path, spec: ModelSpec, max_rank:
                     b[row: row + n_out, j * max_rank: j * max_rank + r] = B * scale
                 row += n_out
             a, b = a.to(dtype), b.to(dtype)
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):  # alpha / r can overflow the dtype
+                raise LoraError(f"{weights_file}: layer {layer} {fused}: the scaled weights overflow {dtype} "
+                                "(lora_alpha / r too large)")
             a_out[(layer, fused)] = a.pin_memory() if pin else a
             b_out[(layer, fused)] = b.pin_memory() if pin else b
     return LoraAdapter(name, str(root), max_seen, tuple(t for t in TARGETS if t in targets), a_out, b_out)

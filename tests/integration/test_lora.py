@@ -4,9 +4,11 @@ rows, one adapter and mixed batches; load and unload while streams run; clear er
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -162,6 +164,26 @@ def _broken(src: pathlib.Path, dst: pathlib.Path, change: str) -> pathlib.Path:
     elif change == "bad-json":
         (dst / "adapter_config.json").write_text("{")
         return dst
+    elif change == "not-utf8":
+        (dst / "adapter_config.json").write_bytes(b'{"r": 8, "lora_alpha": "\xff\xfe"}')
+        return dst
+    elif change in ("nan-alpha", "inf-alpha", "inf-r"):
+        config["lora_alpha" if "alpha" in change else "r"] = math.nan if change.startswith("nan") else math.inf
+    elif change == "huge-alpha":  # finite, but alpha / r overflows float32 once folded into B
+        config["lora_alpha"] = 1e308
+    elif change == "catastrophic-regex":
+        config["rank_pattern"] = {"(.*.*)*X": 8}
+    elif change == "list-rank-pattern":
+        config["rank_pattern"] = ["q_proj", 8]
+    elif change == "invalid-regex":
+        config["target_modules"] = "(q_proj"
+    elif change == "nan-weights":
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(dst / "adapter_model.safetensors")
+        first = sorted(k for k in tensors if "lora_B" in k)[0]
+        tensors[first][0, 0] = math.nan
+        save_file(tensors, dst / "adapter_model.safetensors")
     (dst / "adapter_config.json").write_text(json.dumps(config))
     return dst
 
@@ -172,14 +194,34 @@ def _broken(src: pathlib.Path, dst: pathlib.Path, change: str) -> pathlib.Path:
     ("rank", "has rank 8 but"),
     ("target", "target_modules ['lm_head'] are not supported"),
     ("bad-json", "adapter_config.json: not valid JSON"),
+    ("not-utf8", "adapter_config.json: not valid JSON"),
+    ("nan-alpha", "lora_alpha must be a finite positive number"),
+    ("inf-alpha", "lora_alpha must be a finite positive number"),
+    ("inf-r", "r must be a finite positive number"),
+    ("huge-alpha", "overflow"),
+    ("nan-weights", "non-finite weights"),
+    ("list-rank-pattern", "rank_pattern must be an object"),
+    ("invalid-regex", "is not a valid regular expression"),
 ])
 def test_bad_adapter_files_give_clear_errors(lora: Lora, tmp_path: pathlib.Path, change: str, message: str) -> None:
+    """Adapter files are untrusted input: each is refused by name, and the base model's output is as before."""
+    base = lora.generate(PROMPTS[0])
     path = _broken(lora.adapters["chat"], tmp_path / change, change)
     with pytest.raises(grpc.RpcError) as err:
         lora.admin.LoadAdapter(admin_pb2.LoadAdapterRequest(name=f"bad-{change}", path=str(path)),
                                metadata=lora.auth(), timeout=60)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     assert message in err.value.details() and str(path) in err.value.details()
+    assert lora.generate(PROMPTS[0]) == base
+
+
+def test_a_catastrophic_regex_in_an_adapter_config_costs_nothing(lora: Lora, tmp_path: pathlib.Path) -> None:
+    """`(.*.*)*X` backtracks for hours in Python's re on a module name; RE2 matches it in linear time."""
+    path = _broken(lora.adapters["chat"], tmp_path / "regex", "catastrophic-regex")
+    started = time.monotonic()
+    lora.admin.LoadAdapter(admin_pb2.LoadAdapterRequest(name="regex", path=str(path)), metadata=lora.auth(), timeout=60)
+    assert time.monotonic() - started < 10
+    lora.admin.UnloadAdapter(admin_pb2.UnloadAdapterRequest(name="regex"), metadata=lora.auth(), timeout=60)
 
 
 def test_adapter_above_max_rank_and_from_another_model_are_refused(lora: Lora, tmp_path: pathlib.Path) -> None:
