@@ -23,6 +23,11 @@ MAX_REQUEST_ID_BYTES = 256
 MAX_STREAM_INTERVAL = 1024
 # The first prefix a long prompt is tokenized in: this many characters per token of context.
 _CHARS_PER_TOKEN_GUESS = 4
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS). Sampling at a temperature t -> 0 tends
+# to argmax, which greedy computes exactly; dividing the logits by a tiny t does not: 1e-45 makes
+# them +-inf in float32 and the sampler picks the first infinite one, a degenerate stream. Mapped,
+# not refused: OpenAI-style clients send tiny temperatures to mean "deterministic".
+GREEDY_TEMPERATURE_EPSILON = 1e-5
 
 
 class InvalidRequest(ValueError):
@@ -141,7 +146,8 @@ def check_sampling(v: RequestValues, f: Fields) -> None:
     """The sampling values alone (the Python API checks them when SamplingParams is made)."""
     if v.temperature is not None:
         need(math.isfinite(v.temperature) and v.temperature >= 0,
-             f"{f.sampling}temperature must be a finite number >= 0 (0 is greedy), got {v.temperature}")
+             f"{f.sampling}temperature must be a finite number >= 0 (below {GREEDY_TEMPERATURE_EPSILON:g} is greedy), "
+             f"got {v.temperature}")
     if v.top_p is not None:
         need(math.isfinite(v.top_p) and 0 < v.top_p <= 1, f"{f.sampling}top_p must be in (0, 1], got {v.top_p}")
     need(v.top_k >= 0, f"{f.sampling}top_k must be >= 0 (0 is off), got {v.top_k}")
@@ -151,7 +157,10 @@ def check_sampling(v: RequestValues, f: Fields) -> None:
 def sampling_params(v: RequestValues, f: Fields) -> SamplingParams:
     check_sampling(v, f)
     seed = v.seed if v.seed is not None else secrets.randbits(63)
-    return SamplingParams(temperature=1.0 if v.temperature is None else float(v.temperature),
+    temperature = 1.0 if v.temperature is None else float(v.temperature)
+    if temperature < GREEDY_TEMPERATURE_EPSILON:
+        temperature = 0.0
+    return SamplingParams(temperature=temperature,
                           top_p=1.0 if v.top_p is None else float(v.top_p), top_k=int(v.top_k), seed=int(seed))
 
 
