@@ -44,6 +44,8 @@ class Limits:
     max_stop_strings: int
     max_stop_string_bytes: int
     max_stop_token_ids: int
+    max_chat_messages: int = 1024
+    allow_chat_special_tokens: bool = False
 
     @classmethod
     def from_config(cls, config: ServeConfig, vocab_size: int) -> Limits:
@@ -56,6 +58,8 @@ class Limits:
             max_stop_strings=config.max_stop_strings,
             max_stop_string_bytes=config.max_stop_string_bytes,
             max_stop_token_ids=config.max_stop_token_ids,
+            max_chat_messages=config.max_chat_messages,
+            allow_chat_special_tokens=config.allow_chat_special_tokens,
         )
 
 
@@ -112,10 +116,13 @@ def encode_capped(tokenizer: Any, text: str, max_tokens: int, field: str = "prom
     window = _CHARS_PER_TOKEN_GUESS * (max_tokens + 1)
     while len(text) > window:
         ids = tokenizer.encode(text[:_cut(text, window)], add_special_tokens=add_special_tokens)
-        need(len(ids) <= max_tokens,
-             f"{field} has more than {max_tokens} tokens; the context holds {max_tokens + 1} (--max-seq-len): shorten it")
+        need(len(ids) <= max_tokens, too_many_tokens(field, max_tokens))
         window *= 2
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def too_many_tokens(field: str, max_tokens: int) -> str:
+    return f"{field} has more than {max_tokens} tokens; the context holds {max_tokens + 1} (--max-seq-len): shorten it"
 
 
 def _cut(text: str, end: int) -> int:
