@@ -94,6 +94,12 @@ class ServeConfig:
         return self.served_model_name or self.model
 
     @property
+    def streams_per_connection(self) -> int:
+        """HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: --max-streams-per-connection, but at most half of
+        --max-concurrent-streams, so that one connection that reads nothing cannot hold every stream."""
+        return max(1, min(self.max_streams_per_connection, self.max_concurrent_streams // 2))
+
+    @property
     def lora_slots(self) -> int:
         """Adapter slots on the device (0: adapters are off)."""
         return self.max_loras or (4 if self.lora_modules else 0)

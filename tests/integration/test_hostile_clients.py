@@ -68,6 +68,25 @@ def test_one_connection_cannot_take_every_stream_slot(start) -> None:  # noqa: A
     assert wait_until(lambda: not server.app.streams.active and server.app.engine.num_running == 0)
 
 
+def test_by_default_one_connection_gets_at_most_half_the_streams(start) -> None:  # noqa: ANN001
+    # The per-connection default (100) used to be above this global cap: one connection took all 16.
+    server = start("--max-concurrent-streams", "16", "--stream-stall-timeout", "60")
+    hostile = StallingClient(server.address)
+    try:
+        for _ in range(20):
+            hostile.start_call(GENERATE, long_request(200))
+        hostile.pump(1.0)
+        assert hostile.max_concurrent_streams == 8
+        assert wait_until(lambda: len(server.app.streams.active) == 8, 10), len(server.app.streams.active)
+        time.sleep(0.3)
+        assert len(server.app.streams.active) == 8
+        _, finished = generate(server.stub(), **greedy("another client", 4))
+        assert finished.usage.completion_tokens == 4
+    finally:
+        hostile.close()
+    assert wait_until(lambda: not server.app.streams.active and server.app.engine.num_running == 0)
+
+
 def test_a_stream_whose_client_reads_nothing_is_aborted_after_the_stall_timeout(start) -> None:  # noqa: ANN001
     server = start("--max-concurrent-streams", "2", "--stream-stall-timeout", "4")
     hostile = StallingClient(server.address)
