@@ -65,7 +65,9 @@ class ServeConfig:
     log_level: str = "info"
     # Limits (admission control)
     max_tokens_limit: int = 4096
-    max_prompt_bytes: int = 1 << 20
+    max_prompt_bytes: int = 1 << 20  # a text prompt, or a whole chat conversation as sent (roles and framing too)
+    max_chat_messages: int = 1024
+    allow_chat_special_tokens: bool = False  # special tokens in chat content act as control tokens (off: text)
     max_stop_strings: int = 16
     max_stop_string_bytes: int = 256
     max_stop_token_ids: int = 64
@@ -90,6 +92,12 @@ class ServeConfig:
     def model_name(self) -> str:
         """What clients and gateways call the model."""
         return self.served_model_name or self.model
+
+    @property
+    def streams_per_connection(self) -> int:
+        """HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: --max-streams-per-connection, but at most half of
+        --max-concurrent-streams, so that one connection that reads nothing cannot hold every stream."""
+        return max(1, min(self.max_streams_per_connection, self.max_concurrent_streams // 2))
 
     @property
     def lora_slots(self) -> int:
@@ -129,7 +137,7 @@ class ServeConfig:
         positive = (
             "tensor_parallel_size",
             "max_running_seqs", "max_seq_len", "max_num_batched_tokens", "default_max_tokens", "max_tokens_limit",
-            "max_prompt_bytes", "max_stop_string_bytes", "max_waiting_requests", "max_waiting_tokens",
+            "max_prompt_bytes", "max_chat_messages", "max_stop_string_bytes", "max_waiting_requests", "max_waiting_tokens",
             "max_concurrent_streams", "max_receive_message_bytes", "max_streams_per_connection",
             "max_stream_backlog_tokens",
         )
@@ -284,13 +292,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-level", default=d.log_level)
     g = p.add_argument_group("limits")
     for name in (
-        "max_tokens_limit", "max_prompt_bytes", "max_stop_strings", "max_stop_string_bytes", "max_stop_token_ids",
+        "max_tokens_limit", "max_prompt_bytes", "max_chat_messages", "max_stop_strings", "max_stop_string_bytes", "max_stop_token_ids",
         "max_waiting_requests", "max_waiting_tokens", "max_concurrent_streams", "max_receive_message_bytes",
         "max_streams_per_connection", "max_stream_backlog_tokens",
     ):
         g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     g.add_argument("--stream-stall-timeout", type=float, default=d.stream_stall_timeout,
                    help="seconds a client may accept no data before its stream is aborted")
+    g.add_argument("--allow-chat-special-tokens", dest="allow_chat_special_tokens", action="store_true",
+                   default=d.allow_chat_special_tokens,
+                   help="special tokens written in chat message content (e.g. <|eot_id|>) become control tokens; "
+                        "off, they are tokenized as plain text so a user cannot forge turns")
+    g.add_argument("--no-allow-chat-special-tokens", dest="allow_chat_special_tokens", action="store_false")
     g = p.add_argument_group("transport security")
     g.add_argument("--tls-cert", type=Path, default=None)
     g.add_argument("--tls-key", type=Path, default=None)
@@ -300,7 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # On/off flags: GRAPHSERVE_<FLAG>=true|false gives the flag or its negation.
 _SWITCHES = {"--warm-start": "--no-warm-start", "--overlap-steps": "--no-overlap-steps",
-             "--batch-invariant": "--no-batch-invariant"}
+             "--batch-invariant": "--no-batch-invariant",
+             "--allow-chat-special-tokens": "--no-allow-chat-special-tokens"}
 
 
 def _env_argv(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> list[str]:

@@ -164,17 +164,24 @@ class Scheduler:
         batch.decodes = [seq for slot in sorted(self._running) if _decodes(seq := self._running[slot])]
         budget = self.max_num_batched_tokens - len(batch.decodes)  # >= 1 whenever a prompt is unfinished
 
-        # Prompts already started go on first, oldest first; strict FIFO admission after them: a long
-        # prompt is not skipped over, it takes what the budget leaves and continues next step.
+        # Prompts already started go on first, oldest first; FIFO admission after them: a long prompt
+        # is not skipped over, it takes what the budget leaves and continues next step. A sequence
+        # whose adapter has no free slot is skipped (it keeps its place), so it never blocks those
+        # behind it that can run; the skipping is bounded (_may_pass).
         for seq in self._prefilling:
             if budget == 0:
                 break
             budget -= self._add_chunk(batch, seq, budget)
         now = time.monotonic()
+        blocked: list[Sequence] = []  # waiting sequences that cannot run now, in arrival order
         while self._waiting and self._free_slots and budget > 0:
-            if not self._admit_adapter(self._waiting[0]):
-                break  # every adapter slot is held by running sequences of other adapters: wait, in order
             seq = self._waiting.popleft()
+            if not self._may_pass(blocked, seq) or not self._admit_adapter(seq):
+                blocked.append(seq)
+                continue
+            if seq.request.adapter:
+                for waiter in blocked:
+                    waiter.num_passed += 1
             self._waiting_prompt_tokens -= seq.num_prompt_tokens
             seq.slot = heapq.heappop(self._free_slots)
             seq.status = SequenceStatus.RUNNING
@@ -183,6 +190,7 @@ class Scheduler:
             self._running[seq.slot] = seq
             self._prefilling.append(seq)
             budget -= self._add_chunk(batch, seq, budget)
+        self._waiting.extendleft(reversed(blocked))
         self._prefilling = [seq for seq in self._prefilling if seq.num_unprefilled_tokens]
         self._check()
         return batch
@@ -197,6 +205,16 @@ class Scheduler:
         batch.prefills.append(PrefillChunk(seq, start, end))
         seq.num_prefilled_tokens = end
         return end - start
+
+    def _may_pass(self, blocked: list[Sequence], seq: Sequence) -> bool:
+        """Whether `seq` may be admitted ahead of the blocked sequences before it.
+
+        A base-model sequence always may: it holds no adapter slot, so it never lengthens their wait.
+        One with an adapter may until the oldest blocked one has been passed `max_running` times:
+        it keeps a slot held that the blocked one may be waiting for, so without the bound a steady
+        stream of requests for the resident adapters would starve it.
+        """
+        return not seq.request.adapter or not blocked or blocked[0].num_passed < self.max_running
 
     def _admit_adapter(self, seq: Sequence) -> bool:
         name = seq.request.adapter

@@ -35,6 +35,8 @@ class Sequence:
     paused: bool = False
     # The device slot of the request's LoRA adapter while it runs (0: the base model).
     lora_slot: int = 0
+    # Adapter requests admitted ahead of it while it waited for an adapter slot (see Scheduler).
+    num_passed: int = 0
 
     def __post_init__(self) -> None:
         if not self.key:

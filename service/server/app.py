@@ -111,8 +111,8 @@ class App:
         options = [
             ("grpc.max_receive_message_length", c.max_receive_message_bytes),
             ("grpc.so_reuseport", 0),
-            # Per connection, below the global cap: one connection cannot take every stream slot.
-            ("grpc.max_concurrent_streams", min(c.max_streams_per_connection, c.max_concurrent_streams)),
+            # Per connection, at most half the global cap: one connection cannot take every stream slot.
+            ("grpc.max_concurrent_streams", c.streams_per_connection),
         ]
         self.server = grpc.aio.server(options=options,
                                       interceptors=[RequestDecodingInterceptor(self.metrics.undecodable)])

@@ -14,7 +14,7 @@ import grpc
 from service.chat import ChatError, chat_prompt_ids
 from service.engine.request import Finish, FinishReason, GenerationRequest, TokenDelta
 from service.proto import inference_pb2, inference_pb2_grpc
-from service.server.streams import Stream, Streams
+from service.server.streams import Stream, Streams, answers_rejections
 from service.server.validation import (
     GRAPHSERVE_FIELDS,
     MAX_STREAM_INTERVAL,
@@ -28,7 +28,8 @@ from service.server.validation import (
     need,
 )
 
-# Prompts above this many bytes are tokenized off the event loop.
+# Text prompts above this many bytes are tokenized off the event loop; chats always are (rendering
+# the template is Python work per message).
 INLINE_TOKENIZE_BYTES = 16 * 1024
 
 _FINISH_REASONS = {
@@ -59,10 +60,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def GetModelInfo(self, request: inference_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
                            ) -> inference_pb2.ModelInfo:
         if self.streams.engine is None:
-            await self.streams.reject(context, grpc.StatusCode.UNAVAILABLE, "loading",
-                                      "the model is still loading; retry shortly")
+            await self.streams.abort(context, grpc.StatusCode.UNAVAILABLE, "loading",
+                                     "the model is still loading; retry shortly")
         return self.model_info
 
+    @answers_rejections
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         streams = self.streams
         request_id = await streams.begin(context, request.request_id, lambda: _estimated_tokens(request))
@@ -70,7 +72,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         async def prepare(stream: Stream) -> GenerationRequest:
             size = check_prompt_size(request, self.limits)
             check_adapter(request.adapter, self.adapter_names)  # a set lookup: before any tokenization
-            if size > INLINE_TOKENIZE_BYTES:
+            if size > INLINE_TOKENIZE_BYTES or request.WhichOneof("prompt") == "messages":
                 prompt = await asyncio.to_thread(prompt_ids, request, self.tokenizer, self.limits)
             else:
                 prompt = prompt_ids(request, self.tokenizer, self.limits)
@@ -109,12 +111,13 @@ class _Writer:
 # ---- graphserve.v1 request -> checked values ----------------------------------------------------
 
 def prompt_bytes(request: inference_pb2.GenerateRequest) -> int:
-    """Bytes of a text or chat prompt (at most one token per byte); 0 for token ids."""
+    """Bytes of a text prompt, or of a whole chat as sent (contents, roles and each message's framing:
+    what it costs to hold and render); 0 for token ids."""
     kind = request.WhichOneof("prompt")
     if kind == "text":
         return len(request.text.encode("utf-8", "surrogatepass"))
     if kind == "messages":
-        return sum(len(m.content.encode("utf-8", "surrogatepass")) for m in request.messages.messages)
+        return request.messages.ByteSize()
     return 0
 
 
@@ -128,10 +131,15 @@ def check_prompt_size(request: inference_pb2.GenerateRequest, limits: Limits) ->
     kind = request.WhichOneof("prompt")
     need(kind is not None, "prompt: set text, token_ids or messages")
     if kind == "messages":
-        need(len(request.messages.messages) > 0, "prompt.messages is empty: send at least one message")
+        count = len(request.messages.messages)
+        need(count > 0, "prompt.messages is empty: send at least one message")
+        need(count <= limits.max_chat_messages,
+             f"prompt.messages holds {count} messages; at most {limits.max_chat_messages} are allowed "
+             "(--max-chat-messages)")
         size = prompt_bytes(request)
         need(size <= limits.max_prompt_bytes,
-             f"prompt.messages hold {size} bytes, over the limit of {limits.max_prompt_bytes} bytes (--max-prompt-bytes)")
+             f"prompt.messages hold {size} bytes (contents, roles and per-message framing), over the limit of "
+             f"{limits.max_prompt_bytes} bytes (--max-prompt-bytes)")
     elif kind == "text":
         size = prompt_bytes(request)
         need(size > 0, "prompt.text is empty: send at least one character")
@@ -152,7 +160,9 @@ def prompt_ids(request: inference_pb2.GenerateRequest, tokenizer: Any, limits: L
         return check_prompt_ids(request.token_ids.ids, limits, GRAPHSERVE_FIELDS)
     if kind == "messages":
         try:
-            return chat_prompt_ids(tokenizer, list(request.messages.messages), model="this model")
+            return chat_prompt_ids(tokenizer, list(request.messages.messages), model="this model",
+                                   max_tokens=limits.max_seq_len - 1, max_messages=limits.max_chat_messages,
+                                   special_tokens_in_content=limits.allow_chat_special_tokens)
         except ChatError as exc:
             raise InvalidRequest(str(exc)) from None
     ids = encode_capped(tokenizer, request.text, limits.max_seq_len - 1)

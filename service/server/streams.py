@@ -13,10 +13,11 @@ gets the tokens that piled up merged into one message instead of one message per
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
 import structlog
@@ -39,6 +40,38 @@ class AdmissionLimits:
 
 class _Stalled(Exception):
     """The client accepted no data for stream_stall_timeout seconds."""
+
+
+class Rejected(Exception):
+    """A call refused with a status: raised by `Streams.reject`, answered by `@answers_rejections`.
+
+    Not `context.abort`: grpc keeps the exception abort raises in the call's state, and its traceback
+    holds every frame up to the handler, the request with them. That cycle lives until the garbage
+    collector runs, so a flood of large refused requests (a 4 MiB chat parses to ~20 MB) piled up.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
+
+
+def answers_rejections(method: Handler) -> Handler:
+    """A servicer method (a coroutine) whose `Rejected` ends the call with its status."""
+
+    @functools.wraps(method)
+    async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except Rejected as exc:
+            context.set_code(exc.code)
+            context.set_details(exc.message)
+            return None
+
+    return handler  # type: ignore[return-value]
 
 
 class Stream:
@@ -135,7 +168,16 @@ class Streams:
 
     # ---- checks before a stream opens ----------------------------------------------------------
 
-    async def reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str, message: str) -> None:
+    async def reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str,
+                     message: str) -> NoReturn:
+        """Count and raise Rejected (the method must be @answers_rejections)."""
+        if self.metrics is not None:
+            self.metrics.rejected(reason)
+        raise Rejected(code, message)
+
+    async def abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str,
+                    message: str) -> NoReturn:
+        """Count and abort the call (for methods of small requests, not @answers_rejections)."""
         if self.metrics is not None:
             self.metrics.rejected(reason)
         await context.abort(code, message)

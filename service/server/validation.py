@@ -23,6 +23,11 @@ MAX_REQUEST_ID_BYTES = 256
 MAX_STREAM_INTERVAL = 1024
 # The first prefix a long prompt is tokenized in: this many characters per token of context.
 _CHARS_PER_TOKEN_GUESS = 4
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS). Sampling at a temperature t -> 0 tends
+# to argmax, which greedy computes exactly; dividing the logits by a tiny t does not: 1e-45 makes
+# them +-inf in float32 and the sampler picks the first infinite one, a degenerate stream. Mapped,
+# not refused: OpenAI-style clients send tiny temperatures to mean "deterministic".
+GREEDY_TEMPERATURE_EPSILON = 1e-5
 
 
 class InvalidRequest(ValueError):
@@ -39,6 +44,8 @@ class Limits:
     max_stop_strings: int
     max_stop_string_bytes: int
     max_stop_token_ids: int
+    max_chat_messages: int = 1024
+    allow_chat_special_tokens: bool = False
 
     @classmethod
     def from_config(cls, config: ServeConfig, vocab_size: int) -> Limits:
@@ -51,6 +58,8 @@ class Limits:
             max_stop_strings=config.max_stop_strings,
             max_stop_string_bytes=config.max_stop_string_bytes,
             max_stop_token_ids=config.max_stop_token_ids,
+            max_chat_messages=config.max_chat_messages,
+            allow_chat_special_tokens=config.allow_chat_special_tokens,
         )
 
 
@@ -107,10 +116,13 @@ def encode_capped(tokenizer: Any, text: str, max_tokens: int, field: str = "prom
     window = _CHARS_PER_TOKEN_GUESS * (max_tokens + 1)
     while len(text) > window:
         ids = tokenizer.encode(text[:_cut(text, window)], add_special_tokens=add_special_tokens)
-        need(len(ids) <= max_tokens,
-             f"{field} has more than {max_tokens} tokens; the context holds {max_tokens + 1} (--max-seq-len): shorten it")
+        need(len(ids) <= max_tokens, too_many_tokens(field, max_tokens))
         window *= 2
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def too_many_tokens(field: str, max_tokens: int) -> str:
+    return f"{field} has more than {max_tokens} tokens; the context holds {max_tokens + 1} (--max-seq-len): shorten it"
 
 
 def _cut(text: str, end: int) -> int:
@@ -141,7 +153,8 @@ def check_sampling(v: RequestValues, f: Fields) -> None:
     """The sampling values alone (the Python API checks them when SamplingParams is made)."""
     if v.temperature is not None:
         need(math.isfinite(v.temperature) and v.temperature >= 0,
-             f"{f.sampling}temperature must be a finite number >= 0 (0 is greedy), got {v.temperature}")
+             f"{f.sampling}temperature must be a finite number >= 0 (below {GREEDY_TEMPERATURE_EPSILON:g} is greedy), "
+             f"got {v.temperature}")
     if v.top_p is not None:
         need(math.isfinite(v.top_p) and 0 < v.top_p <= 1, f"{f.sampling}top_p must be in (0, 1], got {v.top_p}")
     need(v.top_k >= 0, f"{f.sampling}top_k must be >= 0 (0 is off), got {v.top_k}")
@@ -151,7 +164,10 @@ def check_sampling(v: RequestValues, f: Fields) -> None:
 def sampling_params(v: RequestValues, f: Fields) -> SamplingParams:
     check_sampling(v, f)
     seed = v.seed if v.seed is not None else secrets.randbits(63)
-    return SamplingParams(temperature=1.0 if v.temperature is None else float(v.temperature),
+    temperature = 1.0 if v.temperature is None else float(v.temperature)
+    if temperature < GREEDY_TEMPERATURE_EPSILON:
+        temperature = 0.0
+    return SamplingParams(temperature=temperature,
                           top_p=1.0 if v.top_p is None else float(v.top_p), top_k=int(v.top_k), seed=int(seed))
 
 

@@ -33,7 +33,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from service.engine.request import Finish, FinishReason, GenerationRequest, TokenDelta
-from service.server.streams import Stream, Streams
+from service.server.streams import Stream, Streams, answers_rejections
 from service.server.validation import (
     Fields,
     Limits,
@@ -105,6 +105,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     # ---- generation ----------------------------------------------------------------------------
 
+    @answers_rejections
     async def Generate(self, request: vllm_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         streams = self.streams
         request_id = await streams.begin(context, request.request_id, lambda: _estimated_tokens(request))
@@ -229,8 +230,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def _facts(self, context: grpc.aio.ServicerContext) -> ModelFacts:
         if self.facts is None:
-            await self.streams.reject(context, grpc.StatusCode.UNAVAILABLE, "loading",
-                                      "the model is still loading; retry shortly")
+            await self.streams.abort(context, grpc.StatusCode.UNAVAILABLE, "loading",
+                                     "the model is still loading; retry shortly")
         return self.facts
 
 

@@ -67,3 +67,37 @@ def test_message_over_the_receive_limit_is_refused_by_the_transport(small_server
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     _, finished = generate(small_server.stub(), **greedy("still fine", 2))
     assert finished.usage.completion_tokens == 2
+
+
+def test_a_request_waiting_for_an_adapter_slot_does_not_block_base_requests(model_cache_dir, tmp_path) -> None:  # noqa: ANN001
+    from service.model import ensure_builtin
+    from tests.support.h2client import StallingClient
+    from tests.support.lora import make_adapter
+
+    model_dir = ensure_builtin("tiny", model_cache_dir)
+    modules = ",".join(f"{n}={make_adapter(model_dir, tmp_path / n, seed=i + 1, r=4)}" for i, n in enumerate("ab"))
+    with running_server(["--model-cache-dir", str(model_cache_dir), "--max-seq-len", "256", "--lora-modules", modules,
+                         "--max-loras", "1", "--stream-stall-timeout", "60"]) as server:
+        engine = server.app.engine
+        hostile = StallingClient(server.address)  # reads nothing: its stream on "a" holds the adapter slot
+        try:
+            hostile.start_call("/graphserve.v1.Inference/Generate", inference_pb2.GenerateRequest(
+                **greedy("never read", 200, adapter="a")).SerializeToString())
+            _wait(lambda: engine.num_running == 1)
+            waiting = server.stub().Generate(inference_pb2.GenerateRequest(**greedy("needs b", 4, adapter="b")),
+                                             timeout=60)
+            first = threading.Thread(target=lambda: next(waiting), daemon=True)
+            first.start()
+            _wait(lambda: len(server.app.streams.active) == 2)
+            time.sleep(0.5)
+            assert first.is_alive() and engine.num_running == 1  # "b" waits for the slot
+            started = time.monotonic()
+            _, finished = generate(server.stub(), **greedy("base model", 4))
+            # It used to wait behind "b" for the stall timeout (27.5 s in the report).
+            assert finished.usage.completion_tokens == 4 and time.monotonic() - started < 5
+            assert first.is_alive() and engine.num_running == 1  # "b" still waits for the slot
+        finally:
+            hostile.close()  # the stream on "a" is cancelled: its slot goes to "b"
+        first.join(30)
+        assert not first.is_alive()
+        assert [r.WhichOneof("kind") for r in waiting][-1] == "finished"

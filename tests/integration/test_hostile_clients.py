@@ -68,6 +68,25 @@ def test_one_connection_cannot_take_every_stream_slot(start) -> None:  # noqa: A
     assert wait_until(lambda: not server.app.streams.active and server.app.engine.num_running == 0)
 
 
+def test_by_default_one_connection_gets_at_most_half_the_streams(start) -> None:  # noqa: ANN001
+    # The per-connection default (100) used to be above this global cap: one connection took all 16.
+    server = start("--max-concurrent-streams", "16", "--stream-stall-timeout", "60")
+    hostile = StallingClient(server.address)
+    try:
+        for _ in range(20):
+            hostile.start_call(GENERATE, long_request(200))
+        hostile.pump(1.0)
+        assert hostile.max_concurrent_streams == 8
+        assert wait_until(lambda: len(server.app.streams.active) == 8, 10), len(server.app.streams.active)
+        time.sleep(0.3)
+        assert len(server.app.streams.active) == 8
+        _, finished = generate(server.stub(), **greedy("another client", 4))
+        assert finished.usage.completion_tokens == 4
+    finally:
+        hostile.close()
+    assert wait_until(lambda: not server.app.streams.active and server.app.engine.num_running == 0)
+
+
 def test_a_stream_whose_client_reads_nothing_is_aborted_after_the_stall_timeout(start) -> None:  # noqa: ANN001
     server = start("--max-concurrent-streams", "2", "--stream-stall-timeout", "4")
     hostile = StallingClient(server.address)
@@ -196,3 +215,68 @@ def test_request_ids_are_scoped_to_the_connection(start) -> None:  # noqa: ANN00
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already streaming" in info.value.details()
     finally:
         call.cancel()
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def test_a_chat_flood_is_refused_quickly_in_bounded_memory_and_does_not_stall_another_stream(
+        process_factory) -> None:  # noqa: ANN001
+    from grpc_health.v1 import health_pb2
+
+    proc = process_factory("--max-seq-len", "256")
+    proc.wait_for_health(health_pb2.HealthCheckResponse.SERVING)
+    stub = inference_pb2_grpc.InferenceStub(proc.channel)
+    generate(stub, **greedy("warm up", 2))
+    before = _peak_rss_bytes(proc.proc.pid)
+    one_byte = inference_pb2.ChatMessage(role="user", content="x")
+
+    def chat_bytes(count: int) -> bytes:
+        return inference_pb2.GenerateRequest(messages=inference_pb2.ChatMessages(messages=[one_byte] * count)
+                                             ).SerializeToString()
+
+    floods = {  # 2.9 MB on the wire: took 7 s and 1.4 GB of the gRPC process before it was refused
+        "many messages": (chat_bytes(260_000), "at most 1024 are allowed (--max-chat-messages)"),
+        # Under 16 KiB of content: rendered and tokenized whole on the event loop, 1.2 s gaps elsewhere.
+        "long conversation": (chat_bytes(1000), "prompt.messages has more than 255 tokens"),
+    }
+    # Sent as bytes: the flood costs this process (where the reader runs too) no serialization.
+    raw = proc.channel.unary_stream(GENERATE, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    stop, gaps, outcomes = threading.Event(), [], []
+
+    def read_another_stream() -> None:
+        while not stop.is_set():
+            last = time.monotonic()
+            for _ in stub.Generate(inference_pb2.GenerateRequest(**greedy("a reader", 200)), timeout=60):
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+
+    def flood(name: str) -> None:
+        for _ in range(3):
+            started = time.monotonic()
+            try:
+                list(raw(floods[name][0], timeout=60))
+                outcomes.append((name, None, "", 0.0))
+            except grpc.RpcError as exc:
+                outcomes.append((name, exc.code(), exc.details(), time.monotonic() - started))
+
+    reader = threading.Thread(target=read_another_stream)
+    reader.start()
+    time.sleep(0.3)
+    flooders = [threading.Thread(target=flood, args=(name,)) for name in floods for _ in range(3)]
+    for t in flooders:
+        t.start()
+    for t in flooders:
+        t.join(120)
+    stop.set()
+    reader.join(60)
+    assert len(outcomes) == 18
+    for name, code, details, seconds in outcomes:
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and floods[name][1] in details, (name, code, details)
+        assert seconds < 3.0, (name, seconds)
+    grown = _peak_rss_bytes(proc.proc.pid) - before
+    assert grown < 150 << 20, f"peak RSS of the gRPC process grew by {grown >> 20} MiB"
+    # One token every ~3 ms alone; a flood used to stop this stream for 1.2 s at a time.
+    assert max(gaps) < 0.5, f"another stream waited {max(gaps):.2f} s for a token"

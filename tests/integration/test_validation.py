@@ -43,3 +43,13 @@ def test_bad_input_is_invalid_argument_and_serving_continues(server, name: str) 
     assert needle in info.value.details()
     _, finished = generate(stub, **greedy("still serving", 3))
     assert finished.usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-6])
+def test_a_temperature_below_the_epsilon_is_greedy(server, temperature: float) -> None:
+    # 1e-45 used to scale the logits to +-inf: the stream repeated the first token with a positive logit.
+    stub, prompt = server.stub(), "The capital of France"
+    expected = [t for c in generate(stub, **greedy(prompt, 12))[0] for t in c.token_ids]
+    chunks, _ = generate(stub, text=prompt, sampling=S(temperature=temperature, seed=3),
+                         stopping=T(max_tokens=12, ignore_eos=True))
+    assert [t for c in chunks for t in c.token_ids] == expected

@@ -81,19 +81,23 @@ def _seq(i: int, adapter: str) -> Sequence:
     return Sequence(request)
 
 
-def test_scheduler_waits_in_order_for_an_adapter_slot() -> None:
+def test_a_request_waiting_for_an_adapter_slot_does_not_block_those_behind_it() -> None:
     reg, _ = registry(1, "a", "b")
     s = Scheduler(4, 64, adapters=reg)
-    seqs = [_seq(0, "a"), _seq(1, "b"), _seq(2, "")]
+    seqs = [_seq(0, "a"), _seq(1, "b"), _seq(2, ""), _seq(3, "a")]
     for q in seqs:
         s.add(q)
     batch = s.schedule()
-    assert [c.seq for c in batch.prefills] == [seqs[0]]  # b needs a's slot; the base request waits behind it
-    assert seqs[0].lora_slot == 1
+    # b needs a's slot: it keeps its place, the base request and a's second one run past it.
+    assert [c.seq for c in batch.prefills] == [seqs[0], seqs[2], seqs[3]]
+    assert (seqs[0].lora_slot, seqs[2].lora_slot, seqs[3].lora_slot) == (1, 0, 1)
+    assert s.num_waiting == 1
     s.finish(seqs[0])
     assert seqs[0].lora_slot == 0
+    assert s.schedule().prefills == []  # a's slot is still held by seqs[3]
+    s.finish(seqs[3])
     batch = s.schedule()
-    assert [c.seq for c in batch.prefills] == seqs[1:] and seqs[1].lora_slot == 1 and seqs[2].lora_slot == 0
+    assert [c.seq for c in batch.prefills] == [seqs[1]] and seqs[1].lora_slot == 1
 
 
 # ---- the reader and the products, on the built-in model --------------------------------------------

@@ -80,3 +80,26 @@ def test_template_raise_exception_becomes_a_chat_error(tmp_path) -> None:
     tok = read_tokenizer(tokenizer_dir(tmp_path, strict + LLAMA3_TEMPLATE))
     with pytest.raises(ChatError, match="refused the conversation: Conversations must start with user"):
         chat_prompt(tok, CONVERSATION)
+
+
+def test_special_tokens_in_content_are_text_unless_the_operator_allows_them(tmp_path) -> None:
+    write_tokenizer(tmp_path, BUILTIN_SHAPES["tiny"])
+    tok = read_tokenizer(tmp_path)
+    messages = [{"role": "user", "content": "hi<|end_of_text|><|begin_of_text|>"}]
+    text, ids = chat_prompt(tok, messages)
+    raw_text, raw_ids = chat_prompt(tok, messages, special_tokens_in_content=True)
+    assert text == raw_text == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert raw_ids == tok.encode(raw_text, add_special_tokens=False)  # --allow-chat-special-tokens
+    assert (ids.count(tok.bos_token_id), ids.count(tok.eos_token_id)) == (1, 1)  # the template's own
+    assert (raw_ids.count(tok.bos_token_id), raw_ids.count(tok.eos_token_id)) == (2, 2)
+    assert tok.decode(ids) == text
+
+
+def test_a_conversation_over_the_context_is_refused_by_token_count(tmp_path) -> None:
+    write_tokenizer(tmp_path, BUILTIN_SHAPES["tiny"])
+    tok = read_tokenizer(tmp_path)
+    for content in ("word " * 1000, "<|end_of_text|>" * 1000):
+        with pytest.raises(ValueError, match="prompt.messages has more than 255 tokens"):
+            chat_prompt(tok, [{"role": "user", "content": content}], max_tokens=255)
+    with pytest.raises(ChatError, match="holds 3 messages; at most 2 are allowed"):
+        chat_prompt(tok, [{"role": "user", "content": "hi"}] * 3, max_messages=2)

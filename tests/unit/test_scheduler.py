@@ -254,3 +254,40 @@ def test_random_operations_keep_slots_consistent(ops: list[tuple[str, int, int]]
     assert admitted == sorted(admitted, key=lambda r: int(r[1:]))
     assert sorted(ended) == sorted(added) and len(set(ended)) == len(ended)
     assert sched.num_free_slots == max_running
+
+
+def test_requests_for_resident_adapters_pass_a_blocked_one_a_bounded_number_of_times() -> None:
+    from service.engine.adapters import AdapterRegistry
+
+    class Writer:
+        def load(self, slot: int, adapter: object) -> None: ...
+        def clear(self, slot: int) -> None: ...
+
+    reg = AdapterRegistry(1, Writer())
+    for name in ("a", "b"):
+        reg.register(type("Adapter", (), {"name": name, "path": "/x", "rank": 8, "targets": ("q_proj",)})())
+
+    def seq(i: int, adapter: str) -> Sequence:
+        q = make_seq(f"{adapter or 'base'}{i}")
+        q.request.adapter = adapter
+        return q
+
+    s = Scheduler(4, 64, adapters=reg)
+    a0, b0 = seq(0, "a"), seq(0, "b")
+    s.add(a0)
+    s.add(b0)
+    assert ids(s.schedule().prefills) == ["a0"]  # a0 holds a's slot throughout; b0 waits for it
+    passed = []
+    for i in range(1, 9):  # a steady stream of short requests for a, and base requests
+        s.add(seq(i, "a"))
+        s.add(seq(i, ""))
+        admitted = [c.seq for c in s.schedule().prefills]
+        assert f"base{i}" in ids(admitted)  # base requests always pass: they hold no adapter slot
+        passed += [q for q in admitted if q.request.adapter == "a"]
+        for q in admitted:
+            s.finish(q)
+    # a's requests passed b0 max_running (4) times, then queued behind it: a's slot can drain.
+    assert ids(passed) == ["a1", "a2", "a3", "a4"] and b0.status is SequenceStatus.WAITING
+    s.finish(a0)
+    assert ids(s.schedule().prefills) == ["b0"]
+    assert s.num_waiting == 4  # a5..a8 wait for b0's slot, in order
