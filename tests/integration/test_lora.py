@@ -189,7 +189,7 @@ def _broken(src: pathlib.Path, dst: pathlib.Path, change: str) -> pathlib.Path:
 
 
 @pytest.mark.parametrize("change, message", [
-    ("missing-weights", "adapter_model.safetensors is missing"),
+    ("missing-weights", "holds no readable adapter_model.safetensors"),
     ("corrupt-weights", "adapter_model.safetensors: not a readable safetensors file"),
     ("rank", "has rank 8 but"),
     ("target", "target_modules ['lm_head'] are not supported"),
@@ -320,7 +320,7 @@ def test_a_bad_adapter_at_start_fails_the_start_naming_the_file(model_cache_dir,
     server = ServerThread(["--model-cache-dir", str(model_cache_dir), "--max-running-seqs", "4", "--max-seq-len", "128",
                            "--lora-modules", f"bad={bad}"])
     try:
-        with pytest.raises(ModelLoadError, match=r"--lora-modules bad=.*adapter_model.safetensors is missing"):
+        with pytest.raises(ModelLoadError, match=r"--lora-modules bad=.*holds no readable adapter_model.safetensors"):
             server.start()
     finally:
         server.stop()
