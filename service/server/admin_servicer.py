@@ -26,9 +26,16 @@ from cache_manager import (
     GraphsUnavailableError,
     OpResult,
 )
-from service.engine.adapters import AdapterError, AdapterExists, AdapterInUse, AdapterNotFound
+from service.engine.adapters import (
+    AdapterError,
+    AdapterExists,
+    AdapterInUse,
+    AdapterLimit,
+    AdapterNotFound,
+    InvalidAdapterName,
+)
 from service.engine.rank_memory import RankMemory
-from service.model.lora import LoraError
+from service.model.lora import LoraError, LoraPathError
 from service.proto import admin_pb2, admin_pb2_grpc
 from service.server.engine_worker import LORA_SUFFIX
 
@@ -44,8 +51,11 @@ _ADAPTER_STATUS = (
     (AdapterNotFound, grpc.StatusCode.NOT_FOUND),
     (AdapterExists, grpc.StatusCode.ALREADY_EXISTS),
     (AdapterInUse, grpc.StatusCode.FAILED_PRECONDITION),  # streams use it: unload after they end
+    (AdapterLimit, grpc.StatusCode.RESOURCE_EXHAUSTED),  # --max-cpu-loras adapters are loaded
+    (InvalidAdapterName, grpc.StatusCode.INVALID_ARGUMENT),
+    (LoraPathError, grpc.StatusCode.PERMISSION_DENIED),  # outside --lora-root
     (LoraError, grpc.StatusCode.INVALID_ARGUMENT),  # the files do not fit
-    (AdapterError, grpc.StatusCode.FAILED_PRECONDITION),  # e.g. no adapter slots on this server
+    (AdapterError, grpc.StatusCode.FAILED_PRECONDITION),  # e.g. no adapter slots, or no --lora-root
 )
 
 _STATES = {

@@ -81,7 +81,8 @@ def lora(model_cache_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     modules = ",".join(f"{n}={adapters[n]}" for n in ("sql", "chat", "poet"))
     # Two slots for three adapters: mixed batches also exercise taking turns on the slots.
     argv = ["--model-cache-dir", str(model_cache_dir), "--max-running-seqs", "8", "--max-seq-len", "256",
-            "--lora-modules", modules, "--max-loras", "2", "--max-lora-rank", "8", "--admin-token-file", str(token_file)]
+            "--lora-modules", modules, "--max-loras", "2", "--max-lora-rank", "8", "--admin-token-file", str(token_file),
+            "--lora-root", str(tmp_path_factory.getbasetemp())]  # every test's tmp_path is under it
     with running_server(argv) as server:
         yield Lora(server, model_dir, adapters, token_file)
 
@@ -239,7 +240,7 @@ def test_adapter_above_max_rank_and_from_another_model_are_refused(lora: Lora, t
     tensors[key] = tensors[key][:-1].contiguous()
     save_file(tensors, other / "adapter_model.safetensors")
     with pytest.raises(grpc.RpcError) as err:
-        lora.admin.LoadAdapter(admin_pb2.LoadAdapterRequest(name="other", path=str(other)), metadata=lora.auth(),
+        lora.admin.LoadAdapter(admin_pb2.LoadAdapterRequest(name="another-model", path=str(other)), metadata=lora.auth(),
                                timeout=60)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "do not fit the base projection" in err.value.details() and "o_proj" in err.value.details()
