@@ -4,8 +4,8 @@ Every check runs before any tensor exists, and what is read is bounded by the ba
 - the directory resolves (symlinks included) under the adapter root when there is one, and each file,
   once open, is checked again to be a regular file under it (a symlink swapped in meanwhile is refused);
 - the config is at most MAX_CONFIG_BYTES of UTF-8 JSON; r, lora_alpha, rank_pattern and alpha_pattern
-  are finite, positive numbers of the right types; module patterns match without an unbounded regex
-  (service.model.lora_patterns);
+  are finite, positive numbers of the right types; module patterns match by name, or by RE2 in linear
+  time (service.model.lora_patterns);
 - the safetensors file is no larger than an adapter of this model at the largest rank can be; its
   header (bounded too) is parsed first, and every tensor's name, dtype, shape and byte range is checked
   against the base model and the config before one byte of tensor data is read; then only those
@@ -370,10 +370,12 @@ class _Reader:
         buf = self._pread(fd, end - begin, data_start + begin, self.weights_file)
         return torch.frombuffer(buf, dtype=dtype).view(shape).float()
 
-    def _finite(self, tensor: torch.Tensor, what: str, module: str) -> torch.Tensor:
-        """`tensor` (float32) in the model's dtype; LoraError when a value is not finite there."""
+    def _finite(self, tensor: torch.Tensor, what: str, module: str, scaled: bool = False) -> torch.Tensor:
+        """`tensor` (float32; `scaled`: a finite tensor times the scale) in the model's dtype; LoraError
+        when a value is not finite there."""
         if not bool(torch.isfinite(tensor).all()):
-            raise LoraError(f"{self.weights_file}: {module}: {what} holds NaN or inf")
+            raise LoraError(f"{self.weights_file}: {module}: {what} " + ("overflows float32" if scaled else
+                                                                          "holds NaN or inf"))
         out = tensor.to(self.dtype)
         if not bool(torch.isfinite(out).all()):
             raise LoraError(f"{self.weights_file}: {module}: {what} overflows {str(self.dtype).removeprefix('torch.')}")
@@ -425,7 +427,7 @@ class _Reader:
                         if not bool(torch.isfinite(b_scaled).all()):
                             raise LoraError(f"{self.weights_file}: {module}: lora_B holds NaN or inf")
                         b[row: row + n_out, j * max_rank: j * max_rank + r] = self._finite(
-                            b_scaled.mul_(scale), f"lora_B x scale {scale:g}", module)
+                            b_scaled.mul_(scale), f"lora_B x scale {scale:g}", module, scaled=True)
                         max_seen = max(max_seen, r)
                     row += n_out
                 a_out[(layer, fused)], b_out[(layer, fused)] = a, b

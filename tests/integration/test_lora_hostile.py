@@ -120,36 +120,50 @@ def test_non_finite_adapters_are_refused_and_base_output_is_unchanged(hostile: H
     assert [a.name for a in listed.adapters] == ["good"]
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"target_modules": "(.*.*)*X"}, "target_modules: matching the regular expression"),
-    ({"rank_pattern": {"(.*.*)*X": 4}}, "rank_pattern key '(.*.*)*X': matching the regular expression"),
+@pytest.mark.parametrize("change, outcome", [
+    ({"target_modules": "(.*.*)*X"}, "target_modules '(.*.*)*X' matches none"),
+    ({"rank_pattern": {"(.*.*)*X": 2}}, "loaded"),  # matches no module: r applies
 ])
-def test_a_catastrophic_regex_is_cut_off_while_streams_and_admin_calls_go_on(hostile: Hostile, change: dict,
-                                                                            message: str) -> None:
+def test_a_catastrophic_regex_costs_nothing_while_streams_and_admin_calls_go_on(hostile: Hostile, change: dict,
+                                                                               outcome: str) -> None:
+    """`(.*.*)*X` backtracks for hours in Python's re (holding the engine's GIL); RE2 matches in linear time."""
     gaps: list[float] = []
-    stream = threading.Thread(target=hostile.generate, kwargs={"max_tokens": 200, "gaps": gaps})
+    stream = threading.Thread(target=hostile.generate, kwargs={"max_tokens": 100, "gaps": gaps})
     stream.start()
     start = time.monotonic()
-    refusal: list[grpc.RpcError] = []
-
-    def load() -> None:
-        try:
-            hostile.load("regex", hostile.copy(**change))
-        except grpc.RpcError as exc:
-            refusal.append(exc)
-
-    loader = threading.Thread(target=load)
-    loader.start()
-    time.sleep(0.3)  # the child process is matching now
+    try:
+        info = hostile.load("regex", hostile.copy(**change))
+        assert outcome == "loaded" and info.rank == 4
+        hostile.unload("regex")
+    except grpc.RpcError as err:
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and outcome in err.details(), err.details()
+    assert time.monotonic() - start < 2.0
     t0 = time.monotonic()
     hostile.admin.ListAdapters(admin_pb2.ListAdaptersRequest(), metadata=hostile.auth, timeout=30)
-    assert time.monotonic() - t0 < 1.0  # admin calls do not wait behind the load
-    loader.join(30)
+    assert time.monotonic() - t0 < 1.0
     stream.join(60)
-    assert time.monotonic() - start < 6.0
-    assert refusal and refusal[0].code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert message in refusal[0].details() and "took over 2 s" in refusal[0].details()
-    assert len(gaps) >= 1 and max(gaps) < 1.0, max(gaps)  # the engine kept stepping throughout
+    assert gaps and max(gaps) < 1.0, max(gaps)  # the engine kept stepping throughout
+
+
+def test_admin_calls_do_not_wait_behind_a_load(hostile: Hostile, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load that takes long (a slow disk) holds up no other admin call."""
+    adapters = hostile.server.app.graphs.adapters
+    real_load = adapters.load
+
+    def slow_load(name: str, path: str) -> object:
+        time.sleep(2.0)
+        return real_load(name, path)
+
+    monkeypatch.setattr(adapters, "load", slow_load)
+    loader = threading.Thread(target=hostile.load, args=("slow", hostile.good))
+    loader.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    listed = hostile.admin.ListAdapters(admin_pb2.ListAdaptersRequest(), metadata=hostile.auth, timeout=30)
+    hostile.admin.GetCacheState(admin_pb2.GetCacheStateRequest(), metadata=hostile.auth, timeout=30)
+    assert time.monotonic() - t0 < 1.0 and "slow" not in [a.name for a in listed.adapters]
+    loader.join(30)
+    hostile.unload("slow")
 
 
 def test_malformed_configs_are_invalid_argument_naming_the_field(hostile: Hostile) -> None:
@@ -238,24 +252,19 @@ def test_a_generate_racing_its_adapters_unload_is_not_found(hostile: Hostile) ->
 
 
 def test_without_a_root_adapters_load_only_at_start(model_cache_dir, hostile: Hostile) -> None:
-    """LoadAdapter needs --lora-root; a regex that never ends in a --lora-modules adapter fails the
-    start within the bound instead of never getting ready."""
-    from service.model.spec import ModelLoadError
-
-    slow = hostile.copy(target_modules="(.*.*)*X")
+    """LoadAdapter needs --lora-root; without one, --lora-modules load from anywhere, and one whose
+    config holds a catastrophic regex does not keep the server from getting ready."""
+    slow = hostile.copy(rank_pattern={"(.*.*)*X": 2})
     argv = ["--model-cache-dir", str(model_cache_dir), "--max-running-seqs", "4", "--max-seq-len", "128",
-            "--max-lora-rank", "8", "--admin-token-file", str(hostile.root.parent / "hostile-token")]
-    with running_server([*argv, "--lora-modules", f"good={hostile.good}"]) as server:
+            "--max-lora-rank", "8", "--admin-token-file", str(hostile.root.parent / "hostile-token"),
+            "--lora-modules", f"good={hostile.good},slow={slow}"]
+    start = time.monotonic()
+    with running_server(argv) as server:
+        assert time.monotonic() - start < 60
+        info = server.stub().GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=10)
+        assert list(info.adapters) == ["good", "slow"]
         admin = admin_pb2_grpc.GraphCacheAdminStub(grpc.insecure_channel(f"127.0.0.1:{server.app.admin_port}"))
         with pytest.raises(grpc.RpcError) as err:
             admin.LoadAdapter(admin_pb2.LoadAdapterRequest(name="x", path=str(hostile.good)), metadata=hostile.auth,
                               timeout=30)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--lora-root" in err.value.details()
-    server = ServerThread([*argv, "--lora-modules", f"slow={slow}"])
-    start = time.monotonic()
-    try:
-        with pytest.raises(ModelLoadError, match=r"--lora-modules slow=.*took over 2 s"):
-            server.start()
-    finally:
-        server.stop()
-    assert time.monotonic() - start < 60
