@@ -46,6 +46,10 @@ class ServeConfig:
     max_loras: int = 0  # 0: 4 slots when --lora-modules is given, else no adapter support
     max_lora_rank: int = 16
     lora_kernel: str = "stacked"  # stacked | gather (service.model.lora)
+    # Adapters load only from under this directory (symlinks resolved); None: only --lora-modules, from
+    # anywhere, and LoadAdapter is refused
+    lora_root: Path | None = None
+    max_cpu_loras: int = 32  # adapters registered at once (their weights held in host memory)
     # Graph cache
     cudagraph_mode: str = "full_and_piecewise"  # none | full | piecewise | full_and_piecewise (CPU runs none)
     capture_sizes: str | None = None
@@ -164,7 +168,16 @@ class ServeConfig:
              "yet): drop --lora-modules and --max-loras, or drop --batch-invariant")
         need(self.max_lora_rank >= 1, f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
         need(self.lora_kernel in ("stacked", "gather"), f"--lora-kernel must be stacked or gather, not {self.lora_kernel!r}")
-        self.lora_module_paths()
+        modules = self.lora_module_paths()
+        need(self.max_cpu_loras >= max(1, len(modules)),
+             f"--max-cpu-loras must be >= 1 and >= the {len(modules)} --lora-modules, got {self.max_cpu_loras}")
+        if self.lora_root is not None:
+            need(Path(self.lora_root).is_dir(), f"--lora-root {self.lora_root}: no such directory")
+            root = Path(os.path.realpath(self.lora_root))
+            for name, path in modules:
+                real = Path(os.path.realpath(path))
+                need(real == root or root in real.parents,
+                     f"--lora-modules {name}={path}: outside --lora-root {self.lora_root}")
         need(self.drain_timeout >= 0, "--drain-timeout must be >= 0 seconds")
         need(self.watchdog_timeout > 0, "--watchdog-timeout must be > 0 seconds")
         need(self.engine_stop_timeout > 0, "--engine-stop-timeout must be > 0 seconds")
@@ -267,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="the largest adapter rank served")
     g.add_argument("--lora-kernel", default=d.lora_kernel, choices=["stacked", "gather"],
                    help="how the batched LoRA products run (bench/lora_bench.py compares them)")
+    g.add_argument("--lora-root", type=Path, default=None,
+                   help="adapters load only from under this directory (symlinks resolved; relative LoadAdapter "
+                        "paths are taken under it); default none: only --lora-modules load, and LoadAdapter is "
+                        "refused")
+    g.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras,
+                   help="adapters registered at once, their weights in host memory (default 32)")
     g = p.add_argument_group("graph cache")
     g.add_argument("--cudagraph-mode", default=d.cudagraph_mode, type=str.lower, choices=GRAPH_MODES,
                    help="full: a graph per uniform-decode batch; piecewise: per-layer graphs of any step, attention "

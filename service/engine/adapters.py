@@ -5,8 +5,10 @@ use it, *resident* in one of `max_loras` device slots (1..max_loras; slot 0 is t
 A sequence holds its adapter from submit to finish (`hold` / `unhold`: unload is refused meanwhile)
 and holds its slot from admission to release (`admit` / `release`). When more adapters are
 registered than there are slots, admission reuses the least recently used slot that no running
-sequence holds; if every slot is held, the sequence waits for one. Not thread-safe: only the engine
-thread calls it (admin operations arrive through Engine.call).
+sequence holds; if every slot is held, the sequence waits for one. At most `max_adapters` are
+registered (their weights take host memory). Not thread-safe: only the engine thread changes it
+(admin operations arrive through Engine.call); `count` and `in` are single reads, safe from the
+thread that reads adapter files, for a check before it reads.
 """
 
 from __future__ import annotations
@@ -30,6 +32,36 @@ class AdapterExists(AdapterError):
 
 class AdapterInUse(AdapterError):
     pass
+
+
+class InvalidAdapterName(AdapterError):
+    pass
+
+
+class AdapterLimit(AdapterError):
+    """As many adapters are registered as --max-cpu-loras allows."""
+
+
+class AdapterRootMissing(AdapterError):
+    """LoadAdapter on a server started without --lora-root."""
+
+    def __init__(self, message: str = "this server loads adapters only at start (--lora-modules); start it with "
+                                      "--lora-root DIR to load adapters from under DIR while serving") -> None:
+        super().__init__(message)  # one argument: it pickles back the same across the engine pipe
+
+
+# Names the per-adapter metric labels use for the base model and for adapters past the label cap
+# (service.telemetry.engine_metrics): an adapter may not take them.
+RESERVED_NAMES = frozenset({"base", "other"})
+
+
+def check_name(name: str) -> None:
+    """AdapterError unless `name` can name an adapter."""
+    if not name or not name.isprintable() or len(name) > 128:
+        raise InvalidAdapterName(f"adapter name {name[:140]!r} must be 1 to 128 printable characters")
+    if name.lower() in RESERVED_NAMES:
+        raise InvalidAdapterName(f"adapter name {name!r} is reserved (the metric labels use 'base' for the base model "
+                           "and 'other' for adapters past the label cap); pick another name")
 
 
 class AdaptersOff(AdapterError):
@@ -59,10 +91,10 @@ class AdapterInfo:
 
 
 class AdapterRegistry:
-    def __init__(self, max_loras: int, writer: SlotWriter) -> None:
+    def __init__(self, max_loras: int, writer: SlotWriter, max_adapters: int = 32) -> None:
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
-        self.max_loras = max_loras
+        self.max_loras, self.max_adapters = max_loras, max_adapters
         self.writer = writer
         self._adapters: dict[str, Any] = {}  # name -> LoraAdapter (host weights)
         self._holds: dict[str, int] = {}  # name -> streams submitted and not finished
@@ -74,14 +106,26 @@ class AdapterRegistry:
     def names(self) -> list[str]:
         return sorted(self._adapters)
 
+    @property
+    def count(self) -> int:
+        return len(self._adapters)
+
     def __contains__(self, name: str) -> bool:
         return name in self._adapters
 
+    def check_room(self, name: str) -> None:
+        """AdapterExists or AdapterLimit when `name` could not be registered now."""
+        existing = self._adapters.get(name)
+        if existing is not None:
+            raise AdapterExists(f"adapter {name!r} is already loaded (from {existing.path}); unload it first to "
+                                "replace it")
+        if len(self._adapters) >= self.max_adapters:
+            raise AdapterLimit(f"{len(self._adapters)} adapters are loaded, as many as --max-cpu-loras "
+                               f"{self.max_adapters} allows; unload one first")
+
     def register(self, adapter: Any) -> None:
         """Adds a read adapter (adapter.name, .path, .rank, .targets); not resident until used."""
-        if adapter.name in self._adapters:
-            raise AdapterExists(f"adapter {adapter.name!r} is already loaded (from {self._adapters[adapter.name].path});"
-                                " unload it first to replace it")
+        self.check_room(adapter.name)
         self._adapters[adapter.name] = adapter
         self._holds.setdefault(adapter.name, 0)
 

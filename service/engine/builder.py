@@ -15,7 +15,7 @@ import torch
 
 from cache_manager import CudaGraphMode, GraphCache, GraphCacheConfig, parse_capture_sizes
 from service.config import ServeConfig
-from service.engine.adapters import AdapterRegistry, AdaptersOff
+from service.engine.adapters import AdapterError, AdapterRegistry, AdapterRootMissing, AdaptersOff, check_name
 from service.engine.engine import Engine, EngineObserver, Publish, deliver
 from service.engine.ranks import start_ranks
 from service.engine.runner import ModelRunner
@@ -37,6 +37,7 @@ class LoadedRunner:
     max_seq_len: int  # the config's, capped by the model's context
     mode: CudaGraphMode  # NONE whenever the device is not CUDA
     adapters: AdapterRegistry | None = field(default=None)  # None: the server serves no adapters
+    lora_root: Path | None = None  # adapters load only from under it (None: --lora-modules only)
 
     @property
     def graphs(self) -> GraphCache:
@@ -46,14 +47,18 @@ class LoadedRunner:
     def lora_graphs(self) -> GraphCache | None:
         return self.runner.lora_graphs
 
-    def read_adapter(self, name: str, path: str | Path) -> LoraAdapter:
-        """Reads and checks an adapter's files (any thread: no device work). LoraError if they do not fit."""
+    def read_adapter(self, name: str, path: str | Path, remote: bool = False) -> LoraAdapter:
+        """Reads and checks an adapter's files (any thread: no device work). LoraError if they do not fit;
+        AdapterError when the name is taken, reserved or over --max-cpu-loras, checked before any file
+        is read. `remote` (LoadAdapter) needs --lora-root; every path must resolve under it."""
         if self.adapters is None:
             raise AdaptersOff()
-        if not name or not name.isprintable() or len(name) > 128:
-            raise LoraError(f"adapter name {name!r} must be 1 to 128 printable characters")
+        check_name(name)
+        if remote and self.lora_root is None:
+            raise AdapterRootMissing()
+        self.adapters.check_room(name)
         return read_adapter(name, path, self.loaded.spec, self.runner.lora.max_rank,
-                            pin=self.loaded.device.type == "cuda", dtype=self.loaded.dtype)
+                            pin=self.loaded.device.type == "cuda", dtype=self.loaded.dtype, root=self.lora_root)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -128,12 +133,12 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
     runner.warmup()
     if follower:
         runner.follow_graphs()
-    adapters = AdapterRegistry(c.lora_slots, runner.lora) if runner.lora is not None else None
-    lr = LoadedRunner(loaded, runner, max_seq_len, mode, adapters)
+    adapters = AdapterRegistry(c.lora_slots, runner.lora, c.max_cpu_loras) if runner.lora is not None else None
+    lr = LoadedRunner(loaded, runner, max_seq_len, mode, adapters, c.lora_root)
     for name, path in c.lora_module_paths():  # a bad adapter fails the start, naming its file
         try:
             adapters.register(lr.read_adapter(name, path))
-        except LoraError as exc:
+        except (LoraError, AdapterError) as exc:
             raise ModelLoadError(f"--lora-modules {name}={path}: {exc}") from None
     return lr
 

@@ -22,7 +22,7 @@ import structlog
 
 from service.engine.adapters import AdapterNotFound
 from service.engine.output import RequestOutput
-from service.engine.request import EngineError, Finish, GenerationRequest, RequestEvent
+from service.engine.request import AdapterGone, EngineError, Finish, GenerationRequest, RequestEvent
 from service.engine.scheduler import PrefillChunk, Scheduler
 from service.engine.sequence import Sequence, SequenceStatus
 
@@ -306,7 +306,7 @@ class Engine:
                 raise AdapterNotFound(f"adapter {name!r}: this server serves no adapters (start it with --max-loras)")
             adapters.hold(name)
         except AdapterNotFound as exc:
-            self._publish_safely([(sink, EngineError(str(exc)))])
+            self._publish_safely([(sink, AdapterGone(str(exc)))])
             return False
         return True
 

@@ -77,5 +77,11 @@ class EngineError:
     message: str
 
 
+@dataclass(frozen=True)
+class AdapterGone(EngineError):
+    """The request's adapter was unloaded after the request was accepted (an unload raced it): the
+    caller must load it again or pick another; retrying elsewhere does not help."""
+
+
 RequestEvent = TokenDelta | Finish | EngineError
 

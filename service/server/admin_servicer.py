@@ -26,9 +26,16 @@ from cache_manager import (
     GraphsUnavailableError,
     OpResult,
 )
-from service.engine.adapters import AdapterError, AdapterExists, AdapterInUse, AdapterNotFound
+from service.engine.adapters import (
+    AdapterError,
+    AdapterExists,
+    AdapterInUse,
+    AdapterLimit,
+    AdapterNotFound,
+    InvalidAdapterName,
+)
 from service.engine.rank_memory import RankMemory
-from service.model.lora import LoraError
+from service.model.lora import LoraError, LoraPathError
 from service.proto import admin_pb2, admin_pb2_grpc
 from service.server.engine_worker import LORA_SUFFIX
 
@@ -44,8 +51,11 @@ _ADAPTER_STATUS = (
     (AdapterNotFound, grpc.StatusCode.NOT_FOUND),
     (AdapterExists, grpc.StatusCode.ALREADY_EXISTS),
     (AdapterInUse, grpc.StatusCode.FAILED_PRECONDITION),  # streams use it: unload after they end
+    (AdapterLimit, grpc.StatusCode.RESOURCE_EXHAUSTED),  # --max-cpu-loras adapters are loaded
+    (InvalidAdapterName, grpc.StatusCode.INVALID_ARGUMENT),
+    (LoraPathError, grpc.StatusCode.PERMISSION_DENIED),  # outside --lora-root
     (LoraError, grpc.StatusCode.INVALID_ARGUMENT),  # the files do not fit
-    (AdapterError, grpc.StatusCode.FAILED_PRECONDITION),  # e.g. no adapter slots on this server
+    (AdapterError, grpc.StatusCode.FAILED_PRECONDITION),  # e.g. no adapter slots, or no --lora-root
 )
 
 _STATES = {
@@ -140,7 +150,10 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "give the adapter's name and the path of its PEFT directory on the server")
         adapters = await self._adapters(context)
-        info = await self._adapter_call(context, "load_adapter", lambda: adapters.load(request.name, request.path))
+        # On a thread of its own, not the one that runs admin calls one at a time: reading the files
+        # must not hold up the other admin calls (the engine process reads one adapter at a time).
+        info = await self._adapter_call(context, "load_adapter", lambda: adapters.load(request.name, request.path),
+                                        own_thread=True)
         log.info("admin_adapter_loaded", name=info.name, path=info.path, rank=info.rank)
         return _adapter_info(info)
 
@@ -164,9 +177,12 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server has no adapter registry")
         return adapters
 
-    async def _adapter_call(self, context: grpc.aio.ServicerContext, op: str, fn: Callable[[], Any]) -> Any:
+    async def _adapter_call(self, context: grpc.aio.ServicerContext, op: str, fn: Callable[[], Any],
+                            own_thread: bool = False) -> Any:
         """fn off the event loop, with the adapter errors as status codes that say what to change."""
         try:
+            if own_thread:
+                return await asyncio.to_thread(fn)
             return await asyncio.wrap_future(self.engine.call(fn))
         except (AdapterError, LoraError) as exc:
             code = next(c for kind, c in _ADAPTER_STATUS if isinstance(exc, kind))

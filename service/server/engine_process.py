@@ -303,7 +303,7 @@ class EngineProcess:
                 elif kind == FINISH:
                     pairs.append((sink, payload))
                 else:
-                    pairs.append((sink, EngineError(payload)))
+                    pairs.append((sink, payload if isinstance(payload, EngineError) else EngineError(payload)))
         if pairs:
             deliver(pairs)
 

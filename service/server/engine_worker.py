@@ -45,8 +45,9 @@ GRAPH_OPS = frozenset({"capture", "evict", "set_budget", "reset_stats", "persist
                        "used_bytes", "total_memory"})
 # Capture and evict kinds that name the LoRA graph cache's graphs ("full+lora", "piecewise+lora").
 LORA_SUFFIX = "+lora"
-# Adapter operations: the files are read on a thread of their own, the registry changes on the
-# engine thread between two steps (a load costs the engine one short call, not the disk read).
+# Adapter operations: a load's files are read on a thread of their own (one load at a time), the
+# registry changes on the engine thread between two steps (a load costs the engine one short call,
+# not the disk read).
 ADAPTER_OPS = frozenset({"load_adapter", "unload_adapter", "list_adapters"})
 
 _STATUS_INTERVAL_S = 0.2
@@ -146,8 +147,8 @@ class _Worker:
                 events.append((DELTA, sink.key, (event.token_ids, event.text)))
             elif isinstance(event, Finish):
                 events.append((FINISH, sink.key, event))
-            else:
-                events.append((ERROR, sink.key, event.message))
+            else:  # the EngineError itself: its type (AdapterGone) decides the status code
+                events.append((ERROR, sink.key, event))
         self.send((EVENTS, events), with_status=True)
 
     # ---- start --------------------------------------------------------------------------------
@@ -225,8 +226,10 @@ class _Worker:
             future = self.engine.call(lambda: self._graph_op(name, args))
             # The callback runs where the future completes: here, if the engine has stopped.
             future.add_done_callback(lambda f: self._reply_when_done(call_id, f))
-        elif name in ADAPTER_OPS:
+        elif name == "load_adapter":  # reads files: on its own thread, so list and unload never queue behind it
             self.adapter_reads.submit(self._adapter_op, call_id, name, args)
+        elif name in ADAPTER_OPS:  # only queues a call on the engine thread
+            self._adapter_op(call_id, name, args)
         else:
             self.replies.submit(self.send, (RESULT, call_id, False, ValueError(f"unknown engine call {name!r}")))
 
@@ -235,7 +238,7 @@ class _Worker:
         lr = self.runner
         try:
             if name == "load_adapter":
-                adapter = lr.read_adapter(*args)
+                adapter = lr.read_adapter(*args, remote=True)
                 future = self.engine.call(lambda: (lr.adapters.register(adapter), _info(lr, adapter.name))[1])
             elif lr.adapters is None:
                 from service.engine.adapters import AdaptersOff
@@ -248,7 +251,8 @@ class _Worker:
                 future = self.engine.call(lr.adapters.list)
         except Exception as exc:  # noqa: BLE001 - the caller gets it as its call's exception
             future = concurrent.futures.Future()
-            future.set_exception(exc)
+            # Without its traceback: the frames it holds (a refused adapter's tensors) go now, not at a gc.
+            future.set_exception(exc.with_traceback(None))
         future.add_done_callback(lambda f: self._reply_when_done(call_id, f))
 
     def _read(self, name: str, args: tuple) -> Any:

@@ -23,7 +23,15 @@ import grpc
 import structlog
 
 from service.engine.engine import EngineStopped
-from service.engine.request import EngineError, Finish, FinishReason, GenerationRequest, RequestEvent, TokenDelta
+from service.engine.request import (
+    AdapterGone,
+    EngineError,
+    Finish,
+    FinishReason,
+    GenerationRequest,
+    RequestEvent,
+    TokenDelta,
+)
 from service.server.validation import InvalidRequest, request_id_of
 
 log = structlog.get_logger("graphserve.server")
@@ -275,7 +283,9 @@ class Streams:
                     return
                 elif isinstance(event, EngineError):
                     finished = True
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, event.message)
+                    # An adapter unloaded after the check (a race): NOT_FOUND, retrying elsewhere won't help.
+                    code = grpc.StatusCode.NOT_FOUND if isinstance(event, AdapterGone) else grpc.StatusCode.UNAVAILABLE
+                    await context.abort(code, event.message)
         except _Stalled:
             finished, stalled = False, True
             log.warning("stream_stalled", request_id=request_id, seconds=self.admission.stream_stall_timeout)

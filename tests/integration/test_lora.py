@@ -81,7 +81,8 @@ def lora(model_cache_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     modules = ",".join(f"{n}={adapters[n]}" for n in ("sql", "chat", "poet"))
     # Two slots for three adapters: mixed batches also exercise taking turns on the slots.
     argv = ["--model-cache-dir", str(model_cache_dir), "--max-running-seqs", "8", "--max-seq-len", "256",
-            "--lora-modules", modules, "--max-loras", "2", "--max-lora-rank", "8", "--admin-token-file", str(token_file)]
+            "--lora-modules", modules, "--max-loras", "2", "--max-lora-rank", "8", "--admin-token-file", str(token_file),
+            "--lora-root", str(tmp_path_factory.getbasetemp())]  # every test's tmp_path is under it
     with running_server(argv) as server:
         yield Lora(server, model_dir, adapters, token_file)
 
@@ -189,17 +190,17 @@ def _broken(src: pathlib.Path, dst: pathlib.Path, change: str) -> pathlib.Path:
 
 
 @pytest.mark.parametrize("change, message", [
-    ("missing-weights", "adapter_model.safetensors is missing"),
+    ("missing-weights", "holds no readable adapter_model.safetensors"),
     ("corrupt-weights", "adapter_model.safetensors: not a readable safetensors file"),
     ("rank", "has rank 8 but"),
     ("target", "target_modules ['lm_head'] are not supported"),
     ("bad-json", "adapter_config.json: not valid JSON"),
-    ("not-utf8", "adapter_config.json: not valid JSON"),
+    ("not-utf8", "adapter_config.json: not UTF-8 text"),
     ("nan-alpha", "lora_alpha must be a finite positive number"),
     ("inf-alpha", "lora_alpha must be a finite positive number"),
-    ("inf-r", "r must be a finite positive number"),
-    ("huge-alpha", "overflow"),
-    ("nan-weights", "non-finite weights"),
+    ("inf-r", "r must be a positive integer, got inf"),
+    ("huge-alpha", "overflows float32"),
+    ("nan-weights", "lora_B holds NaN or inf"),
     ("list-rank-pattern", "rank_pattern must be an object"),
     ("invalid-regex", "is not a valid regular expression"),
 ])
@@ -239,7 +240,7 @@ def test_adapter_above_max_rank_and_from_another_model_are_refused(lora: Lora, t
     tensors[key] = tensors[key][:-1].contiguous()
     save_file(tensors, other / "adapter_model.safetensors")
     with pytest.raises(grpc.RpcError) as err:
-        lora.admin.LoadAdapter(admin_pb2.LoadAdapterRequest(name="other", path=str(other)), metadata=lora.auth(),
+        lora.admin.LoadAdapter(admin_pb2.LoadAdapterRequest(name="another-model", path=str(other)), metadata=lora.auth(),
                                timeout=60)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "do not fit the base projection" in err.value.details() and "o_proj" in err.value.details()
@@ -320,7 +321,7 @@ def test_a_bad_adapter_at_start_fails_the_start_naming_the_file(model_cache_dir,
     server = ServerThread(["--model-cache-dir", str(model_cache_dir), "--max-running-seqs", "4", "--max-seq-len", "128",
                            "--lora-modules", f"bad={bad}"])
     try:
-        with pytest.raises(ModelLoadError, match=r"--lora-modules bad=.*adapter_model.safetensors is missing"):
+        with pytest.raises(ModelLoadError, match=r"--lora-modules bad=.*holds no readable adapter_model.safetensors"):
             server.start()
     finally:
         server.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -192,3 +193,216 @@ def test_request_adapters_name_the_adapters_of_running_and_of_waiting_streams() 
     assert reg.request_adapters() == ([], ["b"])  # a stays resident but runs nothing
     assert reg.admit("b") == 1
     assert reg.request_adapters() == (["b"], [])
+
+
+def _with_config(src: pathlib.Path, dst: pathlib.Path, **changes: object) -> pathlib.Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "adapter_config.json").read_text())
+    config.update(changes)
+    (dst / "adapter_config.json").write_text(json.dumps(config))  # NaN and Infinity as Python writes them
+    return dst
+
+
+@pytest.fixture(scope="module")
+def small_adapter(model_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    from tests.support.lora import make_adapter
+
+    return make_adapter(model_dir, tmp_path_factory.mktemp("small") / "a", seed=11, r=4, alpha=8,
+                        targets=["q_proj", "v_proj"])
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"lora_alpha": float("nan")}, "lora_alpha must be a finite positive number, got nan"),
+    ({"lora_alpha": float("inf")}, "lora_alpha must be a finite positive number, got inf"),
+    ({"r": float("inf")}, "r must be a positive integer, got inf"),
+    ({"r": True}, "r must be a positive integer"),
+    ({"rank_pattern": ["q_proj"]}, "rank_pattern must be an object mapping module patterns to a positive integer "
+                                   "ranks, got a list"),
+    ({"alpha_pattern": {"q_proj": float("nan")}}, r"alpha_pattern\['q_proj'\] must be a finite positive alpha"),
+    ({"target_modules": "(q_proj"}, r"target_modules '\(q_proj' is not a valid regular expression"),
+    ({"rank_pattern": {"[": 4}}, r"rank_pattern key '\[' '\[' is not a valid regular expression"),
+    ({"use_rslora": "yes"}, "use_rslora must be true or false"),
+])
+def test_malformed_configs_are_refused_naming_the_field(model_dir, small_adapter, tmp_path, changes, message) -> None:
+    from service.model.loader import read_model_spec
+    from service.model.lora import LoraError, read_adapter
+
+    path = _with_config(small_adapter, tmp_path / "bad", **changes)
+    with pytest.raises(LoraError, match=message):
+        read_adapter("bad", path, read_model_spec(str(model_dir)), 8)
+
+
+def test_non_utf8_and_deeply_nested_configs_are_refused(model_dir, small_adapter, tmp_path) -> None:
+    import shutil
+
+    from service.model.loader import read_model_spec
+    from service.model.lora import LoraError, read_adapter
+
+    spec = read_model_spec(str(model_dir))
+    path = tmp_path / "bad"
+    shutil.copytree(small_adapter, path)
+    for text, message in [(b'{"r": "\xff"}', "adapter_config.json: not UTF-8 text"),
+                          (b"[" * 100_000 + b"]" * 100_000, "adapter_config.json: not valid JSON"),
+                          (b'{"r": ' + b"9" * 5000 + b"}", "adapter_config.json: not valid JSON")]:
+        (path / "adapter_config.json").write_bytes(text)
+        with pytest.raises(LoraError, match=message):
+            read_adapter("bad", path, spec, 8)
+
+
+def test_regexes_match_as_peft_in_linear_time(model_dir, small_adapter, tmp_path) -> None:
+    """PEFT allows regexes; RE2 matches them in linear time, so one that backtracks for hours in
+    Python's re costs milliseconds; names, suffixes and ordinary regexes match as PEFT's do."""
+    import time
+
+    from service.model.loader import read_model_spec
+    from service.model.lora import LoraError, read_adapter
+    from service.model.lora_patterns import Pattern, match_patterns
+
+    spec = read_model_spec(str(model_dir))
+    names = [f"model.layers.{i}.{o}.{t}" for i in range(2) for o in ("self_attn", "mlp") for t in ("q_proj", "v_proj")]
+    for text, mode in [(r".*\.(q|v)_proj", "full"), ("q_proj", "suffix"), ("q.proj", "suffix"),
+                       ("layers.1.self_attn.q_proj", "suffix"), (r"layers\.1\..*", "suffix"), ("proj", "suffix")]:
+        rx = re.compile(text if mode == "full" else rf"(.*\.)?({text})$")
+        match = rx.fullmatch if mode == "full" else rx.match
+        assert match_patterns([Pattern("f", text, mode)], names)[0] == {n for n in names if match(n)}, text
+    start = time.monotonic()
+    path = _with_config(small_adapter, tmp_path / "slow", rank_pattern={"(.*.*)*X": 2})
+    assert read_adapter("slow", path, spec, 8).rank == 4  # the pattern matches no module: r applies
+    with pytest.raises(LoraError, match=r"target_modules '\(\.\*\.\*\)\*X' matches none"):
+        read_adapter("slow", _with_config(small_adapter, tmp_path / "slow2", target_modules="(.*.*)*X"), spec, 8)
+    assert time.monotonic() - start < 1.0
+    with pytest.raises(LoraError, match=r"target_modules .* is not a valid regular expression \(invalid escape"):
+        read_adapter("br", _with_config(small_adapter, tmp_path / "br", target_modules=r"(a)\1"), spec, 8)
+    path = _with_config(small_adapter, tmp_path / "ok", target_modules=r".*\.(q|v)_proj",
+                        rank_pattern={"layers\\.1\\..*": 4, "q.proj": 4})
+    assert read_adapter("ok", path, spec, 8).targets == ("q_proj", "v_proj")
+
+
+def _write_safetensors(path: pathlib.Path, header: dict, data_bytes: int = 0, sparse_size: int | None = None) -> None:
+    blob = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        if sparse_size is not None:
+            f.truncate(sparse_size)  # a hole: no disk used, reads as zeros
+        else:
+            f.write(b"\0" * data_bytes)
+
+
+def test_weights_are_checked_before_they_are_read(model_dir, small_adapter, tmp_path) -> None:
+    """A file larger than such an adapter can be, a tensor of the wrong shape or dtype, overlapping or
+    unused bytes: refused from the header alone (the data here is a sparse hole of gigabytes)."""
+    import shutil
+
+    from service.model.loader import read_model_spec
+    from service.model.lora import LoraError, read_adapter
+
+    spec = read_model_spec(str(model_dir))
+    path = tmp_path / "bad"
+    shutil.copytree(small_adapter, path)
+    weights = path / "adapter_model.safetensors"
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    h, q = spec.hidden_size, spec.num_heads * spec.head_dim
+    huge = 1 << 31
+    for header, size, message in [
+        ({key.format("A"): {"dtype": "F32", "shape": [4, h], "data_offsets": [0, 16 * h]}}, huge,
+         "more than an adapter of this model at rank <= 8 can hold"),
+        ({key.format("A"): {"dtype": "F32", "shape": [4, 1 << 27], "data_offsets": [0, 1 << 31]}}, None,
+         "do not hold a F32 tensor"),
+        ({key.format("A"): {"dtype": "I64", "shape": [4, h], "data_offsets": [0, 32 * h]}}, None, "has dtype 'I64'"),
+        ({key.format("A"): {"dtype": "F32", "shape": [4, h], "data_offsets": [0, 16 * h]},
+          key.format("B"): {"dtype": "F32", "shape": [q, 4], "data_offsets": [0, 16 * q]}}, None, "tensors overlap"),
+        ({key.format("A"): {"dtype": "F32", "shape": [4, h + 1], "data_offsets": [0, 16 * (h + 1)]},
+          key.format("B"): {"dtype": "F32", "shape": [q, 4], "data_offsets": [16 * (h + 1), 16 * (h + 1 + q)]}},
+         None, "do not fit the base projection"),
+    ]:
+        ends = [m["data_offsets"][1] for m in header.values()]
+        _write_safetensors(weights, header, max(ends) if size is None and max(ends) < 1 << 24 else 0, size)
+        with pytest.raises(LoraError, match=message):
+            read_adapter("bad", path, spec, 8)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused(model_dir, small_adapter, tmp_path, poison) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from service.model.loader import read_model_spec
+    from service.model.lora import LoraError, read_adapter
+
+    spec = read_model_spec(str(model_dir))
+    for which in ("lora_A", "lora_B"):
+        path = tmp_path / which
+        shutil.copytree(small_adapter, path)
+        tensors = load_file(path / "adapter_model.safetensors")
+        name = next(k for k in sorted(tensors) if which in k and "layers.1." in k)
+        tensors[name][0, 0] = poison
+        save_file(tensors, path / "adapter_model.safetensors")
+        with pytest.raises(LoraError, match=rf"model.layers.1.self_attn.\w+: {which} holds NaN or inf"):
+            read_adapter("bad", path, spec, 8)
+    # Finite in float32, but not once the scale is folded in and the model's dtype is float16.
+    path = tmp_path / "big"
+    shutil.copytree(small_adapter, path)
+    tensors = load_file(path / "adapter_model.safetensors")
+    name = next(k for k in sorted(tensors) if "lora_B" in k)
+    tensors[name][0, 0] = 60000.0
+    save_file(tensors, path / "adapter_model.safetensors")
+    with pytest.raises(LoraError, match=r"lora_B x scale 2 overflows float16"):
+        read_adapter("big", path, spec, 8, dtype=torch.float16)
+
+
+def test_paths_outside_the_root_are_refused_alike(model_dir, small_adapter, tmp_path) -> None:
+    """Under a root, a path that resolves outside it (through .. or a symlink) is refused whether it
+    exists or not; inside it, a missing directory and a missing file read the same."""
+    import shutil
+
+    from service.model.loader import read_model_spec
+    from service.model.lora import LoraError, LoraPathError, read_adapter
+
+    spec = read_model_spec(str(model_dir))
+    root = tmp_path / "root"
+    shutil.copytree(small_adapter, root / "good")
+    (root / "link").symlink_to(small_adapter)  # a real adapter, but outside the root
+    (root / "half").mkdir()
+    (root / "half" / "adapter_config.json").symlink_to(small_adapter / "adapter_config.json")
+    assert read_adapter("good", "good", spec, 8, root=root).path == "good"  # relative: under the root
+    assert read_adapter("good", root / "good", spec, 8, root=root).rank == 4
+    for outside in (small_adapter, root / "link", root / ".." / "root" / ".." / "x", "/etc", "/nonexistent/x"):
+        with pytest.raises(LoraPathError, match=r"is outside --lora-root") as err:
+            read_adapter("x", outside, spec, 8, root=root)
+        assert str(small_adapter) not in str(err.value) or outside == small_adapter
+    with pytest.raises(LoraPathError, match=r"half/adapter_config.json is outside --lora-root"):
+        read_adapter("x", root / "half", spec, 8, root=root)
+    messages = set()
+    for missing in ("nope", "half/nope"):
+        with pytest.raises(LoraError) as err:
+            read_adapter("x", root / missing, spec, 8, root=root)
+        messages.add(str(err.value).replace(missing, "<p>"))
+    assert len(messages) == 1 and "holds no readable adapter_config.json" in messages.pop()
+
+
+def test_a_nan_in_one_slot_never_reaches_a_row_of_another() -> None:
+    """The LoRA products keep rows apart: NaN in one slot's A (either kernel) or B (gather, which
+    reads only each row's slot) leaves every row of the other slots, base rows included, as it was.
+    The stacked kernel's expand multiplies the other slots' B by exact zeros, so it relies on slots
+    holding finite values, which read_adapter guarantees (test_non_finite_weights_are_refused)."""
+    from service.model.lora import LoraTokens, add_lora
+
+    gen = torch.Generator().manual_seed(1)
+    num_slots, rank, n_in, n_out = 4, 8, 32, 24
+    a = torch.randn(num_slots, rank, n_in, generator=gen)
+    b = torch.randn(n_out, num_slots, rank, generator=gen)
+    a[0], b[:, 0] = 0, 0
+    x = torch.randn(6, n_in, generator=gen)
+    slots = torch.tensor([0, 1, 2, 3, 1, 0])
+    tokens = LoraTokens(slots, slots[:, None] != torch.arange(num_slots)[None, :])
+    others = slots != 2
+    for kernel, poisoned in [("stacked", "a"), ("gather", "a"), ("gather", "b")]:
+        clean = add_lora(torch.zeros(6, n_out), x, tokens, a, b, kernel)
+        bad_a, bad_b = a.clone(), b.clone()
+        (bad_a[2] if poisoned == "a" else bad_b[:, 2]).fill_(float("nan"))
+        out = add_lora(torch.zeros(6, n_out), x, tokens, bad_a, bad_b, kernel)
+        assert torch.equal(out[others], clean[others]), (kernel, poisoned)
+        assert out[~others].isnan().all()

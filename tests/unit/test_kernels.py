@@ -169,6 +169,25 @@ def test_cpu_model_uses_the_torch_path():
     assert not any(vars(random_model(spec()).fast).values())
 
 
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
+def test_decode_attention_never_reads_a_slot_past_the_row_position(poison):
+    """A KV slot whose positions past a row's own hold NaN or inf (left by an earlier sequence there)
+    gives the same attention as a clean slot: masked positions are selected away, not biased by -inf."""
+    from service.model.kernels.decode_attention import decode_attention_torch
+
+    gen = torch.Generator().manual_seed(3)
+    b, h, kvh, t, d = 3, 4, 2, 40, 16
+    q = torch.randn(b, h, d, generator=gen)
+    k, v = (torch.randn(4, kvh, t, d, generator=gen) for _ in range(2))
+    slot_ids, positions = torch.tensor([1, 2, 3]), torch.tensor([0, 17, 39])
+    clean = decode_attention_torch(q, k, v, slot_ids, positions)
+    for cache in (k, v):
+        cache[1, :, 1:] = poison  # past every row's position in its slot
+        cache[2, :, 18:] = poison
+    poisoned = decode_attention_torch(q, k, v, slot_ids, positions)
+    assert torch.isfinite(poisoned).all() and torch.equal(poisoned, clean)
+
+
 # ---- Triton kernels under the interpreter ------------------------------------------------------
 
 INTERPRETER_CHECKS = """
@@ -188,6 +207,16 @@ fp.check_attention(cpu, dt, 8, 2, 64, batch=4, max_seq_len=150, num_splits=1)
 fp.check_attention(cpu, dt, 8, 2, 64, batch=4, max_seq_len=150, num_splits=3, seed=1)
 fp.check_attention(cpu, dt, 4, 4, 32, batch=2, max_seq_len=70, num_splits=2)   # MHA
 fp.check_attention(cpu, dt, 6, 1, 24, batch=1, max_seq_len=64, num_splits=1)   # head_dim not a power of two
+# NaN in a slot past a row's position (a stale earlier sequence) never reaches the row.
+from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton
+g = torch.Generator().manual_seed(5)
+q, k, v = torch.randn(2, 4, 16, generator=g).to(dt), *(torch.randn(3, 2, 150, 16, generator=g).to(dt) for _ in range(2))
+slots, pos = torch.tensor([1, 2]), torch.tensor([10, 70])
+ref = decode_attention_torch(q.float(), k.float(), v.float(), slots, pos)
+k[1, :, 11:], v[1, :, 11:], k[2, :, 71:], v[2, :, 71:] = (float("nan"),) * 4
+for splits in (1, 3):
+    out = decode_attention_triton(q, k, v, slots, pos, num_splits=splits)
+    assert torch.isfinite(out).all() and torch.allclose(out.float(), ref, atol=2e-2), splits
 
 # The whole decode step wired through every kernel vs the torch path, on the same weights and cache.
 from service.model.kernels import FastPath

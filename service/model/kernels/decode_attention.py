@@ -1,11 +1,14 @@
 """Decode attention: one query token per row against the filled part of its own KV slot.
 
-`decode_attention_torch` gathers whole slots and masks (the CPU path and the reference);
-`decode_attention_triton` is flash-decoding: a grid over (row, kv head, split of the sequence)
-reads only positions [0, positions[i]] of row i, the query heads of one kv head share its loads
-(GQA), and the softmax runs online in float32. Lengths come from the `positions` tensor, so both
-are graph-safe (fixed grid, no host syncs). The number of splits follows the batch by default;
-the batch-invariant mode fixes the split's length by the cache length (`fixed_split_len`).
+`decode_attention_torch` gathers whole slots and masks (the CPU path and the reference): the
+positions past a row's own are selected away (zeroed) before any product, never only given a -inf
+bias, so a stale NaN or inf that an earlier sequence left in the slot cannot reach the row (0 x NaN
+and NaN - inf are NaN). `decode_attention_triton` is flash-decoding: a grid over (row, kv head,
+split of the sequence) loads only positions [0, positions[i]] of row i (the others as 0), the
+query heads of one kv head share its loads (GQA), and the softmax runs online in float32. Lengths
+come from the `positions` tensor, so both are graph-safe (fixed grid, no host syncs). The number
+of splits follows the batch by default; the batch-invariant mode fixes the split's length by the
+cache length (`fixed_split_len`).
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ def decode_attention_torch(
     """q: [B, H, D]; k_cache, v_cache: [num_slots + 1, KVH, T, D]; slot_ids, positions: [B] long -> [B, H * D]."""
     b, h, d = q.shape
     kvh, t = k_cache.shape[1], k_cache.shape[2]
-    k = k_cache.index_select(0, slot_ids)  # [B, KVH, T, D]
-    v = v_cache.index_select(0, slot_ids)
     visible = torch.arange(t, device=q.device)[None, :] <= positions[:, None]  # [B, T]
+    hidden = ~visible[:, None, :, None]  # [B, 1, T, 1]
+    k = k_cache.index_select(0, slot_ids).masked_fill_(hidden, 0)  # [B, KVH, T, D], stale positions zeroed
+    v = v_cache.index_select(0, slot_ids).masked_fill_(hidden, 0)
     qg = q.view(b, kvh, h // kvh, d)  # GQA: the query heads of one kv head share its keys
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=visible[:, None, None, :])  # [B, KVH, G, D]
     return out.reshape(b, h * d)
