@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from service.proto import inference_pb2
+from service.proto import inference_pb2, inference_pb2_grpc
 from tests.support.server import generate, greedy, running_server
 
 
@@ -34,7 +34,9 @@ def test_full_queue_is_resource_exhausted_and_queued_work_completes(small_server
     results: dict[str, object] = {}
 
     def run(name: str, tokens: int) -> None:
-        results[name] = generate(stub, **greedy("Once upon a time", tokens))[1]
+        # A connection each: a connection may hold at most half of --max-concurrent-streams (here 1).
+        channel = grpc.insecure_channel(small_server.address, options=[("grpc.use_local_subchannel_pool", 1)])
+        results[name] = generate(inference_pb2_grpc.InferenceStub(channel), **greedy("Once upon a time", tokens))[1]
 
     long_one = threading.Thread(target=run, args=("running", 600))
     long_one.start()
