@@ -223,8 +223,8 @@ def test_names_of_the_metric_labels_are_refused(hostile: Hostile, name: str) -> 
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "is reserved (the metric labels" in err.details()
 
 
-def test_lora_root_is_enforced_and_errors_do_not_reveal_the_filesystem(hostile: Hostile,
-                                                                      tmp_path: pathlib.Path) -> None:
+def test_lora_root_is_enforced_and_errors_do_not_reveal_the_filesystem(hostile: Hostile, tmp_path: pathlib.Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
     outside = shutil.copytree(hostile.good, tmp_path / "outside")
     (hostile.root / "escape").symlink_to(outside)
     details = set()
@@ -235,6 +235,15 @@ def test_lora_root_is_enforced_and_errors_do_not_reveal_the_filesystem(hostile: 
     assert len(details) == 1  # existing or not, a directory or not: the same answer
     missing = {hostile.refused("nope", hostile.root / p).details().replace(p, "<p>") for p in ("none", "good/none")}
     assert len(missing) == 1 and "holds no readable adapter_config.json" in missing.pop()
+    from service import graphctl  # as README shows it
+
+    capsys.readouterr()
+    code = graphctl.main(["--target", f"127.0.0.1:{hostile.server.app.admin_port}", "--token-file",
+                          str(hostile.root.parent / "hostile-token"), "load-adapter", "x", "/etc"])
+    assert code == graphctl.EXIT_REFUSED
+    assert capsys.readouterr().err.strip() == ("graphctl: load-adapter refused (PERMISSION_DENIED): load_adapter: "
+                                               "adapter 'x': /etc is outside --lora-root; adapters load only from "
+                                               "under it")
 
 
 def test_a_generate_racing_its_adapters_unload_is_not_found(hostile: Hostile) -> None:
