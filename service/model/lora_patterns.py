@@ -39,15 +39,10 @@ class Pattern:
 def match_patterns(patterns: list[Pattern], names: list[str]) -> list[set[str]]:
     """For each pattern, the names it matches (PEFT's semantics); PatternError naming the pattern's
     field when one is too long or not a valid regular expression."""
-    import re2
-
     regex_chars = sum(len(p.text) for p in patterns if p.mode != "name")
     if regex_chars > MAX_REGEX_CHARS:
         raise PatternError(f"the regular expressions of target_modules, rank_pattern and alpha_pattern hold "
                            f"{regex_chars} characters; at most {MAX_REGEX_CHARS}")
-    options = re2.Options()
-    options.max_mem = _RE2_MAX_MEM
-    options.log_errors = False  # the refusal says why; RE2 would also print it on stderr
     found = []
     for p in patterns:
         if len(p.text) > MAX_PATTERN_CHARS:
@@ -55,6 +50,11 @@ def match_patterns(patterns: list[Pattern], names: list[str]) -> list[set[str]]:
         if p.mode == "name":
             found.append({n for n in names if n == p.text or n.endswith(f".{p.text}")})
             continue
+        import re2  # only for a config with regexes
+
+        options = re2.Options()
+        options.max_mem = _RE2_MAX_MEM
+        options.log_errors = False  # the refusal says why; RE2 would also print it on stderr
         try:
             rx = re2.compile(p.text if p.mode == "full" else rf"(?:.*\.)?(?:{p.text})", options)
         except re2.error as exc:
