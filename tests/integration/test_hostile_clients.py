@@ -88,11 +88,13 @@ def test_by_default_one_connection_gets_at_most_half_the_streams(start) -> None:
 
 
 def test_a_stream_whose_client_reads_nothing_is_aborted_after_the_stall_timeout(start) -> None:  # noqa: ANN001
-    server = start("--max-concurrent-streams", "2", "--stream-stall-timeout", "4")
-    hostile = StallingClient(server.address)
+    # Two connections of two streams each: a connection may hold at most half of --max-concurrent-streams.
+    server = start("--max-concurrent-streams", "4", "--stream-stall-timeout", "4")
+    hostile, second = StallingClient(server.address), StallingClient(server.address)
     try:
-        streams = [hostile.start_call(GENERATE, long_request(100)) for _ in range(2)]
-        assert wait_until(lambda: len(server.app.streams.active) == 2, 10)
+        streams = [c.start_call(GENERATE, long_request(100)) for c in (hostile, hostile)]
+        others = [c.start_call(GENERATE, long_request(100)) for c in (second, second)]
+        assert wait_until(lambda: len(server.app.streams.active) == 4, 10)
         with pytest.raises(grpc.RpcError) as info:
             generate(server.stub(), **greedy("blocked for now", 4))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -101,11 +103,14 @@ def test_a_stream_whose_client_reads_nothing_is_aborted_after_the_stall_timeout(
         _, finished = generate(server.stub(), **greedy("served again", 4))
         assert finished.usage.completion_tokens == 4
         assert wait_until(lambda: server.app.engine.num_running == 0, 10)
-        assert metric(server, "graphserve_requests_rejected_total", reason="stream_stalled") == 2
+        assert metric(server, "graphserve_requests_rejected_total", reason="stream_stalled") == 4
         hostile.pump(0.5)
+        second.pump(0.5)
         assert all(hostile.status_of(s) is None or hostile.status_of(s)["grpc-status"] != "0" for s in streams)
+        assert all(second.status_of(s) is None or second.status_of(s)["grpc-status"] != "0" for s in others)
     finally:
         hostile.close()
+        second.close()
 
 
 def test_an_unread_stream_stops_generating_at_the_backlog_bound(start) -> None:  # noqa: ANN001
