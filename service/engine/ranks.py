@@ -22,18 +22,30 @@ Operations decided between steps (warm start, graphctl) go out in a message with
 other ranks publish the bytes their graphs hold to the group's store (rank_memory.py), where rank 0
 reads them for the admin state.
 
-A rank that dies ends the engine: rank 0 watches the other processes and fails its next step (the
-engine then fails every stream and the server exits as on any engine failure); collectives with a
-dead peer raise (gloo) or time out; a rank whose rank 0 is gone exits.
+A rank that dies or hangs ends the engine: rank 0 watches the other processes and fails its next
+step (the engine then fails every stream and the server exits as on any engine failure);
+collectives with a dead peer raise (gloo) or time out. Every other rank sets a heartbeat in the
+store each second from a thread of its own; one that misses them for `--watchdog-timeout` (a
+stopped process, an interpreter that never lets go of the GIL) is killed and counts as dead, so a
+stuck collective ends in seconds, not at the collective timeout. A rank whose rank 0 is gone exits:
+the kernel kills it (a parent-death signal, which reaches a stopped process too) and a watch thread
+checks its parent as well.
+
+Nothing listens beyond loopback: rank 0's store listens on a socket bound to 127.0.0.1, and gloo
+(the step channel, and CPU collectives) binds the loopback interface unless GLOO_SOCKET_IFNAME says
+otherwise. The ranks share one host.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import os
 import pathlib
 import pickle
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -56,6 +68,8 @@ _COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 # The step channel waits for the next step however long the server is idle.
 _IDLE_TIMEOUT = datetime.timedelta(days=3650)
 _WATCH_INTERVAL_S = 0.2
+_BEAT_INTERVAL_S = 1.0
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class RankDied(RuntimeError):
@@ -70,14 +84,37 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank)
 
 
-def group_store(rank: int, world_size: int, port: int) -> Any:
-    """The group's TCPStore (rank 0 hosts it on `port`, the others connect), with this rank marked
-    as started. It also carries the ranks' graph memory (service.engine.rank_memory)."""
+def host_store(world_size: int, port: int = 0) -> Any:
+    """Rank 0: the group's TCPStore, listening on a loopback socket (port 0: a free one). It also
+    carries the ranks' heartbeats and graph memory (service.engine.rank_memory)."""
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=_COLLECTIVE_TIMEOUT)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    # The store owns the descriptor from here on: detach it so that Python never closes it.
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=_COLLECTIVE_TIMEOUT,
+                         wait_for_workers=False, master_listen_fd=listener.detach())
+
+
+def group_store(rank: int, world_size: int, port: int) -> Any:
+    """The group's TCPStore (rank 0 hosts it on `port`, the others connect), with this rank marked
+    as started."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        store = host_store(world_size, port)
+    else:
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=_COLLECTIVE_TIMEOUT)
     store.set(_joined_key(rank), "1")
     return store
+
+
+def bind_gloo_to_loopback() -> None:
+    """Gloo listens on the interface of the host name unless told otherwise: every rank is on this
+    host, so it listens on loopback (an operator's GLOO_SOCKET_IFNAME wins)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
 def join_group(rank: int, world_size: int, port: int, device: torch.device,
@@ -86,6 +123,7 @@ def join_group(rank: int, world_size: int, port: int, device: torch.device,
     TensorParallel (the model's collectives) and the gloo group of the step channel."""
     import torch.distributed as dist
 
+    bind_gloo_to_loopback()
     if store is None:
         store = group_store(rank, world_size, port)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -99,13 +137,19 @@ def join_group(rank: int, world_size: int, port: int, device: torch.device,
 class Ranks:
     """Rank 0's side: the other ranks' processes, the step channel, and a watch on their lives."""
 
-    def __init__(self, procs: list[subprocess.Popen], channel: StepChannel, store: Any) -> None:
+    def __init__(self, procs: list[subprocess.Popen], channel: StepChannel, store: Any,
+                 hang_timeout_s: float) -> None:
+        import torch.distributed as dist
+
         self.procs = procs
         self.channel = channel
         self.store = store  # rank 0 hosts the group's store: it lives as long as the group
+        self.hang_timeout_s = hang_timeout_s  # a rank without a heartbeat this long is killed
         self.dead: str | None = None  # which rank died and how, once one has
         self.on_death: Callable[[], None] | None = None  # e.g. wake the engine so it fails now
         self._closing = False
+        # The watch reads heartbeats on a connection of its own: the store's is the engine thread's.
+        self._beats = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=_COLLECTIVE_TIMEOUT)
         self._watch = threading.Thread(target=self._watch_loop, name="graphserve-ranks-watch", daemon=True)
         self._watch.start()
 
@@ -128,6 +172,8 @@ class Ranks:
         so this waits up to wait_s for it), else exc."""
         deadline = time.monotonic() + wait_s
         while True:
+            if self.dead is not None:  # the watch's reason says more than an exit code (a hung rank killed)
+                return RankDied(self.dead)
             for rank, p in enumerate(self.procs, start=1):
                 if p.poll() is not None:
                     return RankDied(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.returncode}")
@@ -136,16 +182,45 @@ class Ranks:
             time.sleep(0.02)
 
     def _watch_loop(self) -> None:
+        keys = [_beat_key(rank) for rank in range(1, len(self.procs) + 1)]
+        seen = [b""] * len(self.procs)
+        changed = [time.monotonic()] * len(self.procs)
         while not self._closing:
-            for rank, p in enumerate(self.procs, start=1):
+            now = time.monotonic()
+            for i, p in enumerate(self.procs):
+                rank = i + 1
                 code = p.poll()
-                if code is not None and not self._closing:
-                    self.dead = f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {code}"
-                    log.error("rank_died", rank=rank, pid=p.pid, exit_code=code)
-                    if self.on_death is not None:
-                        self.on_death()
+                if code is not None:
+                    self._died(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {code}",
+                               rank=rank, pid=p.pid, exit_code=code)
+                    return
+                beat = self._beats.get(keys[i]) if self._beats.check([keys[i]]) else b""
+                if beat != seen[i]:
+                    seen[i], changed[i] = beat, now
+                elif now - changed[i] > self.hang_timeout_s:
+                    self._died(f"tensor-parallel rank {rank} (pid {p.pid}) sent no heartbeat for "
+                               f"{now - changed[i]:.0f} s (--watchdog-timeout {self.hang_timeout_s:g}): "
+                               "it was stopped or hung, and was killed", rank=rank, pid=p.pid, hung=True)
                     return
             time.sleep(_WATCH_INTERVAL_S)
+
+    def _died(self, reason: str, **fields: Any) -> None:
+        if self._closing:
+            return
+        self.dead = reason  # before a kill: a step failing of it reports this reason (explain)
+        if fields.get("hung"):
+            process = self.procs[fields["rank"] - 1]
+            process.kill()  # a stopped process dies of SIGKILL too; its sockets close, so collectives fail
+            process.wait()
+        log.error("rank_died", reason=reason, **fields)
+        if self.on_death is not None:
+            self.on_death()
+
+    def kill(self) -> None:
+        """Kill every other rank at once (this process is about to exit without a stop)."""
+        self._closing = True
+        for p in self.procs:
+            p.kill()
 
     def close(self, send_stop: bool, timeout: float = 10.0) -> None:
         """Stop the other ranks (a stop message when the channel is free, else a kill) and leave the group."""
@@ -181,14 +256,18 @@ def start_ranks(c: Any, device: torch.device) -> tuple[Ranks, TensorParallel, to
     if device.type == "cuda" and torch.cuda.device_count() < n:
         raise RuntimeError(f"--tensor-parallel-size {n} needs {n} GPUs; {torch.cuda.device_count()} are visible")
     device = rank_device(device, 0)
-    store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, timeout=_COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    bind_gloo_to_loopback()
+    store = host_store(n)
     root = str(pathlib.Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     payload = pickle.dumps((c, str(device.type)))
+    # The parent-death signal fires when the thread that started the process ends: only the main
+    # thread (the engine process's, or an LLM built on it) lives as long as the ranks must.
+    pdeathsig = int(threading.current_thread() is threading.main_thread())
     procs = []
     for rank in range(1, n):
         p = subprocess.Popen([sys.executable, "-m", "service.engine.ranks", str(rank), str(n), str(store.port),
-                              str(os.getpid())], stdin=subprocess.PIPE, env=env, cwd=root)
+                              str(os.getpid()), str(pdeathsig)], stdin=subprocess.PIPE, env=env, cwd=root)
         assert p.stdin is not None
         with contextlib.suppress(BrokenPipeError):  # it exited already: _wait_for_ranks says so
             p.stdin.write(payload)
@@ -204,7 +283,7 @@ def start_ranks(c: Any, device: torch.device) -> tuple[Ranks, TensorParallel, to
             p.kill()
         raise
     channel = StepChannel(channel_group, StepInputs.capacity(c.max_running_seqs, c.max_num_batched_tokens))
-    return Ranks(procs, channel, store), tp, device
+    return Ranks(procs, channel, store, c.watchdog_timeout), tp, device
 
 
 def _wait_for_ranks(store: Any, procs: list[subprocess.Popen]) -> None:
@@ -226,10 +305,34 @@ def _joined_key(rank: int) -> str:
     return f"graphserve/rank{rank}/started"
 
 
+def _beat_key(rank: int) -> str:
+    return f"graphserve/rank{rank}/beat"
+
+
 def _exit_when_orphaned(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(0.5)
     os._exit(1)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: SIGKILL from the kernel when the parent's thread that started this process ends."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # it ended before the signal was armed
+        os._exit(1)
+
+
+def _beat(rank: int, port: int) -> None:
+    """Sets this rank's heartbeat each second, on a store connection of its own."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_COLLECTIVE_TIMEOUT)
+    count = 0
+    while True:
+        count += 1
+        store.set(_beat_key(rank), str(count))
+        time.sleep(_BEAT_INTERVAL_S)
 
 
 def follow(rank: int, world_size: int, port: int, c: Any, device_type: str) -> None:
@@ -268,12 +371,13 @@ def follow_steps(runner: Any, channel: StepChannel, tp: TensorParallel,
 
 
 def main(argv: list[str]) -> None:
-    import signal
-
-    rank, world_size, port, parent_pid = (int(a) for a in argv)
+    rank, world_size, port, parent_pid, pdeathsig = (int(a) for a in argv)
+    if pdeathsig:
+        _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 owns the shutdown
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_beat, args=(rank, port), name="graphserve-rank-beat", daemon=True).start()
     c, device_type = pickle.loads(sys.stdin.buffer.read())
     from service.telemetry.log import configure_logging
 

@@ -188,6 +188,7 @@ class _Worker:
         def exit_if_stuck() -> None:
             time.sleep(_RANK_DEATH_GRACE_S)
             if self.engine.thread_alive and self.engine.error is None:
+                self.runner.runner.ranks.kill()  # no rank outlives this process
                 os._exit(1)
 
         threading.Thread(target=exit_if_stuck, name="graphserve-rank-death", daemon=True).start()

@@ -1,13 +1,16 @@
 """Tensor parallelism on the CPU (two gloo ranks, float32): the same greedy text as one rank, through
 the Python API and through a real gRPC server; the admin state and `graphctl state` show both ranks'
-graph memory; and a killed rank ends the service cleanly."""
+graph memory; a killed or stopped rank ends the service cleanly, with no process left behind; and
+the ranks listen on loopback only."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -19,7 +22,7 @@ from grpc_health.v1 import health_pb2
 
 from service import LLM, SamplingParams, graphctl
 from service.config import load_config
-from service.proto import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
+from service.proto import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tests.support.process import ServerProcess, kill_mid_stream
 from tests.support.server import ServerThread, generate, greedy, running_server
 
@@ -97,11 +100,11 @@ def test_admin_state_and_graphctl_show_every_rank_s_graph_memory(model_cache_dir
         assert [r["rank"] for r in ranks] == [0, 1] and all(r["reported"] for r in ranks)
 
 
-@pytest.fixture
-def tp_process(tmp_path, model_cache_dir) -> Iterator[tuple[ServerProcess, dict[str, int]]]:  # noqa: ANN001
-    """A serving `graphserve serve --tensor-parallel-size 2` process and its pids (engine, rank 1)."""
-    proc = ServerProcess(["--model-cache-dir", str(model_cache_dir), "--tensor-parallel-size", "2"],
+@contextlib.contextmanager
+def _serving_with_two_ranks(tmp_path, model_cache_dir, *argv: str) -> Iterator[tuple[ServerProcess, dict[str, int]]]:  # noqa: ANN001
+    proc = ServerProcess(["--model-cache-dir", str(model_cache_dir), "--tensor-parallel-size", "2", *argv],
                          log_path=tmp_path / "server.log")
+    pids: dict[str, int] = {}
     try:
         proc.wait_for_health(health_pb2.HealthCheckResponse.SERVING)
         lines = [json.loads(line) for line in proc.log_text().splitlines() if line.startswith("{")]
@@ -110,6 +113,16 @@ def tp_process(tmp_path, model_cache_dir) -> Iterator[tuple[ServerProcess, dict[
         yield proc, pids
     finally:
         proc.close()
+        for pid in pids.values():  # a test that failed must not leave a stopped rank behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def tp_process(tmp_path, model_cache_dir) -> Iterator[tuple[ServerProcess, dict[str, int]]]:  # noqa: ANN001
+    """A serving `graphserve serve --tensor-parallel-size 2` process and its pids (engine, rank 1)."""
+    with _serving_with_two_ranks(tmp_path, model_cache_dir) as served:
+        yield served
 
 
 def test_a_killed_rank_fails_streams_and_the_server_exits_1(tp_process) -> None:  # noqa: ANN001
@@ -124,6 +137,66 @@ def test_a_killed_rank_fails_streams_and_the_server_exits_1(tp_process) -> None:
     assert proc.health_status() in (health_pb2.HealthCheckResponse.NOT_SERVING, None)  # None: already gone
     assert proc.wait(60) == 1
     assert _gone_within(pids["engine"], 10)
+
+
+def test_a_stopped_rank_fails_streams_within_the_watchdog_timeout_and_the_server_exits_1(
+        tmp_path, model_cache_dir) -> None:  # noqa: ANN001
+    with _serving_with_two_ranks(tmp_path, model_cache_dir, "--watchdog-timeout", "3") as (proc, pids):
+        stub = inference_pb2_grpc.InferenceStub(proc.channel)
+        call = stub.Generate(inference_pb2.GenerateRequest(**greedy("Once upon a time", 2000)), timeout=120)
+        next(iter(call))  # streaming
+        os.kill(pids["rank"], signal.SIGSTOP)
+        stopped = time.monotonic()
+        with pytest.raises(grpc.RpcError) as raised:
+            list(call)
+        seconds = time.monotonic() - stopped
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "tensor-parallel rank 1" in raised.value.details() and "no heartbeat" in raised.value.details()
+        assert seconds < 20, f"the stream hung {seconds:.1f} s (it was the 300 s collective timeout)"
+        assert proc.wait(60) == 1
+        assert _gone_within(pids["rank"], 10) and _gone_within(pids["engine"], 10)
+
+
+def test_sigterm_with_a_stopped_rank_leaves_no_process_behind(tmp_path, model_cache_dir) -> None:  # noqa: ANN001
+    with _serving_with_two_ranks(tmp_path, model_cache_dir, "--drain-timeout", "2",
+                                 "--engine-stop-timeout", "4") as (proc, pids):
+        os.kill(pids["rank"], signal.SIGSTOP)
+        started = time.monotonic()
+        proc.terminate()
+        assert proc.wait(60) != 0  # the engine could not stop its rank, and was killed
+        assert time.monotonic() - started < 20
+        # The kernel kills the stopped rank with its parent; it used to stay behind (on a GPU, holding it).
+        assert _gone_within(pids["rank"], 10) and _gone_within(pids["engine"], 10)
+
+
+def test_the_engine_and_its_ranks_listen_on_loopback_only(tp_process) -> None:  # noqa: ANN001
+    _, pids = tp_process
+    for role, pid in pids.items():
+        listening = _listening_addresses(pid)
+        assert listening, f"the {role} process listens on nothing: the check reads the wrong table"
+        # The group's store and gloo's pairs: nothing unauthenticated reachable from another host.
+        assert all(address.startswith("127.0.0.1:") for address in listening), (role, listening)
+
+
+def _listening_addresses(pid: int) -> list[str]:
+    """The local addresses of pid's listening TCP sockets, from /proc (IPv4 dotted, IPv6 as the kernel's hex)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    host, port = fields[1].split(":")
+                    if table == "tcp":
+                        host = ".".join(str(b) for b in reversed(bytes.fromhex(host)))
+                    found.append(f"{host}:{int(port, 16)}")
+    return found
 
 
 def test_a_rank_that_cannot_start_fails_the_start_in_seconds(model_cache_dir, monkeypatch) -> None:  # noqa: ANN001
