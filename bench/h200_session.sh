@@ -12,6 +12,8 @@
 #   bash bench/h200_session.sh invariant  # --batch-invariant: GPU tests, decode and prefill steps both ways
 #   bash bench/h200_session.sh invariant-bench invariant-grpc  # the steps only; the gRPC tests on cuda
 #   bash bench/h200_session.sh gateway  # 64 streams through smg against direct gRPC (wheels: bench/fetch_wheels.sh)
+#   bash bench/h200_session.sh gen-1b startup load  # the 1B checkpoint once; start-up GPU tests; the serving load
+#     (TAG=before LOAD_ARGS='--server-args "--startup-graph-timeout 0"' for the start-up captures off)
 set -uo pipefail
 OUT=${OUT:-bench/results/h200-$(date -u +%Y%m%dT%H%MZ)}
 mkdir -p "$OUT"
@@ -59,6 +61,13 @@ for part in "$@"; do
       TAIL=8 run tp-gpu-tests 300 python3 -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py -p no:cacheprovider --timeout 240
       run tp-decode 300 python3 bench/tp_decode_bench.py --model builtin:llama-8b --tp-sizes 1,2 --batches 1,64 ;;
     gen-8b) run gen-8b 400 python3 -c "from service.model.builtin import ensure_builtin; from service.model.loader import default_cache_dir; print(ensure_builtin('llama-8b', default_cache_dir()))" ;;
+    gen-1b) run gen-1b 300 python3 -c "import pathlib; from service.model.builtin import ensure_builtin; print(ensure_builtin('llama-1b', pathlib.Path('.cache/models')))" ;;
+    startup) TAIL=10 run startup-gpu-tests 400 python3 -m pytest -q -m gpu tests/gpu/test_startup_gpu.py tests/gpu/test_lora_gpu.py \
+      -p no:cacheprovider --timeout 200 ;;
+    load)  # Poisson load, mixed lengths, a fresh server per run, cold and warm; bursts on fresh servers
+      eval "run serving-load${TAG:+-$TAG} 570 python3 bench/serving_load.py $M --cache-dir .cache/models \
+        --rates ${RATES:-5,10,20} --requests ${REQUESTS:-120} --burst ${BURST:-16:512,8:256} \
+        --log-dir $OUT/load${TAG:+-$TAG} ${LOAD_ARGS:-}" ;;
     tp-serve) tp_serve "" --requests 192 --output-tokens 64 ;;  # run gen-8b first: the 16 GB checkpoint is made once
     tp-serve-long) tp_serve "long-" --requests 128 --output-tokens 256 ;;  # decode-dominated
     invariant)

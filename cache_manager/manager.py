@@ -147,6 +147,11 @@ class GraphCache:
         return self.residency.used_bytes
 
     @property
+    def capturing(self) -> bool:
+        """Whether a capture is submitted and not yet committed (any thread; a moment's answer)."""
+        return bool(self.residency.pending)
+
+    @property
     def graphs_enabled(self) -> bool:
         return self.mode is not CudaGraphMode.NONE
 
@@ -298,6 +303,46 @@ class GraphCache:
             self._warming = key
             return True
         return False
+
+    def prepare(self, timeout_s: float) -> StartupReport:
+        """Before serving, on the thread that will own the cache: make sure no early step waits on
+        a kernel compile or a capture. First every allowed size of each served kind runs once on
+        scratch inputs (Triton compiles its specializations, cuBLAS picks its kernels: work that a
+        first step of a new size, or a capture beside it, used to do while streams waited); then
+        the warm-start queue is captured (a cold start: the largest size of each kind, which every
+        step can pad into; a warm start: the stats' hot sizes) until it is empty or `timeout_s` has
+        passed. Whatever is left is captured in the background once serving, as before.
+
+        With inline capture (tensor parallelism) the eager pass is skipped: its collectives would
+        need the other ranks to run the same steps, which only captures are mirrored for."""
+        report = StartupReport()
+        if not self.graphs_enabled or timeout_s <= 0:
+            return report
+        started = time.monotonic()
+        deadline = started + timeout_s
+        if not self.config.inline_capture:
+            with torch.inference_mode():
+                for kind in self.mode.kinds:
+                    for size in self._tables[kind].sizes:
+                        if time.monotonic() > deadline:
+                            break
+                        self.steps[kind].run_scratch(size)
+                        report.kernels_warmed += 1
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        report.kernels_s = time.monotonic() - started
+        while time.monotonic() < deadline:
+            if self._warming is None and not self.warm_step():
+                break
+            key = self._warming
+            if not self._poll_until(lambda: self._warming is None, max(0.0, deadline - time.monotonic())):
+                break  # still capturing: it commits in the background once serving
+            if key is not None and self._buckets[key].graph is not None:
+                report.captured.append(str(key))
+        report.left = [str(k) for k in ([self._warming] if self._warming is not None else []) + list(self._warm_queue)]
+        report.seconds = time.monotonic() - started
+        report.timed_out = bool(report.left)
+        return report
 
     # ---- operator operations ------------------------------------------------------------------
 
@@ -473,6 +518,18 @@ class GraphCache:
                 stats_file=str(self.stats.store.path) if self.stats.store else None,
                 last_save_time=self.stats.last_save_time,
             )
+
+
+@dataclass
+class StartupReport:
+    """What `prepare` did before serving."""
+
+    kernels_warmed: int = 0  # sizes run once eagerly on scratch inputs
+    kernels_s: float = 0.0
+    captured: list[str] = dataclasses.field(default_factory=list)  # graphs captured before serving
+    left: list[str] = dataclasses.field(default_factory=list)  # warm-start sizes left to the background
+    seconds: float = 0.0
+    timed_out: bool = False
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ Every flag `--some-flag` can also be set as `GRAPHSERVE_SOME_FLAG`; a flag on th
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -56,6 +57,9 @@ class ServeConfig:
     graph_memory_budget: str | None = None
     stats_file: Path | None = None
     warm_start: bool = True
+    # Before SERVING: every allowed size run once eagerly, then the warm-start graphs captured, for at
+    # most this long (seconds); what is left is captured in the background. 0: all in the background.
+    startup_graph_timeout: float = 60.0
     # Admin, metrics, operations
     admin_host: str = "127.0.0.1"
     admin_port: int = 50052
@@ -179,6 +183,8 @@ class ServeConfig:
                 need(real == root or root in real.parents,
                      f"--lora-modules {name}={path}: outside --lora-root {self.lora_root}")
         need(self.drain_timeout >= 0, "--drain-timeout must be >= 0 seconds")
+        need(math.isfinite(self.startup_graph_timeout) and self.startup_graph_timeout >= 0,
+             "--startup-graph-timeout must be a finite number of seconds >= 0")
         need(self.watchdog_timeout > 0, "--watchdog-timeout must be > 0 seconds")
         need(self.engine_stop_timeout > 0, "--engine-stop-timeout must be > 0 seconds")
         need(self.stream_stall_timeout > 0, "--stream-stall-timeout must be > 0 seconds")
@@ -298,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stats-file", type=Path, default=None, help="capture-size statistics, kept across restarts")
     g.add_argument("--warm-start", dest="warm_start", action="store_true", default=d.warm_start)
     g.add_argument("--no-warm-start", dest="warm_start", action="store_false")
+    g.add_argument("--startup-graph-timeout", type=float, default=d.startup_graph_timeout,
+                   help="seconds before SERVING for the kernel warm-up and the warm-start graphs "
+                        "(the largest sizes on a cold start); 0: everything in the background")
     g = p.add_argument_group("operations")
     g.add_argument("--admin-host", default=d.admin_host)
     g.add_argument("--admin-port", type=int, default=d.admin_port)

@@ -7,6 +7,7 @@ for the same config.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,6 +80,24 @@ def load_runner(c: ServeConfig) -> LoadedRunner:
     """Load the model, build its runner and graph cache, and run one eager step: a broken model
     fails here, not on the first request. With --tensor-parallel-size N > 1 this is rank 0: it
     starts the other N - 1 ranks (service.engine.ranks), which load their shards beside it."""
+    lr = _load_runner(c)
+    prepare_graphs(lr, c.startup_graph_timeout)
+    return lr
+
+
+def prepare_graphs(lr: LoadedRunner, timeout_s: float) -> None:
+    """Before serving: each graph cache warms its kernels and captures its warm-start graphs, within
+    `timeout_s` for all of them together (GraphCache.prepare); logged as `graph_startup`."""
+    deadline = time.monotonic() + timeout_s
+    for cache in lr.runner.graph_caches:
+        report = cache.prepare(max(0.0, deadline - time.monotonic()))
+        if cache.graphs_enabled:
+            log.info("graph_startup", seconds=round(report.seconds, 3), kernels_warmed=report.kernels_warmed,
+                     kernels_s=round(report.kernels_s, 3), captured=report.captured, left=report.left,
+                     timed_out=report.timed_out, timeout_s=timeout_s)
+
+
+def _load_runner(c: ServeConfig) -> LoadedRunner:
     device = resolve_device(c.device)
     if c.tensor_parallel_size == 1:
         return build_runner(c, device)

@@ -62,6 +62,9 @@ class EngineObserver(Protocol):
     def on_step(self, num_running: int, num_waiting: int, num_decode: int, num_prefill: int) -> None: ...
     def on_tokens(self, seq: Sequence, count: int, now: float) -> None: ...
     def on_finish(self, seq: Sequence, finish: Finish) -> None: ...
+    def on_step_gap(self, seconds: float) -> None:
+        """Time since the previous step that delivered tokens, while streams were running: the gap
+        every running stream saw (a stall of any cause, e.g. a capture beside the step, shows here)."""
 
 
 def deliver(pairs: list[tuple[Sink, RequestEvent]]) -> None:
@@ -107,6 +110,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # set when a step failed; the engine is then dead
         self.last_progress = time.monotonic()
+        self._tokens_read_at: float | None = None  # the last step that delivered tokens (None: no stream since)
 
     # ---- any thread ------------------------------------------------------------------------
 
@@ -260,11 +264,20 @@ class Engine:
             launched, self._in_flight = self._in_flight, launched
         if launched is not None:
             self._read_tokens(launched, events)
+            if launched.seqs:
+                self._tokens_read(time.monotonic())
         self._publish_step(events)
+        if not self.scheduler.num_running:
+            self._tokens_read_at = None  # idle time is no stream's gap
         if not batch.empty or events:
             self.last_progress = time.monotonic()
         if self.observer is not None and (not batch.empty or events):
             self.observer.on_step(self.scheduler.num_running, self.num_waiting, len(batch.decodes), len(batch.prefills))
+
+    def _tokens_read(self, now: float) -> None:
+        if self._tokens_read_at is not None and self.observer is not None:
+            self.observer.on_step_gap(now - self._tokens_read_at)
+        self._tokens_read_at = now
 
     def _drain(self) -> None:
         """Read and publish the step in flight, if any."""

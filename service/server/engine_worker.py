@@ -169,6 +169,8 @@ class _Worker:
         self.runner = lr
         self.engine = new_engine(c, lr, publish=self.publish, observer=self.metrics)
         graphs.on_capture_stall = self.metrics.graph_capture_stall.observe
+        caches = lr.runner.graph_caches
+        self.metrics.capturing = lambda: any(cache.capturing for cache in caches)
         if lr.runner.ranks is not None:
             lr.runner.ranks.on_death = self.on_rank_death
         loaded = lr.loaded

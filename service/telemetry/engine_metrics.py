@@ -13,7 +13,7 @@ dict that only the engine thread uses, so `families` may be called from any thre
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import Metric
@@ -64,6 +64,19 @@ class EngineMetrics:
             "graphserve_graph_capture_stall_seconds",
             "Engine-thread time one graph capture cost the serving steps (the recording runs beside them).",
             buckets=STALL_BUCKETS, registry=r)
+        self.step_gap = Histogram(
+            "graphserve_step_gap_seconds",
+            "Time between consecutive engine steps that delivered tokens while streams ran: the gap each "
+            "running stream saw, whatever caused it; capturing: whether a graph capture was in flight.",
+            ["capturing"], buckets=ITL_BUCKETS, registry=r)
+        self.step_gap_max = Gauge("graphserve_step_gap_max_seconds",
+                                  "The longest step gap since start (see graphserve_step_gap_seconds).",
+                                  ["capturing"], registry=r)
+        self._gap_children = {flag: (self.step_gap.labels(str(flag).lower()), self.step_gap_max.labels(str(flag).lower()))
+                              for flag in (False, True)}
+        self._gap_max = {False: 0.0, True: 0.0}
+        # Whether a graph capture is in flight now (set by whoever owns the graph caches; engine thread).
+        self.capturing: Callable[[], bool] = lambda: False
         self.prompt_tokens = Counter("graphserve_prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.generated_tokens = Counter("graphserve_generated_tokens", "Completion tokens sampled.", registry=r)
         self.stats_save_failures = Gauge("graphserve_graph_stats_save_failures",
@@ -104,6 +117,14 @@ class EngineMetrics:
 
     def on_step(self, num_running: int, num_waiting: int, num_decode: int, num_prefill: int) -> None:
         self.set_queue(num_running, num_waiting)
+
+    def on_step_gap(self, seconds: float) -> None:
+        capturing = bool(self.capturing())
+        histogram, maximum = self._gap_children[capturing]
+        histogram.observe(seconds)
+        if seconds > self._gap_max[capturing]:
+            self._gap_max[capturing] = seconds
+            maximum.set(seconds)
 
     def on_tokens(self, seq: Sequence, count: int, now: float) -> None:
         """`count` new completion tokens of `seq` (already appended), sampled at `now`."""

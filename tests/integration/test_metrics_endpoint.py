@@ -60,6 +60,10 @@ def test_metrics_count_requests_tokens_latencies_and_rejections(model_cache_dir)
     assert delta(before, after, "graphserve_request_duration_seconds_count") == n
     assert delta(before, after, "graphserve_queue_time_seconds_count") == n
     assert delta(before, after, "graphserve_inter_token_latency_seconds_count") == sum(prompts.values()) - n
+    # One stream at a time: every gap between two of its tokens is a step gap; no graphs on the CPU.
+    assert delta(before, after, "graphserve_step_gap_seconds_count", capturing="false") == sum(prompts.values()) - n
+    assert delta(before, after, "graphserve_step_gap_seconds_count", capturing="true") == 0
+    assert 0 < after[("graphserve_step_gap_max_seconds", (("capturing", "false"),))] < 30
     assert delta(before, after, "graphserve_requests_rejected_total", reason="invalid_argument") == 1
     assert after[("graphserve_requests_running", ())] == 0
     assert after[("graphserve_requests_waiting", ())] == 0

@@ -51,6 +51,19 @@ def test_serve_bench(tmp_path: pathlib.Path) -> None:
     assert record["grpc_over_engine_token_throughput"] > 0
 
 
+def test_serving_load(tmp_path: pathlib.Path) -> None:
+    record = _run("serving_load.py", [
+        "--device", "cpu", "--cache-dir", str(tmp_path / "models"), "--rates", "8", "--requests", "6",
+        "--starts", "cold,warm", "--warm-requests", "3", "--prompt-median", "16", "--output-median", "6",
+        "--max-prompt", "64", "--max-output", "16", "--max-running-seqs", "8", "--burst", "3:32"], tmp_path)
+    cold, warm, burst = record["results"]
+    assert [r["run"] for r in record["results"]] == ["cold 8/s", "warm 8/s", "burst 3x32"]
+    for row, n in ((cold, 6), (warm, 6), (burst, 3)):
+        assert row["ok"] == n and row["errors"] == 0
+        assert row["start_to_serving_s"] > 0 and row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0
+        assert row["itl_max_ms"] >= row["itl_p99_ms"] and row["step_gap_max_ms"] > 0  # from the server's /metrics
+
+
 def test_gateway_bench(tmp_path: pathlib.Path) -> None:
     pytest.importorskip("openai")
     pytest.importorskip("smg")

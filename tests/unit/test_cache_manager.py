@@ -257,6 +257,91 @@ def test_a_cold_start_captures_the_largest_size_first_and_traffic_pads_into_it(t
     assert fake.captured == [8, 4]
 
 
+def test_prepare_warms_every_size_then_captures_the_largest_before_serving_on_a_cold_start(tmp_path):
+    cache, step, fake, _ = make(stats_file=tmp_path / "none-yet.json")
+    report = cache.prepare(timeout_s=30)
+    # Every allowed size ran once on scratch inputs (kernel compiles happen now), then the capture's warm-up.
+    assert step.scratch_runs == [1, 2, 4, 8, 8] and step.padding_calls == [] and step.runs == []
+    assert report.kernels_warmed == 4 and report.captured == [str(BatchDescriptor(FULL, 8))]
+    assert report.left == [] and not report.timed_out
+    assert fake.captured == [8] and bucket(cache, 8).state is BucketState.CAPTURED  # committed, not pending
+    expected = write(step, 3)
+    assert torch.equal(cache.run(3), expected)  # the first step replays: it waits on neither kernels nor a capture
+    assert bucket(cache, 4).since_start.eager_fallbacks == {} and bucket(cache, 8).since_start.replays == 1
+
+
+def test_prepare_captures_the_hot_sizes_of_a_warm_start_within_budget(tmp_path):
+    path = tmp_path / "stats.json"
+    first, _, _, _ = make(stats_file=path)
+    for n, times in ((8, 5), (2, 9), (1, 2)):
+        for _ in range(times + 1):
+            run_settled(first, n)
+    first.close()
+    cache, _, fake, _ = make(budget=10_000, stats_file=path)  # fits 8 and 2, not 1 as well
+    report = cache.prepare(timeout_s=30)
+    assert fake.captured == [2, 8] and report.captured == [str(BatchDescriptor(FULL, s)) for s in (2, 8)]
+    assert report.left == [] and not report.timed_out  # 1 was skipped for the budget, not left
+
+
+def test_prepare_stops_at_its_timeout_and_leaves_the_rest_to_the_background(tmp_path):
+    gate = threading.Event()
+    cache, _, fake, _ = make(stats_file=tmp_path / "none-yet.json", gate=gate)
+    started = time.monotonic()
+    report = cache.prepare(timeout_s=0.3)
+    assert time.monotonic() - started < 5
+    assert report.timed_out and report.captured == [] and report.left == [str(BatchDescriptor(FULL, 8))]
+    gate.set()
+    cache.wait_idle()  # the capture goes on and commits once serving
+    assert fake.captured == [8] and bucket(cache, 8).state is BucketState.CAPTURED
+    off, step, fake_off, _ = make(stats_file=tmp_path / "other.json")
+    assert off.prepare(timeout_s=0).kernels_warmed == 0 and fake_off.captured == [] and step.scratch_runs == []
+
+
+def test_prepare_does_nothing_without_graphs():
+    cache, step, _, _ = make(backend=False)  # a CPU device without a backend: eager only
+    report = cache.prepare(timeout_s=30)
+    assert report.kernels_warmed == 0 and report.captured == [] and step.scratch_runs == []
+
+
+@pytest.mark.parametrize("scenario", ["cold", "warm", "churn", "operator"])
+def test_no_step_waits_on_a_capture(tmp_path, scenario):
+    """Every capture is held in flight (the fake's gate stays shut) while steps of every size run:
+    each step completes anyway, replaying a graph or eager, so none waits on a capture."""
+    path = tmp_path / "stats.json"
+    if scenario == "warm":
+        first, _, _, _ = make(stats_file=path)
+        for n in (1, 2, 4, 8):
+            run_settled(first, n)
+        first.close()
+    gate = threading.Event()
+    budget = 9_000 if scenario == "churn" else 10**9  # churn: 8 and one more never fit together
+    cache, step, fake, _ = make(budget=budget, stats_file=path, gate=gate)
+    gate.set()  # the graphs the start captures before serving
+    cache.prepare(timeout_s=30)
+    gate.clear()
+    if scenario == "operator":
+        cache.capture_async([1, 2, 4])
+    served: list[int] = []
+
+    def steps() -> None:
+        for _ in range(3):
+            for n in range(1, 9):
+                expected = write(step, n)
+                assert torch.equal(cache.run(n), expected)
+                served.append(n)
+
+    runner = threading.Thread(target=steps)
+    runner.start()
+    runner.join(20)
+    try:
+        assert not runner.is_alive() and len(served) == 24, f"a step waited on a capture ({scenario})"
+        assert not gate.is_set() and cache.capturing  # the captures were still in flight all along
+    finally:
+        gate.set()
+        cache.wait_idle()
+        cache.close()
+
+
 def test_operator_capture_evict_and_set_budget():
     cache, step, _fake, _ = make(budget=20_000)
     res = cache.capture([4, 8])

@@ -1,0 +1,257 @@
+"""Serving load as users meet it: Poisson arrivals, mixed prompt and output lengths, a fresh server per
+run, cold (no stats) and warm (the stats file of an earlier run), TTFT and ITL percentiles per rate.
+
+Each run starts `graphserve serve` as its own process (like a new pod), measures the seconds from
+the process start to health SERVING, sends `--requests` requests at `--rate` requests/s (Poisson;
+prompt and output lengths log-normal around `--prompt-median` / `--output-median` tokens, random
+token ids, greedy, ignore_eos), and reads from the server's JSON log what the graph cache did: the
+captures before SERVING (`graph_startup`) and after, the engine-thread stall of each, and, from its
+/metrics at the end, the step gaps every running stream saw (`graphserve_step_gap_max_seconds`, with
+and without a capture in flight). A warm start first serves `--warm-requests` at `--warm-rate` on a
+server with a stats file, stops it (the stats are saved), and gives each warm run a copy.
+
+`--burst N:TOKENS` also runs, on a fresh cold server each, N prompts of TOKENS tokens sent at once
+(the slowest first token is what a new pod's first users wait for).
+
+    python bench/serving_load.py --model builtin:llama-1b --device cuda --rates 5,10,20 --requests 200
+    python bench/serving_load.py --device cpu --rates 2 --requests 8 --starts cold --burst 4:64  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import pathlib
+import random
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Any
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from bench.common import percentile, print_table, write_result
+from bench.serve_bench import Trace, arrival_offsets, closed_loop, vocab_size
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="builtin:tiny")
+    p.add_argument("--cache-dir", type=pathlib.Path, default=None, help="where built-in models are generated")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--rates", default="5,10,20", help="requests/s, one run per rate and start")
+    p.add_argument("--starts", default="cold,warm", help="cold (no stats file), warm (an earlier run's), or both")
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--prompt-median", type=int, default=270)
+    p.add_argument("--output-median", type=int, default=135)
+    p.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of both lengths")
+    p.add_argument("--max-prompt", type=int, default=2000)
+    p.add_argument("--max-output", type=int, default=1000)
+    p.add_argument("--max-running-seqs", type=int, default=128)
+    p.add_argument("--warm-requests", type=int, default=80)
+    p.add_argument("--warm-rate", type=float, default=20.0)
+    p.add_argument("--burst", default="", help="N:TOKENS[,N:TOKENS]: N prompts at once on a fresh server")
+    p.add_argument("--server-args", default="", help="more flags for every started server")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", type=pathlib.Path, default=None, help="where the servers' logs go (default: a temp dir)")
+    args = p.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.rates = [float(r) for r in args.rates.split(",") if r]
+    args.starts = [s for s in args.starts.split(",") if s]
+    args.bursts = [tuple(int(x) for x in b.split(":")) for b in args.burst.split(",") if b]
+    return args
+
+
+def lengths(n: int, median: int, sigma: float, cap: int, rng: random.Random) -> list[int]:
+    return [max(1, min(cap, round(median * math.exp(rng.gauss(0.0, sigma))))) for _ in range(n)]
+
+
+def workload(args: argparse.Namespace, n: int, seed: int) -> list[tuple[list[int], int]]:
+    """n (prompt token ids, output tokens) pairs."""
+    rng = random.Random(seed)
+    vocab = vocab_size(args)
+    prompts = lengths(n, args.prompt_median, args.sigma, args.max_prompt, rng)
+    outputs = lengths(n, args.output_median, args.sigma, args.max_output, rng)
+    return [([rng.randrange(3, vocab - 300) for _ in range(p)], o) for p, o in zip(prompts, outputs)]
+
+
+# ---- the server ------------------------------------------------------------------------------
+
+
+class Server:
+    """A fresh `graphserve serve` process, with the seconds from its start to SERVING."""
+
+    def __init__(self, args: argparse.Namespace, stats_file: pathlib.Path, log_path: pathlib.Path) -> None:
+        from tests.support.process import ServerProcess
+
+        argv = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
+                "--max-running-seqs", str(args.max_running_seqs),
+                "--max-seq-len", str(args.max_prompt + args.max_output + 8),
+                "--admin-port", "0", "--log-level", "info", "--stats-file", str(stats_file)]
+        if args.cache_dir is not None:
+            argv += ["--model-cache-dir", str(args.cache_dir)]
+        argv += shlex.split(args.server_args)
+        self.log_path = log_path
+        started = time.monotonic()
+        self.proc = ServerProcess(argv, log_path=log_path)
+        try:
+            self.proc.wait_for_health(1, timeout=600)  # SERVING
+        except BaseException:
+            self.proc.close()
+            raise
+        self.start_to_serving_s = time.monotonic() - started
+
+    def scrape(self) -> dict[tuple[str, tuple], float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.proc.metrics_port}/metrics", timeout=30).read().decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(120)
+        finally:
+            self.proc.close()
+
+    def events(self, name: str) -> list[dict]:
+        out = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if line.startswith("{") and f'"{name}"' in line:
+                event = json.loads(line)
+                if event.get("event") == name:
+                    out.append(event)
+        return out
+
+
+# ---- the client ------------------------------------------------------------------------------
+
+
+async def _one(stub: Any, pb: Any, item: tuple[list[int], int], trace: Trace) -> None:
+    prompt, output_tokens = item
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(temperature=0.0),
+                                 stopping=pb.StoppingCriteria(max_tokens=output_tokens, ignore_eos=True))
+    try:
+        async for response in stub.Generate(request, timeout=600):
+            if response.WhichOneof("kind") == "chunk" and response.chunk.token_ids:
+                trace.chunks.append((time.perf_counter(), len(response.chunk.token_ids)))
+    except Exception as exc:  # noqa: BLE001 - recorded per request
+        trace.error = f"{type(exc).__name__}: {exc}"
+    trace.done = time.perf_counter()
+
+
+async def _drive(address: str, items: list[tuple[list[int], int]], offsets: list[float],
+                 concurrency: int) -> tuple[list[Trace], float]:
+    import grpc
+
+    from service.proto import inference_pb2 as pb
+    from service.proto import inference_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        return await closed_loop(items, offsets, argparse.Namespace(concurrency=concurrency),
+                                 lambda item, trace: _one(stub, pb, item, trace))
+
+
+def drive(address: str, items: list[tuple[list[int], int]], offsets: list[float]) -> tuple[list[Trace], float]:
+    return asyncio.run(_drive(address, items, offsets, concurrency=len(items)))
+
+
+# ---- one run ---------------------------------------------------------------------------------
+
+
+def measure(label: str, server: Server, traces: list[Trace], wall_s: float, **extra: Any) -> dict[str, Any]:
+    ok = [t for t in traces if t.error is None and t.chunks]
+    ttft = [(t.chunks[0][0] - t.sent) * 1000.0 for t in ok]
+    itl = [(b[0] - a[0]) * 1000.0 for t in ok for a, b in zip(t.chunks, t.chunks[1:])]
+    metrics = server.scrape()
+    startup = (server.events("graph_startup") or [{}])[0]
+    captured = server.events("graph_captured")
+    gap = {flag: metrics.get(("graphserve_step_gap_max_seconds", (("capturing", flag),)), 0.0) * 1000.0
+           for flag in ("false", "true")}
+    stalls = [float(e.get("stall_ms", 0.0)) for e in captured]
+    return {
+        "run": label, **extra,
+        "ok": len(ok), "errors": len(traces) - len(ok),
+        "first_error": next((t.error for t in traces if t.error), None),
+        "start_to_serving_s": server.start_to_serving_s,
+        "graphs_before_serving": len(startup.get("captured", [])),
+        "startup_graph_s": startup.get("seconds"),
+        "captures_while_serving": len(captured) - len(startup.get("captured", [])),
+        "capture_stall_max_ms": max(stalls, default=None),
+        "step_gap_max_ms": gap["false"], "step_gap_max_capturing_ms": gap["true"],
+        "out_tok_per_s": sum(k for t in ok for _, k in t.chunks) / wall_s,
+        "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99), "ttft_max_ms": max(ttft, default=None),
+        "itl_p50_ms": percentile(itl, 50), "itl_p99_ms": percentile(itl, 99), "itl_max_ms": max(itl, default=None),
+    }
+
+
+def run_once(args: argparse.Namespace, label: str, stats: pathlib.Path, log_dir: pathlib.Path,
+             items: list[tuple[list[int], int]], offsets: list[float], **extra: Any) -> dict[str, Any]:
+    server = Server(args, stats, log_dir / (label.replace(" ", "-").replace("/", "per") + ".log"))
+    try:
+        traces, wall = drive(server.proc.address, items, offsets)
+        return measure(label, server, traces, wall, **extra)
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="serving-load-"))
+    log_dir = args.log_dir or work
+    log_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    warm_stats = work / "warm-stats.json"
+    if "warm" in args.starts:  # the earlier run whose stats the warm starts read
+        items = workload(args, args.warm_requests, args.seed + 1000)
+        server = Server(args, warm_stats, log_dir / "warming.log")
+        try:
+            drive(server.proc.address, items, arrival_offsets(len(items), args.warm_rate, args.seed + 1000))
+        finally:
+            server.stop()
+    for start in args.starts:
+        for rate in args.rates:
+            stats = work / f"{start}-{rate:g}.json"
+            if start == "warm":
+                shutil.copy(warm_stats, stats)
+            items = workload(args, args.requests, args.seed)
+            rows.append(run_once(args, f"{start} {rate:g}/s", stats, log_dir, items,
+                                 arrival_offsets(len(items), rate, args.seed), start=start, rate=rate))
+    for n, tokens in args.bursts:
+        rng = random.Random(args.seed + 7)
+        vocab = vocab_size(args)
+        items = [([rng.randrange(3, vocab - 300) for _ in range(tokens)], 8) for _ in range(n)]
+        rows.append(run_once(args, f"burst {n}x{tokens}", work / f"burst-{n}-{tokens}.json", log_dir, items,
+                             [0.0] * n, start="cold", rate=None))
+    path = write_result("serving-load", {
+        "workload": {k: getattr(args, k) for k in ("model", "device", "dtype", "rates", "starts", "requests",
+                                                   "prompt_median", "output_median", "sigma", "max_prompt",
+                                                   "max_output", "max_running_seqs", "warm_requests", "warm_rate",
+                                                   "bursts", "server_args", "seed")},
+        "results": rows,
+        "notes": "a fresh server process per run; TTFT from the client's send to its first token; ITL one sample "
+                 "per chunk; step_gap_max from the server's /metrics (every running stream's gap), capture "
+                 "counts and stalls from its log",
+    }, device=args.device)
+    print_table(rows, ["run", "ok", "errors", "start_to_serving_s", "graphs_before_serving", "captures_while_serving",
+                       "ttft_p50_ms", "ttft_p99_ms", "ttft_max_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms",
+                       "step_gap_max_ms", "step_gap_max_capturing_ms", "out_tok_per_s"],
+                title=f"\n{args.model} {args.dtype} on {args.device}: Poisson, prompts ~{args.prompt_median} "
+                      f"and outputs ~{args.output_median} tokens (log-normal, sigma {args.sigma})")
+    for row in rows:
+        if row["errors"]:
+            print(f"{row['run']}: first error: {row['first_error']}")
+    print(f"wrote {path}")
+    return 0 if all(r["errors"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
