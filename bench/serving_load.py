@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import pathlib
@@ -133,6 +134,8 @@ class Server:
 
 # ---- the client ------------------------------------------------------------------------------
 
+_STREAMS_PER_CONNECTION = 32
+
 
 async def _one(stub: Any, pb: Any, item: tuple[list[int], int], trace: Trace) -> None:
     prompt, output_tokens = item
@@ -154,10 +157,17 @@ async def _drive(address: str, items: list[tuple[list[int], int]], offsets: list
     from service.proto import inference_pb2 as pb
     from service.proto import inference_pb2_grpc
 
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
+    # Connections of at most _STREAMS_PER_CONNECTION streams each, as a gateway opens them (one
+    # connection may hold at most half of the server's --max-concurrent-streams, and 100 by default).
+    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(max(1, math.ceil(concurrency / _STREAMS_PER_CONNECTION)))]
+    stubs = itertools.cycle([inference_pb2_grpc.InferenceStub(c) for c in channels])
+    try:
         return await closed_loop(items, offsets, argparse.Namespace(concurrency=concurrency),
-                                 lambda item, trace: _one(stub, pb, item, trace))
+                                 lambda item, trace: _one(next(stubs), pb, item, trace))
+    finally:
+        for channel in channels:
+            await channel.close()
 
 
 def drive(address: str, items: list[tuple[list[int], int]], offsets: list[float]) -> tuple[list[Trace], float]:

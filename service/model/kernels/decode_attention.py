@@ -44,7 +44,15 @@ def decode_attention_torch(
 
 
 def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> tuple[int, int]:
-    """(num_splits, split_len): enough programs to fill the GPU twice over; split_len a multiple of BLOCK_N."""
+    """(num_splits, split_len): enough programs to fill the GPU twice over; split_len a multiple of BLOCK_N.
+
+    The split follows the batch rounded up to a power of two. The split is a compile-time constant
+    of the kernel, so each distinct one is a Triton compile: per exact batch, every new count of
+    decode rows in a mixed step compiled one on the engine thread (hundreds of ms while every
+    stream waited); per power of two there are a handful, all compiled by the start-up warm-up. It
+    also gives an eager step of b rows the split of the graph it pads into (the default capture sizes
+    hold every power of two up to their largest), so both reduce each row in the same pieces."""
+    batch = 1 << max(0, batch - 1).bit_length()
     blocks = cdiv(max_seq_len, BLOCK_N)
     want = max(1, min(blocks, cdiv(2 * num_sms, batch * num_kv_heads)))
     split_len = cdiv(blocks, want) * BLOCK_N
