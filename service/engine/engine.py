@@ -26,6 +26,8 @@ from service.engine.request import AdapterGone, EngineError, Finish, GenerationR
 from service.engine.scheduler import PrefillChunk, Scheduler
 from service.engine.sequence import Sequence, SequenceStatus
 
+# A step whose host work (schedule, launch, reading the tokens) took longer than this is logged.
+_SLOW_STEP_S = 0.1
 log = structlog.get_logger("graphserve.engine")
 
 Sink = Callable[[RequestEvent], None]
@@ -249,6 +251,7 @@ class Engine:
     def step(self) -> None:
         """Schedule and launch a step; then read and publish the tokens of the step launched before it
         (with overlap) or of this one (without)."""
+        started = time.monotonic()
         batch = self.scheduler.schedule()
         now = time.monotonic()
         events = self._step_events = []
@@ -260,12 +263,19 @@ class Engine:
             launched = _InFlight(seqs, self.runner.launch(batch.decodes, batch.prefills))
             for seq in seqs:
                 seq.num_pending += 1
+        launched_at = time.monotonic()
         if self.overlap:
             launched, self._in_flight = self._in_flight, launched
         if launched is not None:
             self._read_tokens(launched, events)
             if launched.seqs:
                 self._tokens_read(time.monotonic())
+        done = time.monotonic()
+        if done - started > _SLOW_STEP_S:  # what a stall was made of, for the operator
+            log.warning("slow_step", ms=round((done - started) * 1000, 1), schedule_ms=round((now - started) * 1000, 1),
+                        launch_ms=round((launched_at - now) * 1000, 1), read_ms=round((done - launched_at) * 1000, 1),
+                        decodes=len(batch.decodes), prompt_chunks=len(batch.prefills),
+                        prompt_tokens=sum(c.num_tokens for c in batch.prefills))
         self._publish_step(events)
         if not self.scheduler.num_running:
             self._tokens_read_at = None  # idle time is no stream's gap

@@ -18,9 +18,16 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from service.model.step_batch import StepBatch
+
+# Prompt attention never uses cuDNN's SDPA (PyTorch's first choice on Hopper): it builds a plan per
+# new shape, and every prompt length is one, 73 ms per new length (960 ms the first) on an H200,
+# on the engine thread while every stream waited; flash / memory-efficient take 0.16 ms
+# (bench/attention_shapes.py). The math kernel is the fallback (the CPU, odd shapes).
+_PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # (q [B, H, D], k_cache, v_cache, slot_ids [B], positions [B]) -> [B, H * D]
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -37,7 +44,8 @@ def batched_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     groups = heads // k.shape[2]
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
     kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)  # [B, H, L, D]
+    with sdpa_kernel(_PROMPT_BACKENDS):
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)  # [B, H, L, D]
     return out.transpose(1, 2).reshape(batch, length, -1)
 
 
@@ -47,9 +55,10 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     length, heads, _ = q.shape
     groups = heads // k.shape[0]
     kh, vh = k.repeat_interleave(groups, dim=0)[None], v.repeat_interleave(groups, dim=0)[None]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], kh, vh, attn_mask=causal_lower_right(length, k.shape[1])
-    )  # [1, H, L, D]
+    with sdpa_kernel(_PROMPT_BACKENDS):
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], kh, vh, attn_mask=causal_lower_right(length, k.shape[1])
+        )  # [1, H, L, D]
     return out[0].transpose(0, 1).reshape(length, -1)
 
 
