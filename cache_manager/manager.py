@@ -341,7 +341,6 @@ class GraphCache:
                 report.captured.append(str(key))
         report.left = [str(k) for k in ([self._warming] if self._warming is not None else []) + list(self._warm_queue)]
         report.seconds = time.monotonic() - started
-        report.timed_out = bool(report.left)
         return report
 
     # ---- operator operations ------------------------------------------------------------------
@@ -529,7 +528,10 @@ class StartupReport:
     captured: list[str] = dataclasses.field(default_factory=list)  # graphs captured before serving
     left: list[str] = dataclasses.field(default_factory=list)  # warm-start sizes left to the background
     seconds: float = 0.0
-    timed_out: bool = False
+
+    @property
+    def timed_out(self) -> bool:
+        return bool(self.left)
 
 
 @dataclass(slots=True)

@@ -176,7 +176,7 @@ class Ranks:
                 return RankDied(self.dead)
             for rank, p in enumerate(self.procs, start=1):
                 if p.poll() is not None:
-                    return RankDied(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.returncode}")
+                    return RankDied(_exit_reason(rank, p))
             if time.monotonic() > deadline:
                 return exc
             time.sleep(0.02)
@@ -191,8 +191,7 @@ class Ranks:
                 rank = i + 1
                 code = p.poll()
                 if code is not None:
-                    self._died(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {code}",
-                               rank=rank, pid=p.pid, exit_code=code)
+                    self._died(_exit_reason(rank, p), rank=rank, pid=p.pid, exit_code=code)
                     return
                 beat = self._beats.get(keys[i]) if self._beats.check([keys[i]]) else b""
                 if beat != seen[i]:
@@ -200,18 +199,17 @@ class Ranks:
                 elif now - changed[i] > self.hang_timeout_s:
                     self._died(f"tensor-parallel rank {rank} (pid {p.pid}) sent no heartbeat for "
                                f"{now - changed[i]:.0f} s (--watchdog-timeout {self.hang_timeout_s:g}): "
-                               "it was stopped or hung, and was killed", rank=rank, pid=p.pid, hung=True)
+                               "it was stopped or hung, and was killed", kill=p, rank=rank, pid=p.pid, hung=True)
                     return
             time.sleep(_WATCH_INTERVAL_S)
 
-    def _died(self, reason: str, **fields: Any) -> None:
+    def _died(self, reason: str, kill: subprocess.Popen | None = None, **fields: Any) -> None:
         if self._closing:
             return
         self.dead = reason  # before a kill: a step failing of it reports this reason (explain)
-        if fields.get("hung"):
-            process = self.procs[fields["rank"] - 1]
-            process.kill()  # a stopped process dies of SIGKILL too; its sockets close, so collectives fail
-            process.wait()
+        if kill is not None:
+            kill.kill()  # a stopped process dies of SIGKILL too; its sockets close, so collectives fail
+            kill.wait()
         log.error("rank_died", reason=reason, **fields)
         if self.on_death is not None:
             self.on_death()
@@ -256,7 +254,6 @@ def start_ranks(c: Any, device: torch.device) -> tuple[Ranks, TensorParallel, to
     if device.type == "cuda" and torch.cuda.device_count() < n:
         raise RuntimeError(f"--tensor-parallel-size {n} needs {n} GPUs; {torch.cuda.device_count()} are visible")
     device = rank_device(device, 0)
-    bind_gloo_to_loopback()
     store = host_store(n)
     root = str(pathlib.Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
@@ -303,6 +300,10 @@ def _wait_for_ranks(store: Any, procs: list[subprocess.Popen]) -> None:
 
 def _joined_key(rank: int) -> str:
     return f"graphserve/rank{rank}/started"
+
+
+def _exit_reason(rank: int, process: subprocess.Popen) -> str:
+    return f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.returncode}"
 
 
 def _beat_key(rank: int) -> str:
