@@ -145,7 +145,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def kv_bytes_read(spec: ModelSpec, batch: int, context: int, dtype: torch.dtype) -> int:
     """K and V of positions [0, context] (context old ones plus the new one) for every row."""
-    return batch * KVCache.bytes_per_slot(spec, context + 1, dtype)
+    return batch * (context + 1) * KVCache.bytes_per_block(spec, 1, dtype)  # a block of one token: one position
 
 
 def copy_rate(device: torch.device, megabytes: int) -> float:
@@ -165,11 +165,17 @@ def sync(device: torch.device) -> None:
 # ---- our model -------------------------------------------------------------------------------
 
 
+def fill_kv(kv: KVCache, context: int) -> None:
+    """Random K and V at positions [0, context) of every sequence row (whole blocks, through the block table)."""
+    blocks = kv.block_table[: kv.num_slots, : -(-context // kv.block_size)].flatten().long()
+    for t in (*kv.k, *kv.v):
+        t[blocks] = torch.randn((len(blocks), *t.shape[1:]), device=t.device, dtype=t.dtype)
+
+
 def make_step(s: Setup, max_batch: int, context: int) -> ModelDecodeStep:
     """KV slots filled with random values to `context` positions; every row decodes at `context`."""
     kv = KVCache(s.model.spec, max_batch, context + 64, s.device, s.dtype)
-    for t in (*kv.k, *kv.v):
-        t[:, :, :context].normal_()
+    fill_kv(kv, context)
     return ModelDecodeStep(s.model, kv, max_batch, s.device)
 
 

@@ -12,6 +12,8 @@
 #   bash bench/h200_session.sh invariant  # --batch-invariant: GPU tests, decode and prefill steps both ways
 #   bash bench/h200_session.sh invariant-bench invariant-grpc  # the steps only; the gRPC tests on cuda
 #   bash bench/h200_session.sh gateway  # 64 streams through smg against direct gRPC (wheels: bench/fetch_wheels.sh)
+#   bash bench/h200_session.sh paged    # paged KV: its GPU tests (and the kernels', graphs'), decode steps at context 512 and 4096
+#   bash bench/h200_session.sh gen-1b prefix-load  # a shared 1,024-token prefix at 20 req/s, prefix cache on and off
 #   bash bench/h200_session.sh gen-1b startup load  # the 1B checkpoint once; start-up GPU tests; the serving load
 #     (TAG=before LOAD_ARGS='--server-args "--startup-graph-timeout 0"' for the start-up captures off)
 set -uo pipefail
@@ -68,6 +70,15 @@ for part in "$@"; do
       eval "run serving-load${TAG:+-$TAG} 570 python3 bench/serving_load.py $M --cache-dir .cache/models \
         --rates ${RATES:-5,10,20} --requests ${REQUESTS:-120} --burst ${BURST:-16:512,8:256} \
         --log-dir $OUT/load${TAG:+-$TAG} ${LOAD_ARGS:-}" ;;
+    paged)
+      TAIL=12 run paged-gpu-tests 420 python3 -m pytest -q -m gpu tests/gpu/test_paged_gpu.py tests/gpu/test_kernels_gpu.py \
+        tests/gpu/test_chunked_gpu.py tests/gpu/test_piecewise_gpu.py -p no:cacheprovider --timeout 200
+      run decode-512 90 python3 bench/decode_bench.py $M --random-init --batches 1,64,256 --no-anchors --no-plot --context 512
+      run decode-4096 120 python3 bench/decode_bench.py $M --random-init --batches 1,64,256 --no-anchors --no-plot --context 4096 ;;
+    prefix-load)
+      eval "run prefix-load${TAG:+-$TAG} 570 python3 bench/serving_load.py $M --cache-dir .cache/models \
+        --rates ${RATES:-20} --starts ${STARTS:-warm} --requests ${REQUESTS:-200} --shared-prefix 1024 --prefix-caching on,off \
+        --log-dir $OUT/prefix-load${TAG:+-$TAG} ${LOAD_ARGS:-}" ;;
     tp-serve) tp_serve "" --requests 192 --output-tokens 64 ;;  # run gen-8b first: the 16 GB checkpoint is made once
     tp-serve-long) tp_serve "long-" --requests 128 --output-tokens 256 ;;  # decode-dominated
     invariant)

@@ -13,8 +13,14 @@ server with a stats file, stops it (the stats are saved), and gives each warm ru
 `--burst N:TOKENS` also runs, on a fresh cold server each, N prompts of TOKENS tokens sent at once
 (the slowest first token is what a new pod's first users wait for).
 
+`--shared-prefix N` starts every prompt with the same N tokens (a system prompt) before its own;
+`--prefix-caching on,off` runs each rate with the server's prefix cache on and off, and the rows
+report the prefix hit rate and the preemptions from the server's /metrics.
+
     python bench/serving_load.py --model builtin:llama-1b --device cuda --rates 5,10,20 --requests 200
     python bench/serving_load.py --device cpu --rates 2 --requests 8 --starts cold --burst 4:64  # smoke
+    python bench/serving_load.py --model builtin:llama-1b --device cuda --rates 20 --starts warm \
+        --shared-prefix 1024 --prefix-caching on,off
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warm-requests", type=int, default=80)
     p.add_argument("--warm-rate", type=float, default=20.0)
     p.add_argument("--burst", default="", help="N:TOKENS[,N:TOKENS]: N prompts at once on a fresh server")
+    p.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with (a system prompt)")
+    p.add_argument("--prefix-caching", default="on", help="on, off or on,off: the server's prefix cache per run")
     p.add_argument("--server-args", default="", help="more flags for every started server")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", type=pathlib.Path, default=None, help="where the servers' logs go (default: a temp dir)")
@@ -66,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rates = [float(r) for r in args.rates.split(",") if r]
     args.starts = [s for s in args.starts.split(",") if s]
     args.bursts = [tuple(int(x) for x in b.split(":")) for b in args.burst.split(",") if b]
+    args.prefix_modes = [m for m in args.prefix_caching.split(",") if m]
+    assert all(m in ("on", "off") for m in args.prefix_modes), "--prefix-caching takes on, off or on,off"
     return args
 
 
@@ -79,7 +89,8 @@ def workload(args: argparse.Namespace, n: int, seed: int) -> list[tuple[list[int
     vocab = vocab_size(args)
     prompts = lengths(n, args.prompt_median, args.sigma, args.max_prompt, rng)
     outputs = lengths(n, args.output_median, args.sigma, args.max_output, rng)
-    return [([rng.randrange(3, vocab - 300) for _ in range(p)], o) for p, o in zip(prompts, outputs)]
+    shared = [random.Random(args.seed + 99).randrange(3, vocab - 300) for _ in range(args.shared_prefix)]
+    return [(shared + [rng.randrange(3, vocab - 300) for _ in range(p)], o) for p, o in zip(prompts, outputs)]
 
 
 # ---- the server ------------------------------------------------------------------------------
@@ -88,16 +99,19 @@ def workload(args: argparse.Namespace, n: int, seed: int) -> list[tuple[list[int
 class Server:
     """A fresh `graphserve serve` process, with the seconds from its start to SERVING."""
 
-    def __init__(self, args: argparse.Namespace, stats_file: pathlib.Path, log_path: pathlib.Path) -> None:
+    def __init__(self, args: argparse.Namespace, stats_file: pathlib.Path, log_path: pathlib.Path,
+                 prefix_caching: bool = True) -> None:
         from tests.support.process import ServerProcess
 
         argv = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
                 "--max-running-seqs", str(args.max_running_seqs),
-                "--max-seq-len", str(args.max_prompt + args.max_output + 8),
+                "--max-seq-len", str(args.shared_prefix + args.max_prompt + args.max_output + 8),
                 "--admin-port", "0", "--log-level", "info", "--stats-file", str(stats_file)]
         if args.cache_dir is not None:
             argv += ["--model-cache-dir", str(args.cache_dir)]
         argv += shlex.split(args.server_args)
+        if not prefix_caching:
+            argv.append("--no-prefix-caching")
         self.log_path = log_path
         started = time.monotonic()
         self.proc = ServerProcess(argv, log_path=log_path)
@@ -187,6 +201,7 @@ def measure(label: str, server: Server, traces: list[Trace], wall_s: float, **ex
     gap = {flag: metrics.get(("graphserve_step_gap_max_seconds", (("capturing", flag),)), 0.0) * 1000.0
            for flag in ("false", "true")}
     stalls = [float(e.get("stall_ms", 0.0)) for e in captured]
+    queried = metrics.get(("graphserve_prefix_cache_queries_total", ()), 0.0)
     return {
         "run": label, **extra,
         "ok": len(ok), "errors": len(traces) - len(ok),
@@ -196,6 +211,8 @@ def measure(label: str, server: Server, traces: list[Trace], wall_s: float, **ex
         "startup_graph_s": startup.get("seconds"),
         "captures_while_serving": len(captured) - len(startup.get("captured", [])),
         "capture_stall_max_ms": max(stalls, default=None),
+        "prefix_hit_rate": metrics.get(("graphserve_prefix_cache_hits_total", ()), 0.0) / queried if queried else 0.0,
+        "preemptions": metrics.get(("graphserve_preemptions_total", ()), 0.0),
         "step_gap_max_ms": gap["false"], "step_gap_max_capturing_ms": gap["true"],
         "out_tok_per_s": sum(k for t in ok for _, k in t.chunks) / wall_s,
         "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99), "ttft_max_ms": max(ttft, default=None),
@@ -204,8 +221,9 @@ def measure(label: str, server: Server, traces: list[Trace], wall_s: float, **ex
 
 
 def run_once(args: argparse.Namespace, label: str, stats: pathlib.Path, log_dir: pathlib.Path,
-             items: list[tuple[list[int], int]], offsets: list[float], **extra: Any) -> dict[str, Any]:
-    server = Server(args, stats, log_dir / (label.replace(" ", "-").replace("/", "per") + ".log"))
+             items: list[tuple[list[int], int]], offsets: list[float], prefix_caching: bool = True,
+             **extra: Any) -> dict[str, Any]:
+    server = Server(args, stats, log_dir / (label.replace(" ", "-").replace("/", "per") + ".log"), prefix_caching)
     try:
         traces, wall = drive(server.proc.address, items, offsets)
         return measure(label, server, traces, wall, **extra)
@@ -229,12 +247,14 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     for start in args.starts:
         for rate in args.rates:
-            stats = work / f"{start}-{rate:g}.json"
-            if start == "warm":
-                shutil.copy(warm_stats, stats)
-            items = workload(args, args.requests, args.seed)
-            rows.append(run_once(args, f"{start} {rate:g}/s", stats, log_dir, items,
-                                 arrival_offsets(len(items), rate, args.seed), start=start, rate=rate))
+            for mode in args.prefix_modes:
+                stats = work / f"{start}-{rate:g}-{mode}.json"
+                if start == "warm":
+                    shutil.copy(warm_stats, stats)
+                items = workload(args, args.requests, args.seed)
+                label = f"{start} {rate:g}/s" + (f" prefix-cache {mode}" if len(args.prefix_modes) > 1 else "")
+                rows.append(run_once(args, label, stats, log_dir, items, arrival_offsets(len(items), rate, args.seed),
+                                     prefix_caching=mode == "on", start=start, rate=rate, prefix_cache=mode))
     for n, tokens in args.bursts:
         rng = random.Random(args.seed + 7)
         vocab = vocab_size(args)
@@ -245,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {k: getattr(args, k) for k in ("model", "device", "dtype", "rates", "starts", "requests",
                                                    "prompt_median", "output_median", "sigma", "max_prompt",
                                                    "max_output", "max_running_seqs", "warm_requests", "warm_rate",
-                                                   "bursts", "server_args", "seed")},
+                                                   "bursts", "server_args", "seed", "shared_prefix",
+                                                   "prefix_modes")},
         "results": rows,
         "notes": "a fresh server process per run; TTFT from the client's send to its first token; ITL one sample "
                  "per chunk; step_gap_max from the server's /metrics (every running stream's gap), capture "
@@ -253,8 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     }, device=args.device)
     print_table(rows, ["run", "ok", "errors", "start_to_serving_s", "graphs_before_serving", "captures_while_serving",
                        "ttft_p50_ms", "ttft_p99_ms", "ttft_max_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms",
-                       "step_gap_max_ms", "step_gap_max_capturing_ms", "out_tok_per_s"],
-                title=f"\n{args.model} {args.dtype} on {args.device}: Poisson, prompts ~{args.prompt_median} "
+                       "step_gap_max_ms", "step_gap_max_capturing_ms", "out_tok_per_s", "prefix_hit_rate",
+                       "preemptions"],
+                title=f"\n{args.model} {args.dtype} on {args.device}: Poisson, "
+                      f"{f'a shared prefix of {args.shared_prefix} + ' if args.shared_prefix else ''}prompts ~{args.prompt_median} "
                       f"and outputs ~{args.output_median} tokens (log-normal, sigma {args.sigma})")
     for row in rows:
         if row["errors"]:

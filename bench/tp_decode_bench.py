@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table, time_ms, write_result
-from bench.decode_bench import _random_init
+from bench.decode_bench import _random_init, fill_kv
 from service.engine.decode_step import ModelDecodeStep
 from service.model import KVCache
 from service.model.builtin import BUILTIN_SHAPES
@@ -83,8 +83,7 @@ def _time_step(tp: Any, args: argparse.Namespace, device: torch.device, reducer_
     spec = model.spec  # this rank's share
     max_batch = max(args.batch_list)
     kv = KVCache(spec, max_batch, args.context + 64, device, dtype)
-    for t in (*kv.k, *kv.v):
-        t[:, :, : args.context].normal_()
+    fill_kv(kv, args.context)
     step = ModelDecodeStep(model, kv, max_batch, device)
     rows = []
     for batch in args.batch_list:

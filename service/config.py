@@ -38,6 +38,11 @@ class ServeConfig:
     # Tokens per engine step (one forward pass): every running decode plus prompt chunks.
     max_num_batched_tokens: int = 2048
     default_max_tokens: int = 256
+    # Paged KV cache: tokens per block; its memory ("auto", bytes such as 8GiB, or a fraction of the
+    # device's memory); prefix caching of full blocks across requests
+    block_size: int = 16
+    kv_cache_memory: str = "auto"
+    prefix_caching: bool = True
     overlap_steps: bool = True  # launch step t+1 before reading step t's tokens
     # Every request's tokens independent of the other requests in its step and of chunking
     # (batch-invariant matmul, attention and norms; service.model.kernels.invariant)
@@ -147,7 +152,7 @@ class ServeConfig:
             "max_running_seqs", "max_seq_len", "max_num_batched_tokens", "default_max_tokens", "max_tokens_limit",
             "max_prompt_bytes", "max_chat_messages", "max_stop_string_bytes", "max_waiting_requests", "max_waiting_tokens",
             "max_concurrent_streams", "max_receive_message_bytes", "max_streams_per_connection",
-            "max_stream_backlog_tokens",
+            "max_stream_backlog_tokens", "block_size",
         )
         for name in positive:
             need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -204,6 +209,13 @@ class ServeConfig:
                 parse_memory_budget(self.graph_memory_budget)
             except ValueError as exc:
                 raise ConfigError(f"--graph-memory-budget: {exc}") from None
+        if self.kv_cache_memory != "auto":
+            try:
+                parse_memory_budget(self.kv_cache_memory)
+            except ValueError as exc:
+                raise ConfigError(f"--kv-cache-memory: {exc} (or auto)") from None
+        need(self.block_size & (self.block_size - 1) == 0 and self.block_size <= 256,
+             f"--block-size must be a power of two up to 256, got {self.block_size}")
         if self.capture_sizes is not None:
             try:
                 sizes = parse_capture_sizes(self.capture_sizes, max(self.max_running_seqs, self.max_num_batched_tokens))
@@ -215,6 +227,19 @@ class ServeConfig:
         for name in ("tls_cert", "tls_key", "tls_client_ca", "admin_token_file"):
             path = getattr(self, name)
             need(path is None or Path(path).is_file(), f"--{name.replace('_', '-')}: no such file: {path}")
+
+
+CUDA_MAX_RUNNING_SEQS = 256
+
+
+def default_max_running_seqs(device: str) -> int:
+    """--max-running-seqs when not given: 256 on CUDA (KV memory follows the tokens, not the rows, so
+    many rows cost little), ServeConfig's 32 on a CPU."""
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return CUDA_MAX_RUNNING_SEQS if device == "cuda" else ServeConfig.max_running_seqs
 
 
 def parse_lora_modules(text: str) -> list[tuple[str, Path]]:
@@ -263,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("server")
     g.add_argument("--host", default=d.host)
     g.add_argument("--port", type=int, default=d.port)
-    g.add_argument("--max-running-seqs", type=int, default=d.max_running_seqs, help="KV slots = max batch")
+    g.add_argument("--max-running-seqs", type=int, default=None,
+                   help="sequences running at once, the largest decode batch (default: 256 on cuda, 32 on cpu)")
     g.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="prompt + completion tokens")
     g.add_argument("--max-num-batched-tokens", "--max-prefill-tokens", dest="max_num_batched_tokens", type=int,
                    default=d.max_num_batched_tokens,
@@ -277,6 +303,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every request's results independent of the other requests in its batch and of chunked "
                         "prefill (batch-invariant matmul, attention and norms); slower, see README")
     g.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false")
+    g = p.add_argument_group("KV cache")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (a power of two)")
+    g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
+                   help="KV block memory: bytes (8GiB), a fraction of device memory (0.5), or auto: on CUDA the "
+                        "memory free after the weights less the graph budget and 5%% of the device; on CPU what "
+                        "--max-running-seqs sequences of --max-seq-len need, at most 1 GiB")
+    g.add_argument("--prefix-caching", dest="prefix_caching", action="store_true", default=d.prefix_caching,
+                   help="reuse the KV of full blocks a prompt shares with earlier ones (same tokens from the start, "
+                        "same adapter)")
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     g = p.add_argument_group("LoRA adapters")
     g.add_argument("--lora-modules", default=None,
                    help="PEFT adapter directories loaded at start, NAME=PATH[,NAME=PATH...]; requests pick one by name")
@@ -341,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # On/off flags: GRAPHSERVE_<FLAG>=true|false gives the flag or its negation.
 _SWITCHES = {"--warm-start": "--no-warm-start", "--overlap-steps": "--no-overlap-steps",
+             "--prefix-caching": "--no-prefix-caching",
              "--batch-invariant": "--no-batch-invariant",
              "--allow-chat-special-tokens": "--no-allow-chat-special-tokens"}
 
@@ -367,6 +404,8 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
     parser = build_parser()
     ns = parser.parse_args(_env_argv(parser, environ) + list(argv or []))
     values = {f.name: getattr(ns, f.name) for f in fields(ServeConfig) if hasattr(ns, f.name)}
+    if values.get("max_running_seqs") is None:
+        values["max_running_seqs"] = default_max_running_seqs(values.get("device", "auto"))
     # Trimmed like the file: a Kubernetes Secret exposed as a variable often ends in a newline.
     token = environ.get(ENV_PREFIX + "ADMIN_TOKEN", "").strip()
     source = ENV_PREFIX + "ADMIN_TOKEN"

@@ -155,10 +155,21 @@ def format_state(s: admin_pb2.CacheState) -> str:
         head += (f"\nLoRA graphs (steps with any adapter row): {lora_captured} of {len(s.lora_buckets)} buckets "
                  f"captured, used {human_bytes(s.lora_used_bytes)}")
     head += "".join(f"\n{_rank_line(r)}" for r in s.ranks)  # tensor parallelism: the budget is per rank
+    if s.HasField("kv_cache"):
+        head += f"\n{_kv_line(s.kv_cache)}"
     body = table(["kind", "size", "state", "bytes", "capture", "replays", "padded", "eager", "failures", "last use"],
                  rows, left=(0, 2, 9))
     notes = [f"bucket {kind}:{b.size}: {b.failure_reason}" for kind, b in listed if b.failure_reason]
     return "\n".join([head, body, *notes])
+
+
+def _kv_line(kv: admin_pb2.KVCacheState) -> str:
+    line = (f"KV cache: {kv.used_blocks} of {kv.total_blocks} blocks used ({kv.block_size} tokens each), "
+            f"{kv.free_blocks} free, {kv.cached_blocks} cached; preemptions {kv.preemptions}")
+    if not kv.prefix_caching:
+        return line + "; prefix caching off"
+    rate = kv.prefix_hit_tokens / kv.prefix_query_tokens if kv.prefix_query_tokens else 0.0
+    return line + f"; prefix hits {kv.prefix_hit_tokens} of {kv.prefix_query_tokens} prompt tokens ({rate:.0%})"
 
 
 def _rank_line(r: admin_pb2.RankMemory) -> str:

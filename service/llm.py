@@ -32,7 +32,7 @@ from typing import Any
 import structlog
 
 from service.chat import ChatMessage, Conversation, chat_prompt
-from service.config import ConfigError, ServeConfig
+from service.config import ConfigError, ServeConfig, default_max_running_seqs
 from service.engine import request as engine_request
 from service.server.validation import (
     Fields,
@@ -155,6 +155,10 @@ class _Options:
     overlap_steps: bool = ServeConfig.overlap_steps
     # Each prompt's tokens independent of the other prompts and of chunking (ServeConfig.batch_invariant)
     batch_invariant: bool = ServeConfig.batch_invariant
+    # Paged KV (ServeConfig.block_size, kv_cache_memory, prefix_caching; vLLM's enable_prefix_caching)
+    block_size: int = ServeConfig.block_size
+    kv_cache_memory: str | int | float = ServeConfig.kv_cache_memory
+    enable_prefix_caching: bool = ServeConfig.prefix_caching
     graph_memory_budget: str | None = None
     stats_file: str | Path | None = None
     warm_start: bool = ServeConfig.warm_start
@@ -165,7 +169,8 @@ class _Options:
 
 VALID_KEYWORDS = ("model", *(f.name for f in dataclasses.fields(_Options)))
 # Config flags whose LLM keyword has another name (for error messages).
-_KEYWORD_OF_FLAG = {"capture-sizes": "cudagraph_capture_sizes", "lora-modules": "lora_weights"}
+_KEYWORD_OF_FLAG = {"capture-sizes": "cudagraph_capture_sizes", "lora-modules": "lora_weights",
+                    "prefix-caching": "enable_prefix_caching"}
 
 
 def _config_of(model: str, o: _Options) -> ServeConfig:
@@ -174,7 +179,7 @@ def _config_of(model: str, o: _Options) -> ServeConfig:
     max_running = o.max_running_seqs
     if max_running is None:  # capture sizes above the default batch would be refused: raise the batch
         largest = max((s for s in o.cudagraph_capture_sizes or () if _is_int(s)), default=0)
-        max_running = max(ServeConfig.max_running_seqs, largest)
+        max_running = max(default_max_running_seqs(o.device), largest)
     mode = o.cudagraph_mode.value if hasattr(o.cudagraph_mode, "value") else o.cudagraph_mode
     dtype = o.dtype if isinstance(o.dtype, str) else str(o.dtype).removeprefix("torch.")
     config = ServeConfig(
@@ -183,7 +188,8 @@ def _config_of(model: str, o: _Options) -> ServeConfig:
         max_running_seqs=max_running, max_seq_len=o.max_seq_len,
         max_num_batched_tokens=o.max_num_batched_tokens, default_max_tokens=o.default_max_tokens,
         max_tokens_limit=max(ServeConfig.max_tokens_limit, o.default_max_tokens), overlap_steps=o.overlap_steps,
-        batch_invariant=o.batch_invariant,
+        batch_invariant=o.batch_invariant, block_size=o.block_size, kv_cache_memory=str(o.kv_cache_memory),
+        prefix_caching=o.enable_prefix_caching,
         cudagraph_mode=str(mode).lower(), capture_sizes=sizes,
         graph_memory_budget=None if o.graph_memory_budget is None else str(o.graph_memory_budget),
         stats_file=None if o.stats_file is None else Path(o.stats_file), warm_start=o.warm_start,
@@ -200,8 +206,8 @@ def _config_of(model: str, o: _Options) -> ServeConfig:
 
 
 _INT_KEYWORDS = ("tensor_parallel_size", "max_loras", "max_lora_rank", "max_seq_len", "max_num_batched_tokens",
-                 "default_max_tokens")
-_BOOL_KEYWORDS = ("overlap_steps", "batch_invariant", "warm_start")
+                 "default_max_tokens", "block_size")
+_BOOL_KEYWORDS = ("overlap_steps", "batch_invariant", "warm_start", "enable_prefix_caching")
 
 
 def _check_types(o: _Options) -> None:
@@ -223,6 +229,9 @@ def _check_types(o: _Options) -> None:
     sizes = o.cudagraph_capture_sizes
     need(sizes is None or (isinstance(sizes, Sequence) and not isinstance(sizes, str | bytes)
                            and all(_is_int(s) for s in sizes)), "cudagraph_capture_sizes", "None or a list of ints")
+    kv = o.kv_cache_memory
+    need(isinstance(kv, str | int | float) and not isinstance(kv, bool), "kv_cache_memory",
+         "'auto', bytes ('8GiB', 8 << 30) or a fraction of device memory (0.5)")
     budget = o.graph_memory_budget
     need(budget is None or (isinstance(budget, str | int | float) and not isinstance(budget, bool)),
          "graph_memory_budget", "None, bytes ('8GiB', 8 << 30) or a fraction of device memory (0.2)")

@@ -13,6 +13,7 @@ thread that reads adapter files, for a check before it reads.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -101,6 +102,8 @@ class AdapterRegistry:
         self._slot_of: dict[str, int] = {}  # resident adapters
         self._running: dict[int, int] = {}  # slot -> running sequences on it
         self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(1, max_loras + 1))  # oldest first
+        self._keys: dict[str, str] = {}  # name -> its prefix-cache key (one per registration)
+        self._registrations = itertools.count()
 
     @property
     def names(self) -> list[str]:
@@ -128,6 +131,12 @@ class AdapterRegistry:
         self.check_room(adapter.name)
         self._adapters[adapter.name] = adapter
         self._holds.setdefault(adapter.name, 0)
+        self._keys[adapter.name] = f"{adapter.name}#{next(self._registrations)}"
+
+    def cache_key(self, name: str) -> str:
+        """What the prefix cache keys `name`'s blocks by: one per registration, so KV computed under an
+        adapter since unloaded never serves a new one loaded under the same name."""
+        return self._keys[name]
 
     def unregister(self, name: str) -> None:
         """Removes an adapter no stream uses; AdapterInUse while any does (waiting or running)."""
@@ -143,6 +152,7 @@ class AdapterRegistry:
             self._lru.move_to_end(slot, last=False)  # a free slot: reused first
         del self._adapters[name]
         self._holds.pop(name, None)
+        self._keys.pop(name, None)
 
     # ---- per sequence ------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from cache_manager import CudaGraphMode, GraphCache, GraphCacheConfig, parse_cap
 from service.config import ServeConfig
 from service.engine.adapters import AdapterError, AdapterRegistry, AdapterRootMissing, AdaptersOff, check_name
 from service.engine.engine import Engine, EngineObserver, Publish, deliver
+from service.engine.kv_sizing import size_kv_cache
 from service.engine.ranks import start_ranks
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
@@ -147,8 +148,15 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
         warm_start=c.warm_start and not follower,
         inline_capture=inline,
     )
+    kv = size_kv_cache(loaded.model.spec, dtype, device, c.kv_cache_memory, c.block_size, c.max_running_seqs,
+                       max_seq_len, c.graph_memory_budget, mode is not CudaGraphMode.NONE, tp)
+    if not follower:
+        log.info("kv_cache", blocks=kv.num_blocks - 1, block_size=kv.block_size, tokens=kv.tokens,
+                 gib=round(kv.nbytes / 2**30, 3),
+                 sequences_at_max_seq_len=(kv.num_blocks - 1) // -(-max_seq_len // kv.block_size), prefix_caching=c.prefix_caching, sized_by=kv.source)
     runner = ModelRunner(loaded, c.max_running_seqs, max_seq_len, graph_config,
-                         max_loras=c.lora_slots, max_lora_rank=c.max_lora_rank, lora_kernel=c.lora_kernel)
+                         max_loras=c.lora_slots, max_lora_rank=c.max_lora_rank, lora_kernel=c.lora_kernel,
+                         block_size=kv.block_size, num_blocks=kv.num_blocks)
     runner.warmup()
     if follower:
         runner.follow_graphs()
@@ -179,7 +187,8 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
                 graphs.poll()  # captured and committed now, at this step boundary
             graphs.maybe_save()
 
-    scheduler = Scheduler(c.max_running_seqs, c.max_num_batched_tokens, adapters=lr.adapters)
+    scheduler = Scheduler(c.max_running_seqs, c.max_num_batched_tokens, adapters=lr.adapters,
+                          blocks=lr.runner.new_block_pool(c.prefix_caching))
     engine = Engine(lr.runner, scheduler, lr.loaded.tokenizer,
                     frozenset(lr.loaded.spec.eos_token_ids), publish=publish, observer=observer,
                     between_steps=between_steps, overlap=c.overlap_steps)

@@ -142,9 +142,9 @@ class Engine:
 
     @property
     def kv_cache_usage(self) -> tuple[int, int]:
-        """(used, total) units of the KV cache: today one slot per running sequence."""
-        total = self.scheduler.max_running
-        return total - self.scheduler.num_free_slots, total
+        """(used, total) KV blocks: held by a running sequence (cached free blocks count as free)."""
+        stats = self.scheduler.block_stats()
+        return stats.used, stats.num_blocks
 
     @property
     def waiting_prompt_tokens(self) -> int:
@@ -308,8 +308,9 @@ class Engine:
         now = time.monotonic()
         for seq, token in zip(launched.seqs, tokens, strict=True):
             seq.num_pending -= 1
-            if seq.status is not SequenceStatus.RUNNING or seq.aborted:
+            if seq.status is SequenceStatus.FINISHED or seq.aborted:
                 continue  # finished or aborted after this step was launched: the token is surplus
+            # (A preempted sequence, waiting again, keeps its token: its recompute starts from it.)
             seq.completion_token_ids.append(token)
             output, sink = self._outputs[seq.key]
             for event in output.on_token(token, now):

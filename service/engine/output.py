@@ -73,6 +73,7 @@ class RequestOutput:
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=seq.num_completion_tokens,
             matched_stop=matched,
+            cached_tokens=seq.num_cached_tokens,
             queue_seconds=max(0.0, scheduled - request.arrival_time),
             time_to_first_token_seconds=max(0.0, first - request.arrival_time),
             total_seconds=max(0.0, now - request.arrival_time),

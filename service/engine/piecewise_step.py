@@ -106,17 +106,17 @@ class PiecewiseStep:
         p = self.pieces
         ids, positions, slots, out = ids[:size], positions[:size], slots[:size], attn_out[:size]
         state: dict[str, PieceState] = {}  # the latest piece's output
-        queries: dict[int, torch.Tensor] = {}  # layer -> the queries its piece wrote (kept: replay reads them)
+        states: dict[int, PieceState] = {}  # layer -> the state its piece left (kept: replay reads its tensors)
         hidden: list[torch.Tensor] = []
 
         def first() -> None:
             state["s"] = p.first(ids, positions, slots)
-            queries[0] = state["s"].q
+            states[0] = state["s"]
 
         def middle(layer: int) -> Callable[[], None]:
             def run() -> None:
-                state["s"] = p.middle(layer, state["s"], out, positions, slots)
-                queries[layer] = state["s"].q
+                state["s"] = p.middle(layer, state["s"], out)
+                states[layer] = state["s"]
             return run
 
         def last() -> None:
@@ -125,7 +125,8 @@ class PiecewiseStep:
         def attend(layer: int) -> Callable[[], None]:
             def run() -> None:
                 step = batch if batch is not None else self.batch
-                p.model.step_attention(layer, queries[layer], step, self.kv, out=out)
+                piece = states[layer]
+                p.model.step_attention(layer, piece.q, step, self.kv, piece.index, out=out)
             return run
 
         pieces = [first, *(middle(layer) for layer in range(1, p.num_layers)), last]

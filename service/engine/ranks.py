@@ -279,7 +279,7 @@ def start_ranks(c: Any, device: torch.device) -> tuple[Ranks, TensorParallel, to
         for p in procs:
             p.kill()
         raise
-    channel = StepChannel(channel_group, StepInputs.capacity(c.max_running_seqs, c.max_num_batched_tokens))
+    channel = StepChannel(channel_group, StepInputs.capacity(c.max_running_seqs, c.max_num_batched_tokens, c.block_size))
     return Ranks(procs, channel, store, c.watchdog_timeout), tp, device
 
 
@@ -344,7 +344,7 @@ def follow(rank: int, world_size: int, port: int, c: Any, device_type: str) -> N
     store = group_store(rank, world_size, port)
     tp, channel_group = join_group(rank, world_size, port, device, store=store)
     lr = build_runner(c, device, tp, follower=True)
-    channel = StepChannel(channel_group, StepInputs.capacity(c.max_running_seqs, c.max_num_batched_tokens))
+    channel = StepChannel(channel_group, StepInputs.capacity(c.max_running_seqs, c.max_num_batched_tokens, c.block_size))
     log.info("rank_ready", rank=rank, device=str(device))
     follow_steps(lr.runner, channel, tp, MemoryPublisher(store, rank, device))
     log.info("rank_stopped", rank=rank)

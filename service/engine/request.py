@@ -62,6 +62,7 @@ class Finish:
     prompt_tokens: int
     completion_tokens: int
     matched_stop: str | int | None = None  # the stop string or stop token id that ended it
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed)
     queue_seconds: float = 0.0
     time_to_first_token_seconds: float = 0.0
     total_seconds: float = 0.0

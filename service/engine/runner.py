@@ -1,6 +1,7 @@
 """The model runner: the only code that touches the device.
 
-It owns the KV cache, the static decode inputs and the graph cache, and turns a scheduled step
+It owns the paged KV cache (and its block table, which it updates from the sequences' blocks
+before each step), the static decode inputs and the graph cache, and turns a scheduled step
 (decodes and prompt chunks) into one forward pass and one sampled token per sampling sequence. A
 uniform-decode step (every row one decode token) replays a full decode graph through the graph
 cache; a step with any prompt chunk runs the forward split at attention (service.model.pieces),
@@ -24,6 +25,7 @@ from cache_manager import Fingerprint, GraphBackend, GraphCache, GraphCacheConfi
 from cache_manager.manager import StepPlan
 from cache_manager.mirror import GraphMirror
 from cache_manager.sizes import FULL, PIECEWISE, CudaGraphMode
+from service.engine.block_pool import BlockPool
 from service.engine.decode_step import LoraDecodeStep, ModelDecodeStep, fed_back
 from service.engine.piecewise_step import LoraPiecewiseStep, PiecewiseStep
 from service.engine.rank_memory import RankMemory, device_memory
@@ -42,16 +44,19 @@ from service.model.step_batch import ChunkSpec, build_step_batch
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_running: int, max_seq_len: int, graph_config: GraphCacheConfig,
                  graph_backend: GraphBackend | None = None, max_loras: int = 0, max_lora_rank: int = 16,
-                 lora_kernel: str = "stacked") -> None:
+                 lora_kernel: str = "stacked", block_size: int = 16, num_blocks: int | None = None) -> None:
         """graph_backend: None for the CUDA one on a GPU (tests give a fake one to run graphs' logic on a CPU).
-        max_loras > 0: adapter slots (service.model.lora) and a second graph cache for batches with adapters."""
+        max_loras > 0: adapter slots (service.model.lora) and a second graph cache for batches with adapters.
+        num_blocks: KV blocks of block_size tokens (the null block included; kv_sizing.py sizes it);
+        None: enough for every row at max_seq_len."""
         self.loaded = loaded
         self.device = loaded.device
         self.tp = loaded.model.tp
         self.ranks: Ranks | None = None  # the other tensor-parallel ranks (rank 0 only)
         self.mirror: GraphMirror | None = None  # ranks > 0: the graphs rank 0's cache decides (follow_graphs)
         # The model's spec: with tensor parallelism, this rank's share of the KV heads.
-        self.kv = KVCache(loaded.model.spec, max_running, max_seq_len, loaded.device, loaded.dtype)
+        self.kv = KVCache(loaded.model.spec, max_running, max_seq_len, loaded.device, loaded.dtype, block_size,
+                          num_blocks if num_blocks is not None else 1 + max_running * -(-max_seq_len // block_size))
         self.decode_step = ModelDecodeStep(loaded.model, self.kv, max_running, loaded.device)
         self.pieces = PiecewiseForward(loaded.model, self.kv)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -98,6 +103,10 @@ class ModelRunner:
         self._turn = 0
         # The latest launch: each sequence's row in it and its sampled tokens (on device).
         self._previous: tuple[dict[str, int], torch.Tensor] = ({}, torch.zeros(0, dtype=torch.long))
+
+    def new_block_pool(self, prefix_caching: bool = True) -> BlockPool:
+        """The scheduler's block pool over this runner's KV cache."""
+        return BlockPool(self.kv.num_blocks, self.kv.block_size, prefix_caching)
 
     def attach_ranks(self, ranks: Ranks) -> None:
         """Rank 0 of N > 1: send every step (with its graph operations) to the other ranks; graph
@@ -192,6 +201,7 @@ class ModelRunner:
             pending_rows if any(r >= 0 for r in pending_rows) else None,
             len(sampling),
             lora_slots,
+            table_updates=_table_updates(decodes + [c.seq for c in chunks]),
         )
         logits = self.forward(inputs, previous_tokens)
         if not sampling:  # every chunk leaves part of its prompt for a later step
@@ -205,6 +215,9 @@ class ModelRunner:
         from PIECEWISE graphs when the mode has them. Rows with an adapter go to the LoRA cache.
         Every tensor-parallel rank runs this for the same inputs (rank 0 plans its graphs, then sends
         them)."""
+        for slot, first, blocks in inputs.table_updates:
+            self.kv.set_blocks(slot, first, blocks)
+        self.kv.sync_table()
         with_lora = inputs.lora_slots is not None
         graphs = self.lora_graphs if with_lora else self.graphs
         assert graphs is not None, "an adapter row on a server without adapter slots"
@@ -272,6 +285,17 @@ class ModelRunner:
         # The counter is the index of the token being sampled, pending ones included.
         params = [(s.request.sampling, s.num_completion_tokens + s.num_pending) for s in seqs]
         return sample(logits, SamplingBatch.build(params, self.device))
+
+
+def _table_updates(seqs: list[Sequence]) -> list[tuple[int, int, list[int]]]:
+    """The block-table entries of the step's sequences not yet written: (slot, first entry, blocks)."""
+    updates = []
+    for seq in seqs:
+        have = seq.num_table_blocks
+        if len(seq.block_ids) > have:
+            updates.append((_slot(seq), have, seq.block_ids[have:]))
+            seq.num_table_blocks = len(seq.block_ids)
+    return updates
 
 
 def _slot(seq: Sequence) -> int:

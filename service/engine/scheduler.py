@@ -2,21 +2,33 @@
 
 Each step is one forward pass over at most `max_num_batched_tokens` tokens: every running decode
 (one token each, never held back), then prompt chunks filling the rest of the budget. A sequence
-waits in a FIFO queue until a KV slot is free, is admitted, has its prompt prefilled in one or more
-chunks (a prompt longer than the budget is split over steps, oldest prompt first), then decodes one
-token per step until the engine calls finish() or the client aborts. Only the chunk that completes a
-prompt samples a token (the first completion token). Not thread-safe: only the engine thread calls
-it (the engine forwards aborts to its thread).
+waits in a FIFO queue until a row (slot) is free and the KV block pool has blocks for its first
+chunk, is admitted, has its prompt prefilled in one or more chunks (a prompt longer than the budget
+is split over steps, oldest prompt first), then decodes one token per step until the engine calls
+finish() or the client aborts. Only the chunk that completes a prompt samples a token (the first
+completion token).
+
+KV memory is paged (service/engine/block_pool.py): a sequence holds blocks for the positions it
+has scheduled and takes one more whenever a step crosses into a new block. At admission the
+longest cached prefix of its prompt (full blocks, never the last token) is taken from the prefix
+cache and not computed again. When a running sequence needs a block and none is free, the most
+recently admitted running sequence (a paused one first) is preempted: it gives its blocks back (its full blocks stay
+in the prefix cache) and waits at the front of the queue to recompute its KV, prompt and
+completion so far, then continues; its client sees only latency. Not thread-safe: only the engine
+thread calls it (the engine forwards aborts to its thread).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import heapq
+import itertools
 import time
 from dataclasses import dataclass, field
 
 from service.engine.adapters import AdapterRegistry
+from service.engine.block_pool import ROOT, BlockPool, PoolStats, chain_hashes
 from service.engine.sequence import Sequence, SequenceStatus
 
 
@@ -34,11 +46,11 @@ class PrefillChunk:
 
     @property
     def completes_prompt(self) -> bool:
-        """The chunk holds the prompt's last token: the step samples the first completion token."""
-        return self.end == self.seq.num_prompt_tokens
+        """The chunk holds the last token to prefill: the step samples the next completion token."""
+        return self.end == self.seq.prefill_len
 
     def token_ids(self) -> list[int]:
-        return self.seq.request.prompt_token_ids[self.start : self.end]
+        return self.seq.token_ids(self.start, self.end)
 
 
 @dataclass
@@ -62,7 +74,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, max_running: int, max_num_batched_tokens: int, adapters: AdapterRegistry | None = None) -> None:
+    def __init__(self, max_running: int, max_num_batched_tokens: int, adapters: AdapterRegistry | None = None,
+                 blocks: BlockPool | None = None) -> None:
+        """blocks: the KV block pool matching the runner's KV cache (ModelRunner.new_block_pool);
+        None: an ample pool (8,192 tokens per row), for runners that hold no KV (tests)."""
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
         # Every running sequence may decode in the same step, and decodes are never held back: a
@@ -75,6 +90,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         # A sequence with a LoRA adapter is admitted once its adapter has a device slot.
         self.adapters = adapters
+        self.blocks = blocks if blocks is not None else BlockPool(1 + max_running * 512, 16)
+        self.block_size = self.blocks.block_size
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: dict[int, Sequence] = {}  # slot -> sequence
         self._prefilling: list[Sequence] = []  # running, prompt not fully scheduled; admission order
@@ -83,6 +100,8 @@ class Scheduler:
         self._aborted: list[Sequence] = []
         self._waiting_prompt_tokens = 0
         self._num_paused = 0  # running sequences paused for back-pressure
+        self._admissions = itertools.count(1)
+        self.num_preemptions = 0
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -101,6 +120,10 @@ class Scheduler:
     @property
     def waiting_prompt_tokens(self) -> int:
         return self._waiting_prompt_tokens
+
+    def block_stats(self) -> PoolStats:
+        """The block pool's counts with this scheduler's preemptions. Any thread may call it (reads)."""
+        return dataclasses.replace(self.blocks.stats(), preemptions=self.num_preemptions)
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._aborted or len(self._running) > self._num_paused)
@@ -126,10 +149,7 @@ class Scheduler:
             return seq
         seq.aborted = True
         if seq.status is SequenceStatus.WAITING:
-            self._waiting.remove(seq)  # O(n), but aborts are rare next to steps
-            self._waiting_prompt_tokens -= seq.num_prompt_tokens
-            del self._by_key[key]
-            seq.status = SequenceStatus.FINISHED
+            self._leave_waiting(seq)
             self._aborted.append(seq)
         return seq
 
@@ -147,6 +167,11 @@ class Scheduler:
         return aborted
 
     def finish(self, seq: Sequence) -> None:
+        """The engine read seq's last token. A preempted sequence may finish while it waits (a token
+        of the step in flight when it was preempted)."""
+        if seq.status is SequenceStatus.WAITING:
+            self._leave_waiting(seq)
+            return
         assert seq.status is SequenceStatus.RUNNING and seq.slot is not None, seq
         assert self._running.get(seq.slot) is seq, f"slot {seq.slot} is not held by {seq.request_id}"
         self._release(seq)
@@ -158,6 +183,12 @@ class Scheduler:
             self._aborted.append(seq)
 
         batch = ScheduledBatch()
+        preempted_before = self.num_preemptions
+        # Blocks for this step's decodes, oldest admission first, so that a preemption takes the
+        # newest (which has not been given its block yet).
+        for seq in sorted((s for s in self._running.values() if _decodes(s)), key=lambda s: s.admitted):
+            if seq.status is SequenceStatus.RUNNING:
+                self._reserve(seq, seq.next_position() + 1)
         # Slot order keeps rows stable between steps, which keeps copies into static buffers simple.
         # A sequence decodes once its first token exists (seen or in flight) and until max_tokens
         # are sampled; the engine finishes it when it reads the last one.
@@ -168,43 +199,147 @@ class Scheduler:
         # is not skipped over, it takes what the budget leaves and continues next step. A sequence
         # whose adapter has no free slot is skipped (it keeps its place), so it never blocks those
         # behind it that can run; the skipping is bounded (_may_pass).
-        for seq in self._prefilling:
+        for seq in list(self._prefilling):
             if budget == 0:
                 break
-            budget -= self._add_chunk(batch, seq, budget)
+            if seq.status is SequenceStatus.RUNNING:  # not preempted by an older one this step
+                budget -= self._add_chunk(batch, seq, budget, preempt=True)
         now = time.monotonic()
         blocked: list[Sequence] = []  # waiting sequences that cannot run now, in arrival order
-        while self._waiting and self._free_slots and budget > 0:
+        # After a preemption this step admits nobody: the blocks just given back would let the preempted
+        # one (first in line) in again at once, only to be preempted at its next block.
+        while self._waiting and self._free_slots and budget > 0 and self.num_preemptions == preempted_before:
             seq = self._waiting.popleft()
+            if seq.num_pending:  # preempted with a token in flight: admitted once the engine read it
+                blocked.append(seq)
+                continue
             if not self._may_pass(blocked, seq) or not self._admit_adapter(seq):
                 blocked.append(seq)
                 continue
+            if not self._admit_blocks(seq, budget):
+                self._release_adapter(seq)
+                self._waiting.appendleft(seq)  # FIFO: nothing behind it is admitted before it
+                break
             if seq.request.adapter:
                 for waiter in blocked:
                     waiter.num_passed += 1
             self._waiting_prompt_tokens -= seq.num_prompt_tokens
             seq.slot = heapq.heappop(self._free_slots)
             seq.status = SequenceStatus.RUNNING
-            seq.scheduled_at = now
+            seq.scheduled_at = seq.scheduled_at or now
+            seq.admitted = next(self._admissions)
+            seq.num_table_blocks = 0
             self._num_paused += seq.paused  # paused while it waited
             self._running[seq.slot] = seq
             self._prefilling.append(seq)
-            budget -= self._add_chunk(batch, seq, budget)
+            budget -= self._add_chunk(batch, seq, budget, preempt=False)
         self._waiting.extendleft(reversed(blocked))
         self._prefilling = [seq for seq in self._prefilling if seq.num_unprefilled_tokens]
+        # A sequence preempted after its chunk or decode was added leaves this step.
+        batch.decodes = [s for s in batch.decodes if s.status is SequenceStatus.RUNNING]
+        batch.prefills = [c for c in batch.prefills if c.seq.status is SequenceStatus.RUNNING]
+        # What this step computes, and the full blocks it completes for the prefix cache.
+        for seq in batch.decodes:
+            seq.num_computed_tokens = seq.next_position() + 1
+            self._register_full_blocks(seq)
+        for chunk in batch.prefills:
+            chunk.seq.num_computed_tokens = chunk.end
+            self._register_full_blocks(chunk.seq)
         self._check()
         return batch
 
     # ---- internals -----------------------------------------------------------------------
 
-    @staticmethod
-    def _add_chunk(batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
-        """Schedule the next chunk of seq's prompt within budget; returns its token count."""
+    def _add_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int, preempt: bool) -> int:
+        """Schedule the next chunk of seq's prompt within budget and the blocks it needs; returns its
+        token count (0 when seq itself was preempted for blocks)."""
         start = seq.num_prefilled_tokens
-        end = min(seq.num_prompt_tokens, start + budget)
+        end = min(seq.prefill_len, start + budget)
+        if preempt:
+            if not self._reserve(seq, end):
+                return 0
+        else:
+            assert self._blocks_needed(seq, end) <= self.blocks.num_free, "admitted without its blocks"
+            self._reserve(seq, end)
         batch.prefills.append(PrefillChunk(seq, start, end))
         seq.num_prefilled_tokens = end
         return end - start
+
+    def _blocks_needed(self, seq: Sequence, num_positions: int) -> int:
+        return max(0, -(-num_positions // self.block_size) - len(seq.block_ids))
+
+    def _reserve(self, seq: Sequence, num_positions: int) -> bool:
+        """Blocks for seq's positions [0, num_positions), preempting the newest running sequences
+        while none is free. False when seq itself was the newest and was preempted."""
+        need = self._blocks_needed(seq, num_positions)
+        while need:
+            got = self.blocks.allocate(need)
+            if got is not None:
+                seq.block_ids += got
+                return True
+            # A paused one first (its client reads nothing: its blocks hold up the others), else the newest.
+            victim = max(self._running.values(), key=lambda s: (s.paused, s.admitted))
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit_blocks(self, seq: Sequence, budget: int) -> bool:
+        """Take seq's cached prefix and check that the blocks of its first chunk are free (no preemption
+        for a newcomer); on success seq.num_prefilled_tokens starts after the cached prefix."""
+        seq.prefill_len = seq.num_tokens  # the prompt; after a preemption the completion so far too
+        self._extend_hashes(seq, seq.prefill_len)
+        # At least the last token is computed: it gives the logits the next token is sampled from.
+        cached = self.blocks.lookup(seq.block_hashes, (seq.prefill_len - 1) // self.block_size)
+        start = len(cached) * self.block_size
+        end = min(seq.prefill_len, start + budget)
+        # A newcomer leaves a few blocks free for the running ones' next decodes (1% of the pool), or
+        # it would be preempted as soon as one of them crosses into a new block.
+        watermark = -(-self.blocks.num_blocks // 100) if self._running else 0
+        if -(-end // self.block_size) - len(cached) + watermark > self.blocks.num_free:
+            self.blocks.free(cached)
+            return False
+        if not seq.num_preemptions:
+            self.blocks.count_query(seq.prefill_len, start)
+            seq.num_cached_tokens = start
+        seq.block_ids = cached
+        seq.num_registered_blocks = len(cached)
+        seq.num_prefilled_tokens = seq.num_computed_tokens = start
+        return True
+
+    def _extend_hashes(self, seq: Sequence, num_tokens: int) -> None:
+        """seq.block_hashes cover the full blocks of its first num_tokens known tokens."""
+        full = num_tokens // self.block_size
+        have = len(seq.block_hashes)
+        if self.blocks.prefix_caching and have < full:
+            seq.block_hashes += chain_hashes(seq.token_ids(0, full * self.block_size), self.block_size,
+                                             self._adapter_key(seq), seq.block_hashes[-1] if have else ROOT, have)
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Register seq's full blocks whose KV launched steps compute and whose tokens are known."""
+        if not self.blocks.prefix_caching:
+            return
+        full = min(min(seq.num_computed_tokens, seq.num_tokens) // self.block_size, len(seq.block_ids))
+        if full <= seq.num_registered_blocks:
+            return
+        self._extend_hashes(seq, full * self.block_size)
+        for i in range(seq.num_registered_blocks, full):
+            self.blocks.register(seq.block_ids[i], seq.block_hashes[i])
+        seq.num_registered_blocks = full
+
+    def _adapter_key(self, seq: Sequence) -> str:
+        name = seq.request.adapter
+        return self.adapters.cache_key(name) if name and self.adapters is not None else name or ""
+
+    def _preempt(self, seq: Sequence) -> None:
+        """seq gives its row and blocks back and waits first in line to recompute its KV."""
+        self._release(seq, preempted=True)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._waiting.appendleft(seq)
+        self._by_key[seq.key] = seq
+        self._waiting_prompt_tokens += seq.num_prompt_tokens
 
     def _may_pass(self, blocked: list[Sequence], seq: Sequence) -> bool:
         """Whether `seq` may be admitted ahead of the blocked sequences before it.
@@ -227,18 +362,33 @@ class Scheduler:
         seq.lora_slot = slot
         return True
 
-    def _release(self, seq: Sequence) -> None:
-        assert seq.slot is not None
+    def _release_adapter(self, seq: Sequence) -> None:
         if seq.lora_slot:
             assert self.adapters is not None
             self.adapters.release(seq.lora_slot)
             seq.lora_slot = 0
-        if seq.num_unprefilled_tokens:
+
+    def _leave_waiting(self, seq: Sequence) -> None:
+        self._waiting.remove(seq)  # O(n), but aborts are rare next to steps
+        self._waiting_prompt_tokens -= seq.num_prompt_tokens
+        del self._by_key[seq.key]
+        seq.status = SequenceStatus.FINISHED
+
+    def _release(self, seq: Sequence, preempted: bool = False) -> None:
+        assert seq.slot is not None
+        self._release_adapter(seq)
+        if seq in self._prefilling:
             self._prefilling.remove(seq)
+        # Its full blocks stay findable in the prefix cache once free (a preempted sequence's own
+        # recompute hits them if they are still there).
+        self._register_full_blocks(seq)
+        self.blocks.free(seq.block_ids)
+        seq.block_ids = []
         del self._running[seq.slot]
         self._num_paused -= seq.paused
         heapq.heappush(self._free_slots, seq.slot)
-        del self._by_key[seq.key]
+        if not preempted:
+            del self._by_key[seq.key]
         seq.slot = None
         seq.status = SequenceStatus.FINISHED
 
@@ -252,4 +402,5 @@ class Scheduler:
 
 
 def _decodes(seq: Sequence) -> bool:
-    return bool(seq.completion_token_ids or seq.num_pending) and not seq.exhausted and not seq.paused
+    return (bool(seq.completion_token_ids or seq.num_pending) and not seq.num_unprefilled_tokens
+            and not seq.exhausted and not seq.paused)

@@ -1,4 +1,4 @@
-"""One request's mutable state inside the engine: status, KV slot, generated tokens, timing marks."""
+"""One request's mutable state inside the engine: status, KV slot and blocks, generated tokens, timing marks."""
 
 from __future__ import annotations
 
@@ -37,10 +37,27 @@ class Sequence:
     lora_slot: int = 0
     # Adapter requests admitted ahead of it while it waited for an adapter slot (see Scheduler).
     num_passed: int = 0
+    # Paged KV (service/engine/block_pool.py): the blocks holding positions [0, len * block_size),
+    # the hashes of its full blocks registered so far, and how many entries of its block-table row
+    # the runner has written (0 after each admission: a new row).
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_table_blocks: int = 0
+    num_registered_blocks: int = 0  # of block_ids, those offered to the prefix cache already
+    # Tokens to prefill before decoding: the prompt; after a preemption, every token known so far
+    # (the KV is recomputed). Set at each admission.
+    prefill_len: int = 0
+    # KV positions [0, n) scheduled by steps launched so far (the prefill's progress, then each decode).
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
+    num_preemptions: int = 0
+    admitted: int = 0  # admission order (the scheduler's counter): the newest running is preempted first
 
     def __post_init__(self) -> None:
         if not self.key:
             self.key = self.request.request_id
+        if not self.prefill_len:
+            self.prefill_len = self.num_prompt_tokens
 
     @property
     def request_id(self) -> str:
@@ -60,7 +77,14 @@ class Sequence:
 
     @property
     def num_unprefilled_tokens(self) -> int:
-        return self.num_prompt_tokens - self.num_prefilled_tokens
+        return self.prefill_len - self.num_prefilled_tokens if self.status is SequenceStatus.RUNNING else 0
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Known tokens [start, end): the prompt, then the completion."""
+        p = self.request.prompt_token_ids
+        if end <= len(p):
+            return p[start:end]
+        return (p + self.completion_token_ids)[start:end]
 
     @property
     def exhausted(self) -> bool:

@@ -3,7 +3,8 @@
 `StepInputs` is everything a rank needs to run a step's forward (rank 0 alone knows the sequences),
 with the graph operations every rank runs before it and the graph the step replays (rank 0's graph
 cache decides both); `StepChannel` sends it with one broadcast of a fixed-size int64 host buffer
-over a gloo group, so no rank has to sync its device to read it.
+over a gloo group, so no rank has to sync its device to read it (a step too long for the buffer,
+e.g. many prefix-cache hits at once, sends the rest in a second broadcast).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from cache_manager.mirror import CAPTURE, RELEASE, GraphOp
 from service.model.step_batch import ChunkSpec
 
 STOP, STEP, MORE_OPS = 0, 1, 2  # MORE_OPS: graph ops of the next message that did not fit in it
-# kind, decodes, chunks, token ids, has pending rows, sampling rows, graph ops, replayed graph (kind, size)
-_HEADER = 9
+# kind, decodes, chunks, token ids, has pending rows, sampling rows, graph ops, replayed graph (kind, size),
+# block-table words, words beyond the buffer (sent in a second broadcast)
+_HEADER = 11
 MAX_OPS = 16  # graph ops per broadcast; a step rarely has any (a capture, a few evictions)
 _KINDS = (None, CudaGraphMode.FULL, CudaGraphMode.PIECEWISE)
 _ACTIONS = (CAPTURE, RELEASE)
@@ -42,6 +44,9 @@ class StepInputs:
     # in order, and the graph the step replays (None: eager).
     graph_ops: list[GraphOp] = field(default_factory=list)
     replay: BatchDescriptor | None = None
+    # Block-table rows that changed since the last step: (slot, first entry, block ids); every rank
+    # applies them to its KV cache's table before the forward.
+    table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)
 
     @classmethod
     def only_ops(cls, ops: list[GraphOp]) -> StepInputs:
@@ -53,31 +58,36 @@ class StepInputs:
         return bool(self.token_ids)
 
     @staticmethod
-    def capacity(max_running: int, max_num_batched_tokens: int) -> int:
-        """int64 words of the largest step: a header, 3 per graph op (up to MAX_OPS), 3 per decode,
-        4 per chunk, the token ids."""
-        return _HEADER + 3 * MAX_OPS + 7 * max_running + max_num_batched_tokens
+    def capacity(max_running: int, max_num_batched_tokens: int, block_size: int = 16) -> int:
+        """int64 words of a usual largest step: a header, 3 per graph op (up to MAX_OPS), 3 per decode,
+        4 per chunk, the token ids, and the new blocks of a step (one per row, and the chunks')."""
+        table = 4 * max_running + max_num_batched_tokens // block_size
+        return _HEADER + 3 * MAX_OPS + 7 * max_running + max_num_batched_tokens + table
 
-    def encode(self, buf: torch.Tensor, ops: list[GraphOp] | None = None) -> None:
-        """Into buf: the step with `ops` (default: all of graph_ops, at most MAX_OPS)."""
+    def encode(self, buf: torch.Tensor, ops: list[GraphOp] | None = None) -> torch.Tensor | None:
+        """Into buf: the step with `ops` (default: all of graph_ops, at most MAX_OPS). Returns the words
+        beyond buf's size (for a second broadcast), or None when it all fits."""
         ops = self.graph_ops if ops is None else ops
         assert len(ops) <= MAX_OPS, f"{len(ops)} graph ops in one message (StepChannel splits them)"
         d, c = len(self.positions), len(self.chunks)
         replay = self.replay
+        table = [v for slot, first, blocks in self.table_updates for v in (slot, first, len(blocks), *blocks)]
+        body = [*_op_words(ops), *self.positions, *self.slots, *(self.pending_rows or ()),
+                *(v for ch in self.chunks for v in (ch.slot, ch.start, ch.length, int(ch.sample))),
+                *self.token_ids, *table]
+        extra = max(0, _HEADER + len(body) - buf.numel())
         words = [STEP, d, c, len(self.token_ids), int(self.pending_rows is not None), self.num_sampling, len(ops),
-                 _KINDS.index(replay.mode if replay else None), replay.padded_size if replay else 0,
-                 *_op_words(ops), *self.positions, *self.slots, *(self.pending_rows or ()),
-                 *(v for ch in self.chunks for v in (ch.slot, ch.start, ch.length, int(ch.sample))),
-                 *self.token_ids]
-        assert len(words) <= buf.numel(), f"a step of {len(words)} words exceeds the channel's {buf.numel()}"
-        buf[: len(words)] = torch.tensor(words, dtype=torch.long)
+                 _KINDS.index(replay.mode if replay else None), replay.padded_size if replay else 0, len(table),
+                 extra, *body]
+        buf[: len(words) - extra] = torch.tensor(words[: len(words) - extra], dtype=torch.long)
+        return torch.tensor(words[len(words) - extra:], dtype=torch.long) if extra else None
 
     @classmethod
-    def decode(cls, buf: torch.Tensor) -> StepInputs:
-        kind, d, c, t, pending, sampling, num_ops, replay_kind, replay_size = buf[:_HEADER].tolist()
+    def decode(cls, buf: torch.Tensor, rest: torch.Tensor | None = None) -> StepInputs:
+        kind, d, c, t, pending, sampling, num_ops, replay_kind, replay_size, nt, extra = buf[:_HEADER].tolist()
         assert kind == STEP
-        n = 3 * num_ops + 2 * d + (d if pending else 0) + 4 * c + t
-        words = buf[_HEADER : _HEADER + n].tolist()
+        n = 3 * num_ops + 2 * d + (d if pending else 0) + 4 * c + t + nt
+        words = buf[_HEADER : _HEADER + n - extra].tolist() + (rest.tolist() if extra else [])
         ops, at = _ops_from(words, num_ops), 3 * num_ops
         positions, slots, at = words[at : at + d], words[at + d : at + 2 * d], at + 2 * d
         pending_rows = None
@@ -86,7 +96,19 @@ class StepInputs:
         chunks = [ChunkSpec(*words[at + 4 * i : at + 4 * i + 3], bool(words[at + 4 * i + 3])) for i in range(c)]
         at += 4 * c
         replay = BatchDescriptor(_KINDS[replay_kind], replay_size) if replay_kind else None
-        return cls(words[at : at + t], positions, slots, chunks, pending_rows, sampling, graph_ops=ops, replay=replay)
+        token_ids, at = words[at : at + t], at + t
+        updates = []
+        while at < len(words):
+            slot, first, count = words[at : at + 3]
+            updates.append((slot, first, words[at + 3 : at + 3 + count]))
+            at += 3 + count
+        return cls(token_ids, positions, slots, chunks, pending_rows, sampling, graph_ops=ops, replay=replay,
+                   table_updates=updates)
+
+    @staticmethod
+    def extra_words(buf: torch.Tensor) -> int:
+        """Words of the step in buf that follow in a second broadcast."""
+        return int(buf[_HEADER - 1])
 
 
 def _op_words(ops: list[GraphOp]) -> list[int]:
@@ -118,8 +140,10 @@ class StepChannel:
             self.buf[: len(words)] = torch.tensor(words, dtype=torch.long)
             self._broadcast()
             ops = ops[MAX_OPS:]
-        inputs.encode(self.buf, ops)
+        rest = inputs.encode(self.buf, ops)
         self._broadcast()
+        if rest is not None:
+            self._broadcast(rest)
 
     def recv(self) -> StepInputs | None:
         """Ranks > 0: rank 0's next step, or None when rank 0 stops."""
@@ -133,11 +157,16 @@ class StepChannel:
             earlier += _ops_from(self.buf[2 : 2 + 3 * n].tolist(), n)
         if kind == STOP:
             return None
-        inputs = StepInputs.decode(self.buf)
+        extra = StepInputs.extra_words(self.buf)
+        rest = None
+        if extra:
+            rest = torch.zeros(extra, dtype=torch.long)
+            self._broadcast(rest)
+        inputs = StepInputs.decode(self.buf, rest)
         inputs.graph_ops[:0] = earlier
         return inputs
 
-    def _broadcast(self) -> None:
+    def _broadcast(self, tensor: torch.Tensor | None = None) -> None:
         import torch.distributed as dist
 
-        dist.broadcast(self.buf, src=0, group=self.group)
+        dist.broadcast(self.buf if tensor is None else tensor, src=0, group=self.group)

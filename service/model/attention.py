@@ -1,10 +1,11 @@
-"""Attention over one step's packed rows, reading keys and values from the KV cache.
+"""Attention over one step's packed rows, reading keys and values from the paged KV cache.
 
-The step's K/V are already in the cache when this runs (the piece before it writes them), so
-attention is a function of the rotated queries, the cache and the step's AttentionMetadata:
+The step's K/V are already in the cache when this runs (the piece before it writes them, at the
+rows' (block, offset) write index), so attention is a function of the rotated queries, the cache
+and the step's AttentionMetadata:
 decode rows through the decode kernel (Triton on CUDA, torch otherwise), chunks that start a
 prompt through batched causal attention by length bucket, chunks that continue a prompt against
-their slot's earlier KV plus causally within the chunk. It runs eagerly, between the pieces that
+their sequence's earlier KV (gathered through its block table) plus causally within the chunk. It runs eagerly, between the pieces that
 CUDA graphs may capture, on the real lengths; padding rows of the output stay zero.
 
 `rowwise_step_attention` is the batch-invariant mode's: every row, prompt token or decode, goes
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from service.model.kv_cache import KVCache
 from service.model.step_batch import StepBatch
 
 # Prompt attention never uses cuDNN's SDPA (PyTorch's first choice on Hopper): it builds a plan per
@@ -29,8 +31,11 @@ from service.model.step_batch import StepBatch
 # (bench/attention_shapes.py). The math kernel is the fallback (the CPU, odd shapes).
 _PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-# (q [B, H, D], k_cache, v_cache, slot_ids [B], positions [B]) -> [B, H * D]
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (q [B, H, D], k_cache, v_cache, block_table, slot_ids [B], positions [B]) -> [B, H * D]
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                           torch.Tensor]
+# The step's rows' KV entries: (block [S], offset [S]), KVCache.write_index
+WriteIndex = tuple[torch.Tensor, torch.Tensor]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -73,26 +78,29 @@ def _output(q: torch.Tensor, out: torch.Tensor | None, num_tokens: int) -> torch
 
 def step_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: KVCache,
+    layer: int,
     batch: StepBatch,
+    index: WriteIndex,
     decode_attention: DecodeAttention,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [S, H, D] rotated queries of every row; caches [num_slots + 1, KVH, T, D] already holding
-    this step's K/V -> [S, H * D] (written into `out` when given, e.g. a buffer a captured piece reads)."""
+    """q: [S, H, D] rotated queries of every row; the layer's cache already holding this step's K/V
+    at `index` -> [S, H * D] (written into `out` when given, e.g. a buffer a captured piece reads)."""
     meta = batch.attention
     out = _output(q, out, meta.num_tokens)
+    k_cache, v_cache = kv.k[layer], kv.v[layer]
+    blocks, offsets = index
     d = meta.num_decodes
     if d:
-        out[:d] = decode_attention(q[:d], k_cache, v_cache, batch.slot_ids[:d], batch.positions[:d])
+        out[:d] = decode_attention(q[:d], k_cache, v_cache, kv.block_table, batch.slot_ids[:d], batch.positions[:d])
     for g in meta.prompts:
         if g.rows is None:
             rows = slice(g.first_row, g.first_row + g.batch * g.length)
-            qg, slots, positions = q[rows], batch.slot_ids[rows], batch.positions[rows]
+            qg, bg, off = q[rows], blocks[rows], offsets[rows]
         else:
-            qg, slots, positions = (x.index_select(0, g.rows) for x in (q, batch.slot_ids, batch.positions))
-        kg, vg = k_cache[slots, :, positions], v_cache[slots, :, positions]  # [batch * length, KVH, D]
+            qg, bg, off = (x.index_select(0, g.rows) for x in (q, blocks, offsets))
+        kg, vg = k_cache[bg, :, off], v_cache[bg, :, off]  # [batch * length, KVH, D]
         shaped = (x.view(g.batch, g.length, *x.shape[1:]) for x in (qg, kg, vg))
         og = batched_causal_attention(*shaped).view(g.batch * g.length, -1)
         if g.rows is None:
@@ -103,15 +111,15 @@ def step_attention(
     for c in meta.contexts:
         end = c.start + c.length
         out[c.row: c.row + c.length] = context_attention(
-            q[c.row: c.row + c.length], k_cache[c.slot, :, :end], v_cache[c.slot, :, :end]
+            q[c.row: c.row + c.length], kv.gather(k_cache, c.slot, end), kv.gather(v_cache, c.slot, end)
         )
     return out
 
 
 def rowwise_step_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: KVCache,
+    layer: int,
     batch: StepBatch,
     decode_attention: DecodeAttention,
     out: torch.Tensor | None = None,
@@ -122,7 +130,9 @@ def rowwise_step_attention(
     each row on its own, so neither the calls' boundaries nor the other rows change a row's result."""
     n = batch.attention.num_tokens
     out = _output(q, out, n)
+    k_cache, v_cache = kv.k[layer], kv.v[layer]
     for start in range(0, n, rows_per_call):
         rows = slice(start, min(n, start + rows_per_call))
-        out[rows] = decode_attention(q[rows], k_cache, v_cache, batch.slot_ids[rows], batch.positions[rows])
+        out[rows] = decode_attention(q[rows], k_cache, v_cache, kv.block_table, batch.slot_ids[rows],
+                                     batch.positions[rows])
     return out

@@ -1,4 +1,4 @@
-"""Our own Llama-family decoder (Llama, Mistral, Qwen2): prefill into and decode from a static KVCache.
+"""Our own Llama-family decoder (Llama, Mistral, Qwen2): prefill into and decode from a paged KVCache.
 
 Parameter names follow Hugging Face so checkpoints load as they are. All tokens of a call are
 handled as a flat [N, ...] batch so a step (decodes and prompt chunks, see step_batch), the decode
@@ -20,7 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service.model.attention import DecodeAttention, causal_attention, rowwise_step_attention, step_attention
+from service.model.attention import (
+    DecodeAttention,
+    WriteIndex,
+    causal_attention,
+    rowwise_step_attention,
+    step_attention,
+)
 from service.model.kernels import FastPath
 from service.model.kernels.activation import silu_mul_torch, silu_mul_triton
 from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton
@@ -372,23 +378,24 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x, delta, self.fast.norm)[1]
 
     def rope_kv_write(
-        self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        slot_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+        self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: WriteIndex, kv: KVCache,
     ) -> torch.Tensor:
-        """Rotates q and k of every row and writes k, v into (slot, :, position) of the layer's cache;
-        returns rotated q [N, H, D]. Graph-safe: no host syncs."""
+        """Rotates q and k of every row and writes k, v at the rows' (block, offset) `index`
+        (KVCache.write_index) of the layer's cache; returns rotated q [N, H, D]. Graph-safe: no host syncs."""
         s = self.spec
         write = rope_kv_write_triton if self.fast.rope_kv else rope_kv_write_torch
-        return write(qkv, cos, sin, kv.k[layer], kv.v[layer], slot_ids, positions, s.num_heads, s.num_kv_heads)
+        blocks, offsets = index
+        return write(qkv, cos, sin, kv.k[layer], kv.v[layer], blocks, offsets, s.num_heads, s.num_kv_heads)
 
     def step_attention(
-        self, layer: int, q: torch.Tensor, batch: StepBatch, kv: KVCache, out: torch.Tensor | None = None
+        self, layer: int, q: torch.Tensor, batch: StepBatch, kv: KVCache, index: WriteIndex,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of a step's rows (their K/V already in the cache) -> [S, H * D]. Eager."""
-        k, v = kv.k[layer], kv.v[layer]
+        """Attention of a step's rows (their K/V already in the cache at `index`) -> [S, H * D]. Eager."""
         if self.invariant is not None:
-            return rowwise_step_attention(q, k, v, batch, self.invariant.attention, out, self.invariant.rows_per_call)
-        return step_attention(q, k, v, batch, self.row_attention(), out)
+            return rowwise_step_attention(q, kv, layer, batch, self.invariant.attention, out,
+                                          self.invariant.rows_per_call)
+        return step_attention(q, kv, layer, batch, index, self.row_attention(), out)
 
     def _rope(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -431,9 +438,11 @@ class LlamaForCausalLM(nn.Module):
         writes every row's K/V into its slot and returns float32 logits [R, V] of batch.sample_rows.
         The reference for the same forward split at attention (service.model.pieces)."""
 
+        index = kv.write_index(batch.slot_ids, batch.positions)
+
         def attend(i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-            q = self.rope_kv_write(i, qkv, cos, sin, batch.slot_ids, batch.positions, kv)
-            return self.step_attention(i, q, batch, kv)
+            q = self.rope_kv_write(i, qkv, cos, sin, index, kv)
+            return self.step_attention(i, q, batch, kv, index)
 
         return self.logits(self._run(batch.input_ids, batch.positions, attend)[batch.sample_rows])
 
@@ -443,10 +452,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions, slot_ids: [B] -> float32 logits [B, V]. Graph-safe: no host syncs."""
         attention = self.row_attention()
+        index = kv.write_index(slot_ids, positions)
 
         def attend(i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-            q = self.rope_kv_write(i, qkv, cos, sin, slot_ids, positions, kv)
-            return attention(q, kv.k[i], kv.v[i], slot_ids, positions)
+            q = self.rope_kv_write(i, qkv, cos, sin, index, kv)
+            return attention(q, kv.k[i], kv.v[i], kv.block_table, slot_ids, positions)
 
         return self.logits(self._run(input_ids, positions, attend))
 

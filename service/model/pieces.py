@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from service.model.attention import WriteIndex
 from service.model.kv_cache import KVCache
 from service.model.llama import LlamaForCausalLM
 from service.model.lora import LoraSlots, lora_tokens
@@ -37,6 +38,7 @@ class PieceState:
     cos: torch.Tensor  # [S, 1, D]
     sin: torch.Tensor
     q: torch.Tensor  # [S, H, D] rotated queries of the next attention (its K/V already written)
+    index: WriteIndex  # each row's KV entry (block, offset), computed once per step by the first piece
 
 
 class PiecewiseForward:
@@ -57,17 +59,16 @@ class PiecewiseForward:
         m = self.model
         x, cos, sin = m.embed(input_ids, positions)
         x, qkv = m.model.layers[0].pre_attention(x, None, m.fast)
-        return PieceState(x, cos, sin, m.rope_kv_write(0, qkv, cos, sin, slot_ids, positions, self.kv))
+        index = self.kv.write_index(slot_ids, positions)
+        return PieceState(x, cos, sin, m.rope_kv_write(0, qkv, cos, sin, index, self.kv), index)
 
-    def middle(
-        self, layer: int, state: PieceState, attn: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
-    ) -> PieceState:
+    def middle(self, layer: int, state: PieceState, attn: torch.Tensor) -> PieceState:
         """Finishes layer - 1 with its attention output attn [S, H * D]; runs layer up to its attention."""
         m = self.model
         x, delta = m.model.layers[layer - 1].post_attention(state.x, attn, m.fast)
         x, qkv = m.model.layers[layer].pre_attention(x, delta, m.fast)
-        q = m.rope_kv_write(layer, qkv, state.cos, state.sin, slot_ids, positions, self.kv)
-        return PieceState(x, state.cos, state.sin, q)
+        q = m.rope_kv_write(layer, qkv, state.cos, state.sin, state.index, self.kv)
+        return PieceState(x, state.cos, state.sin, q, state.index)
 
     def last_hidden(self, state: PieceState, attn: torch.Tensor) -> torch.Tensor:
         """Finishes the last layer -> the final normed hidden states [S, hidden] of every row."""
@@ -80,7 +81,7 @@ class PiecewiseForward:
         return self.model.logits(self.last_hidden(state, attn)[sample_rows])
 
     def attention(self, layer: int, state: PieceState, batch: StepBatch) -> torch.Tensor:
-        return self.model.step_attention(layer, state.q, batch, self.kv)
+        return self.model.step_attention(layer, state.q, batch, self.kv, state.index)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
@@ -92,6 +93,5 @@ class PiecewiseForward:
         with adapters:
             state = self.first(batch.input_ids, batch.positions, batch.slot_ids)
             for layer in range(1, self.num_layers):
-                state = self.middle(layer, state, self.attention(layer - 1, state, batch), batch.positions,
-                                    batch.slot_ids)
+                state = self.middle(layer, state, self.attention(layer - 1, state, batch))
             return self.last(state, self.attention(self.num_layers - 1, state, batch), batch.sample_rows)

@@ -34,6 +34,7 @@ from service.engine.adapters import (
     AdapterNotFound,
     InvalidAdapterName,
 )
+from service.engine.block_pool import PoolStats
 from service.engine.rank_memory import RankMemory
 from service.model.lora import LoraError, LoraPathError
 from service.proto import admin_pb2, admin_pb2_grpc
@@ -82,6 +83,8 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
         lora = await self._read(context, lora_snapshot) if lora_snapshot is not None else None
         rank_memory = getattr(self.graphs, "rank_memory", None)
         ranks = await self._read(context, rank_memory) if rank_memory is not None else []
+        kv_state = getattr(self.graphs, "kv_state", None)
+        kv = await self._read(context, kv_state) if kv_state is not None else None
         return admin_pb2.CacheState(
             mode=snap.mode, device=snap.device, budget_bytes=snap.budget_bytes, used_bytes=snap.used_bytes,
             capture_sizes=list(snap.capture_sizes), max_batch=snap.max_batch,
@@ -89,6 +92,7 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
             lora_buckets=[_bucket_entry(b) for b in lora.buckets] if lora is not None else [],
             lora_used_bytes=lora.used_bytes if lora is not None else 0,
             ranks=[_rank_memory(r) for r in ranks],
+            kv_cache=_kv_cache_state(kv) if kv is not None else None,
         )
 
     async def GetCaptureStats(self, request: admin_pb2.GetCaptureStatsRequest,
@@ -294,6 +298,13 @@ def _bucket_entry(b: BucketEntry) -> admin_pb2.BucketEntry:
         failures=c.failures, captures=c.captures, evictions=c.evictions,
         last_use_unix=b.last_use or 0.0, failure_reason=reason,
     )
+
+
+def _kv_cache_state(kv: PoolStats) -> admin_pb2.KVCacheState:
+    return admin_pb2.KVCacheState(
+        block_size=kv.block_size, total_blocks=kv.num_blocks, used_blocks=kv.used, free_blocks=kv.free,
+        cached_blocks=kv.cached, prefix_caching=kv.prefix_caching, prefix_query_tokens=kv.prefix_queries,
+        prefix_hit_tokens=kv.prefix_hits, preemptions=kv.preemptions)
 
 
 def _rank_memory(r: RankMemory) -> admin_pb2.RankMemory:

@@ -74,7 +74,7 @@ class EngineProcess:
         self._submitted = 0
         self._submitted_tokens = 0
         # Until the engine's first status: idle, every slot free.
-        self._status = WorkerStatus(0, 0, 0, spec.config.max_running_seqs, 0, 0, False, time.monotonic(), None)
+        self._status = WorkerStatus(0, 0, 0, spec.config.max_running_seqs, 0, 0, 0, 0, False, time.monotonic(), None)
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._ops = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphserve-engine-call")
@@ -130,6 +130,11 @@ class EngineProcess:
     @property
     def num_free_slots(self) -> int:
         return self._status.num_free_slots
+
+    @property
+    def kv_cache_usage(self) -> tuple[int, int]:
+        """(used, total) KV blocks as of the engine's last status."""
+        return self._status.kv_blocks_used, self._status.kv_blocks_total
 
     @property
     def num_waiting(self) -> int:
@@ -349,6 +354,10 @@ class RemoteGraphs:
     def rank_memory(self) -> Any:
         """Every tensor-parallel rank's graph memory, rank 0 first (empty on one rank)."""
         return self._engine.remote("rank_memory", timeout=5.0)
+
+    def kv_state(self) -> Any:
+        """The KV block pool's counts (service.engine.block_pool.PoolStats)."""
+        return self._engine.remote("kv_state", timeout=5.0)
 
     def persisted_stats(self) -> Any:
         return self._engine.remote("persisted_stats")

@@ -40,7 +40,7 @@ DELTA, FINISH, ERROR = "d", "f", "e"
 # Calls the gRPC process may make: reads (the engine's metric families, the graph cache's snapshot,
 # every tensor-parallel rank's graph memory) run on the worker's reply thread, graph-cache
 # operations on the engine thread between two steps.
-READS = frozenset({"metrics", "snapshot", "lora_snapshot", "rank_memory"})
+READS = frozenset({"metrics", "snapshot", "lora_snapshot", "rank_memory", "kv_state"})
 GRAPH_OPS = frozenset({"capture", "evict", "set_budget", "reset_stats", "persisted_stats", "budget_bytes",
                        "used_bytes", "total_memory"})
 # Capture and evict kinds that name the LoRA graph cache's graphs ("full+lora", "piecewise+lora").
@@ -89,6 +89,8 @@ class WorkerStatus:
     received_tokens: int
     num_running: int
     num_free_slots: int
+    kv_blocks_used: int
+    kv_blocks_total: int
     num_waiting: int
     waiting_prompt_tokens: int
     has_work: bool
@@ -133,7 +135,9 @@ class _Worker:
         error = None if e.error is None else repr(e.error)
         if error is None and not e.thread_alive:
             error = "the engine thread stopped"
-        return WorkerStatus(self.received, self.received_tokens, e.num_running, e.num_free_slots, e.num_waiting,
+        used, total = e.kv_cache_usage
+        return WorkerStatus(self.received, self.received_tokens, e.num_running, e.num_free_slots, used, total,
+                            e.num_waiting,
                             e.waiting_prompt_tokens, e.has_pending_work(), e.last_progress, error)
 
     # ---- engine thread ------------------------------------------------------------------------
@@ -266,6 +270,8 @@ class _Worker:
             return None if lora_graphs is None else lora_graphs.snapshot()
         if name == "rank_memory":
             return self.runner.runner.rank_memory()
+        if name == "kv_state":
+            return self.engine.scheduler.block_stats()
         return getattr(self.graphs, name)(*args)
 
     def metric_families(self) -> list[Any]:
@@ -276,6 +282,9 @@ class _Worker:
         e = self.engine
         self.metrics.set_queue(e.num_running, e.num_waiting)
         self.metrics.set_kv_cache_usage(*e.kv_cache_usage)
+        blocks = e.scheduler.block_stats()
+        self.metrics.set_kv_blocks(blocks.used, blocks.free, blocks.cached, blocks.prefix_queries, blocks.prefix_hits,
+                                   blocks.preemptions)
         adapters = self.runner.adapters
         if adapters is not None:
             self.metrics.set_lora_requests(*adapters.request_adapters(), max_lora=adapters.max_loras)

@@ -92,7 +92,8 @@ class _Writer:
     def finished(self, f: Finish) -> list[inference_pb2.GenerateResponse]:
         msg = inference_pb2.Finished(
             finish_reason=_FINISH_REASONS[f.reason],
-            usage=inference_pb2.Usage(prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens),
+            usage=inference_pb2.Usage(prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
+                                      cached_prompt_tokens=f.cached_tokens),
             timings=inference_pb2.Timings(
                 queue_seconds=f.queue_seconds,
                 time_to_first_token_seconds=f.time_to_first_token_seconds,

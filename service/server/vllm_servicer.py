@@ -73,16 +73,17 @@ class ModelFacts:
     pad_token_id: int
     max_running_seqs: int
     dtype: str
+    block_size: int = 16  # tokens per KV block: loads report blocks as tokens
 
     @classmethod
     def read(cls, served_model_name: str, model_path: str, spec: Any, max_seq_len: int, max_running_seqs: int,
-             dtype: str) -> ModelFacts:
+             dtype: str, block_size: int = 16) -> ModelFacts:
         config_file = Path(model_path) / "config.json"
         hf = json.loads(config_file.read_text()) if config_file.is_file() else {}
         pad = hf.get("pad_token_id")
         return cls(served_model_name, model_path, str(hf.get("model_type") or ""), (spec.architecture,),
                    spec.vocab_size, max_seq_len, tuple(spec.eos_token_ids), int(spec.bos_token_id or 0),
-                   int(pad) if isinstance(pad, int) else 0, max_running_seqs, dtype)
+                   int(pad) if isinstance(pad, int) else 0, max_running_seqs, dtype, block_size)
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -186,12 +187,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         f = await self._facts(context)
         engine = self.streams.engine
         running, waiting = engine.num_running, engine.num_waiting
-        # One KV slot of max_seq_len tokens per running sequence: usage is the share of slots held.
-        used_slots = max(0, f.max_running_seqs - engine.num_free_slots)
+        used, total = engine.kv_cache_usage  # KV blocks held by requests, of the pool's
         load = vllm_engine_pb2.SchedulerLoad(
             dp_rank=0, num_running_reqs=running, num_waiting_reqs=waiting, num_total_reqs=running + waiting,
-            num_used_tokens=used_slots * f.max_seq_len, max_total_num_tokens=f.max_running_seqs * f.max_seq_len,
-            token_usage=used_slots / f.max_running_seqs, max_running_requests=f.max_running_seqs,
+            num_used_tokens=used * f.block_size, max_total_num_tokens=total * f.block_size,
+            token_usage=used / total if total else 0.0, max_running_requests=f.max_running_seqs,
             num_waiting_uncached_tokens=engine.waiting_prompt_tokens,
         )
         return vllm_engine_pb2.GetLoadsResponse(
@@ -254,7 +254,7 @@ class _Writer:
         last = None if f.final_delta is None else self.chunk(f.final_delta)
         complete = vllm_engine_pb2.GenerateComplete(
             output_ids=self.output_ids, finish_reason=_FINISH_REASONS[f.reason], prompt_tokens=f.prompt_tokens,
-            completion_tokens=f.completion_tokens, cached_tokens=0)
+            completion_tokens=f.completion_tokens, cached_tokens=f.cached_tokens)
         if isinstance(f.matched_stop, str):
             complete.matched_stop_str = f.matched_stop
         elif isinstance(f.matched_stop, int):

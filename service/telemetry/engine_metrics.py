@@ -87,6 +87,16 @@ class EngineMetrics:
                                         "(base: none; other: adapters beyond the label limit).", ["adapter"], registry=r)
         self.adapter_tokens = Counter("graphserve_adapter_generated_tokens", "Completion tokens by LoRA adapter.",
                                       ["adapter"], registry=r)
+        self.kv_blocks = Gauge("graphserve_kv_blocks", "KV blocks by state: used (held by requests), free (held by "
+                               "none; cached ones included) and cached (registered in the prefix cache, used or free).",
+                               ["state"], registry=r)
+        self.prefix_queries = Counter("graphserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      registry=r)
+        self.prefix_hits = Counter("graphserve_prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
+                                   "computed again).", registry=r)
+        self.preemptions = Counter("graphserve_preemptions", "Running requests that gave their KV blocks back (the "
+                                   "pool was full) and recomputed them later.", registry=r)
+        self._block_counts = (0, 0, 0)  # prefix queries, hits, preemptions as last exported
         self._adapter_labels: set[str] = set()  # engine thread only
         self._adapter_token_counters: dict[str, MetricWrapperBase] = {}  # label -> its child: one lookup per token batch
         # sequence key -> (time of its latest token, completion tokens seen); engine thread only.
@@ -98,8 +108,20 @@ class EngineMetrics:
         r.register(VllmCollector(self, model_name))
 
     def set_kv_cache_usage(self, used: int, total: int) -> None:
-        """KV-cache units in use of `total` (today slots of running sequences; a block pool: blocks)."""
+        """KV blocks held by requests of `total`."""
         self.kv_cache_usage = used / total if total > 0 else 0.0
+
+    def set_kv_blocks(self, used: int, free: int, cached: int, prefix_queries: int, prefix_hits: int,
+                      preemptions: int) -> None:
+        """The block pool as of now; the counts since start advance the counters."""
+        for state, value in (("used", used), ("free", free), ("cached", cached)):
+            self.kv_blocks.labels(state).set(value)
+        counts = (prefix_queries, prefix_hits, preemptions)
+        for counter, now, before in zip((self.prefix_queries, self.prefix_hits, self.preemptions), counts,
+                                        self._block_counts, strict=True):
+            if now > before:
+                counter.inc(now - before)
+        self._block_counts = counts
 
     def set_lora_requests(self, running: Iterable[str], waiting: Iterable[str], max_lora: int) -> None:
         """The adapters of running requests and of waiting ones, and the adapter slots, as of now."""

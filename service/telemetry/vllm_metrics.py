@@ -53,6 +53,10 @@ class VllmCollector:
             (m.duration, "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", None),
             (m.queue_time, "vllm:request_queue_time_seconds",
              "Histogram of time spent in WAITING phase for request.", None),
+            (m.prefix_queries, "vllm:prefix_cache_queries",
+             "Prefix cache queries, in terms of number of queried tokens.", None),
+            (m.prefix_hits, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", None),
+            (m.preemptions, "vllm:num_preemptions", "Cumulative number of preemption from the engine.", None),
         ]
 
     def collect(self) -> Iterator[Metric]:

@@ -15,7 +15,7 @@ import torch
 
 from cache_manager import CudaGraphMode
 from service.model.builtin import ensure_builtin
-from service.model.kv_cache import KVCache
+from service.model.kv_cache import NULL_BLOCK, KVCache
 from service.model.loader import LoadedModel, load_model
 from service.model.pieces import PiecewiseForward
 from service.model.step_batch import ChunkSpec, build_step_batch
@@ -58,8 +58,8 @@ def test_mixed_step_fast_path_matches_each_row_alone():
     assert (mixed.argmax(-1) == alone.argmax(-1)).all()
     for layer in range(spec.num_layers):
         for a, b in ((kv.k[layer], ref.k[layer]), (kv.v[layer], ref.v[layer])):
-            assert _rel(a[:5].float(), b[:5].float()) < 1e-2
-            assert not a[kv.scratch_slot, :, 1:].any(), "padding wrote past position 0 of the scratch slot"
+            assert _rel(kv.slot_view(a)[:5].float(), ref.slot_view(b)[:5].float()) < 1e-2
+            assert not a[NULL_BLOCK, :, 1:].any(), "padding wrote past position 0 of the scratch slot (the null block)"
 
 
 @pytest.fixture(scope="module")

@@ -70,26 +70,32 @@ def test_decode_attention(dtype, heads, batch, max_seq_len, splits):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_padding_rows_and_lengths(dtype):
-    """Rows of lengths 1..T on live slots, padding rows on the scratch slot; a row ignores stale KV past its position."""
+    """Rows of lengths 1..T on live sequences (their blocks shuffled over the pool), padding rows on the
+    scratch row (the null block); a row ignores stale KV past its position."""
     from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton
 
     gen = torch.Generator(DEVICE).manual_seed(7)
-    slots, t, h, kvh, d = 6, 576, 32, 8, 64
-    k = torch.randn(slots + 1, kvh, t, d, device=DEVICE, dtype=dtype, generator=gen)
+    slots, t, h, kvh, d, bs = 6, 576, 32, 8, 64, 16
+    per_seq = t // bs
+    k = torch.randn(1 + slots * per_seq, kvh, bs, d, device=DEVICE, dtype=dtype, generator=gen)
     v = torch.randn(k.shape, device=DEVICE, dtype=dtype, generator=gen)
+    table = torch.zeros(slots + 1, per_seq, dtype=torch.int32, device=DEVICE)  # the scratch row: all null
+    table[:slots] = (1 + torch.randperm(slots * per_seq, device=DEVICE, generator=gen)).view(slots, per_seq)
     positions = torch.tensor([0, 63, 64, 511, 575, 130, 0, 0], device=DEVICE)
     slot_ids = torch.tensor([0, 1, 2, 3, 4, 5, slots, slots], device=DEVICE)  # two padding rows
     q = torch.randn(len(positions), h, d, device=DEVICE, dtype=dtype, generator=gen)
-    ref = decode_attention_torch(q.float(), k.float(), v.float(), slot_ids, positions)
+    ref = decode_attention_torch(q.float(), k.float(), v.float(), table, slot_ids, positions)
     for splits in (None, 1, 3, 9):
-        out = decode_attention_triton(q, k, v, slot_ids, positions, num_splits=splits)
+        out = decode_attention_triton(q, k, v, table, slot_ids, positions, num_splits=splits)
         assert torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2), (
             splits,
             (out.float() - ref).abs().max(),
         )
-    k[:, :, 200:] = float("nan")  # positions past every live row's length (except rows 3, 4) must not be read
+    # Positions past every live row's length (except rows 3, 4) must not be read: 200 is inside a block.
+    k[table[:slots, 200 // bs + 1:].flatten().long()] = float("nan")
+    k[table[:slots, 200 // bs].long(), :, 200 % bs:] = float("nan")
     rows = torch.tensor([0, 1, 2, 5, 6, 7], device=DEVICE)
-    out = decode_attention_triton(q[rows], k, v, slot_ids[rows], positions[rows])
+    out = decode_attention_triton(q[rows], k, v, table, slot_ids[rows], positions[rows])
     assert torch.isfinite(out).all()
 
 
@@ -295,6 +301,7 @@ def test_packed_prefill_matches_per_prompt(lens):
     assert (packed.argmax(-1) == solo.argmax(-1)).all()
     for layer in range(spec.num_layers):
         for a, b in ((caches[0].k[layer], caches[1].k[layer]), (caches[0].v[layer], caches[1].v[layer])):
+            a, b = caches[0].slot_view(a), caches[1].slot_view(b)  # [slot, KVH, position, D]
             for n, slot in zip(lens, slots):
                 assert _rel(b[slot, :, :n].float(), a[slot, :, :n].float()) < 1e-2
                 assert not b[slot, :, n:].any(), "wrote past the prompt"

@@ -118,7 +118,9 @@ def test_table_names_every_bucket(admin: Admin, capsys) -> None:
     code, out, err = admin.ctl(capsys, "state")
     assert code == 0, err
     assert out.startswith(f"graph cache: mode {mode_of(admin)} on {device_of(admin)}")
-    rows = [line.split() for line in out.splitlines()[2:]]
+    lines = out.splitlines()
+    assert lines[1].startswith("KV cache: 0 of ") and "prefix hits" in lines[1]
+    rows = [line.split() for line in lines[3:]]  # after the two head lines and the table's header
     full = [r for r in rows if r[0] == "full"]
     assert [int(r[1]) for r in full] == SIZES
     if mode_of(admin) == "none":

@@ -81,6 +81,7 @@ def test_packed_matches_per_prompt_logits_and_cache(model, lens, slots):
 
     for layer in range(model.spec.num_layers):
         for cache, ref in ((kv.k[layer], kv_ref.k[layer]), (kv.v[layer], kv_ref.v[layer])):
+            cache, ref = kv.slot_view(cache), kv_ref.slot_view(ref)  # [slot, KVH, position, D]
             for p, slot in zip(ps, slots):
                 n = len(p)
                 torch.testing.assert_close(cache[slot, :, :n], ref[slot, :, :n], atol=ATOL, rtol=0)
@@ -159,6 +160,9 @@ def test_runner_prefills_all_prompts_in_one_packed_call(model, monkeypatch):
         )
         for j, (p, slot) in enumerate(zip(ps, SLOTS))
     ]
+    pool = runner.new_block_pool()
+    for seq in seqs:  # what admission does: blocks for the prompt
+        seq.block_ids = pool.allocate(-(-seq.num_prompt_tokens // runner.kv.block_size))
     expected, kv_ref = one_by_one(model, ps, SLOTS)
     calls = []
     real = runner.pieces.forward
@@ -168,5 +172,6 @@ def test_runner_prefills_all_prompts_in_one_packed_call(model, monkeypatch):
     tokens = runner.step([], [PrefillChunk(seq, 0, seq.num_prompt_tokens) for seq in seqs])
     assert calls == [sum(LENS)]
     assert tokens == expected.argmax(dim=-1).tolist()
+    got, want = runner.kv.slot_view(runner.kv.k[0]), kv_ref.slot_view(kv_ref.k[0])
     for slot, n in zip(SLOTS, LENS):
-        torch.testing.assert_close(runner.kv.k[0][slot, :, :n], kv_ref.k[0][slot, :, :n], atol=ATOL, rtol=0)
+        torch.testing.assert_close(got[slot, :, :n], want[slot, :, :n], atol=ATOL, rtol=0)

@@ -1,14 +1,14 @@
 """Chunked prefill and mixed steps in the model: a prompt prefilled over several chunks gives the
 logits, KV cache and greedy continuation of one whole prefill (float32); one packed step of decodes,
 prompt starts and prompt continuations gives each row what it gets alone; the forward split at
-attention (the pieces) equals the unsplit forward; padding rows write only the scratch slot."""
+attention (the pieces) equals the unsplit forward; padding rows write only the scratch slot's null block."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from service.model.kv_cache import KVCache
+from service.model.kv_cache import NULL_BLOCK, KVCache
 from service.model.llama import LlamaForCausalLM
 from service.model.pieces import PiecewiseForward
 from service.model.step_batch import ChunkSpec, StepBatch, build_step_batch
@@ -108,7 +108,8 @@ def test_mixed_step_gives_each_row_what_it_gets_alone(random_llama):
     random_llama.prefill(torch.tensor(prompt(40, seed=7)[:25]), 2, ref)
     for cache, want in zip(kv.k + kv.v, ref.k + ref.v):
         torch.testing.assert_close(cache, want, atol=ATOL, rtol=0)
-        assert not cache[2, :, 25:].any() and not cache[kv.scratch_slot].any()
+        rows = kv.slot_view(cache)
+        assert not rows[2, :, 25:].any() and not rows[kv.scratch_slot].any()
 
 
 def test_split_forward_equals_unsplit(random_llama, monkeypatch):
@@ -132,8 +133,9 @@ def test_padding_rows_touch_only_the_scratch_slot(random_llama):
     exact = mixed_step(random_llama, kv, PiecewiseForward(random_llama, kv).forward)
     torch.testing.assert_close(padded, exact, atol=ATOL, rtol=0)
     for a, b in zip(kv_padded.k + kv_padded.v, kv.k + kv.v):
-        torch.testing.assert_close(a[: kv.scratch_slot], b[: kv.scratch_slot], atol=ATOL, rtol=0)
-        assert not a[kv.scratch_slot, :, 1:].any()  # padding writes position 0 of the scratch slot only
+        rows = slice(0, kv.scratch_slot)  # every sequence row
+        torch.testing.assert_close(kv_padded.slot_view(a)[rows], kv.slot_view(b)[rows], atol=ATOL, rtol=0)
+        assert not a[NULL_BLOCK, :, 1:].any()  # padding writes position 0 of the scratch slot (the null block) only
 
 
 @pytest.mark.parametrize("chunks, message", [

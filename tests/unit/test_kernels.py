@@ -25,6 +25,7 @@ from service.model.kernels.rope import apply_rope, rope_kv_write_torch
 from service.model.kv_cache import KVCache
 from service.model.llama import LlamaForCausalLM, rope_cos_sin, rope_inv_freq
 from service.model.spec import ModelSpec
+from service.model.step_batch import ChunkSpec, build_step_batch
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -117,17 +118,23 @@ def test_rope_kv_write_reference_equals_unfused(dtype):
     b, hd = 3, s.head_dim
     qkv = torch.randn(b, (s.num_heads + 2 * s.num_kv_heads) * hd, generator=gen).to(dtype)
     slot_ids, positions = torch.tensor([2, 0, kv[0].scratch_slot]), torch.tensor([5, 31, 0])
+    blocks, offsets = kv[0].write_index(slot_ids, positions)  # each row's (block, offset), as the model passes them
     cos, sin = rope_cos_sin(rope_inv_freq(s), positions, dtype)
     q = rope_kv_write_torch(
-        qkv, cos, sin, kv[0].k[0], kv[0].v[0], slot_ids, positions, s.num_heads, s.num_kv_heads
+        qkv, cos, sin, kv[0].k[0], kv[0].v[0], blocks, offsets, s.num_heads, s.num_kv_heads
     )
 
     qv, kvv, vv = qkv.split((s.num_heads * hd, s.num_kv_heads * hd, s.num_kv_heads * hd), dim=-1)
     k_rot = apply_rope(kvv.reshape(b, s.num_kv_heads, hd), cos, sin)
-    kv[1].k[0][slot_ids, :, positions] = k_rot
-    kv[1].v[0][slot_ids, :, positions] = vv.reshape(b, s.num_kv_heads, hd)
+    v_rows = vv.reshape(b, s.num_kv_heads, hd)
+    kv[1].k[0][blocks, :, offsets] = k_rot
+    kv[1].v[0][blocks, :, offsets] = v_rows
     assert torch.equal(q, apply_rope(qv.reshape(b, s.num_heads, hd), cos, sin))
     assert torch.equal(kv[0].k[0], kv[1].k[0]) and torch.equal(kv[0].v[0], kv[1].v[0])
+    # The live rows landed at (slot, position) of their sequences, the padding row in the null block.
+    for cache, rows in ((kv[0].k[0], k_rot), (kv[0].v[0], v_rows)):
+        assert torch.equal(kv[0].slot_view(cache)[slot_ids[:2], :, positions[:2]], rows[:2])
+        assert torch.equal(cache[0, :, 0], rows[2])
 
 
 @pytest.mark.parametrize(
@@ -171,21 +178,92 @@ def test_cpu_model_uses_the_torch_path():
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
 def test_decode_attention_never_reads_a_slot_past_the_row_position(poison):
-    """A KV slot whose positions past a row's own hold NaN or inf (left by an earlier sequence there)
-    gives the same attention as a clean slot: masked positions are selected away, not biased by -inf."""
+    """A sequence's KV blocks whose positions past a row's own hold NaN or inf (left by an earlier
+    sequence there) give the same attention as clean ones: masked positions are selected away, not
+    biased by -inf. The rows' blocks are shuffled over the pool, and the poison starts inside a block."""
     from service.model.kernels.decode_attention import decode_attention_torch
 
     gen = torch.Generator().manual_seed(3)
-    b, h, kvh, t, d = 3, 4, 2, 40, 16
+    b, h, kvh, t, d, bs = 3, 4, 2, 40, 16, 8
+    per_seq = t // bs
     q = torch.randn(b, h, d, generator=gen)
-    k, v = (torch.randn(4, kvh, t, d, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1 + 4 * per_seq, kvh, bs, d, generator=gen) for _ in range(2))
+    table = (1 + torch.randperm(4 * per_seq, generator=gen)).view(4, per_seq).to(torch.int32)
     slot_ids, positions = torch.tensor([1, 2, 3]), torch.tensor([0, 17, 39])
-    clean = decode_attention_torch(q, k, v, slot_ids, positions)
+    clean = decode_attention_torch(q, k, v, table, slot_ids, positions)
     for cache in (k, v):
-        cache[1, :, 1:] = poison  # past every row's position in its slot
-        cache[2, :, 18:] = poison
-    poisoned = decode_attention_torch(q, k, v, slot_ids, positions)
+        for slot, first in ((1, 1), (2, 18)):  # past every row's position in its sequence
+            for p in range(first, t):
+                cache[table[slot, p // bs], :, p % bs] = poison
+    poisoned = decode_attention_torch(q, k, v, table, slot_ids, positions)
     assert torch.isfinite(poisoned).all() and torch.equal(poisoned, clean)
+
+
+def test_paged_block_table_gives_the_contiguous_layout_logits():
+    """Paged addressing changes nothing: forward_step (prompt starts, a mixed step of decodes and a
+    prompt continuation, padding rows) and decode over a KVCache whose rows hold shuffled blocks of a
+    larger pool, two of them sharing a first block that holds their common prefix (written once, by
+    the first), give exactly the logits and each sequence's KV of a contiguous-layout cache, and
+    write no block outside the rows' tables."""
+    s = spec()
+    model = random_model(s)
+    bs, max_seq, slots = 4, 32, 3
+    per_seq = max_seq // bs
+    contiguous = KVCache(s, slots, max_seq, CPU, torch.float32, block_size=bs)
+    paged = KVCache(s, slots, max_seq, CPU, torch.float32, block_size=bs, num_blocks=1 + slots * per_seq + 4)
+    pool = (1 + torch.randperm(paged.num_blocks - 1, generator=torch.Generator().manual_seed(4))).tolist()
+    shared, own = pool[0], iter(pool[1:])
+    for slot in range(slots):  # rows 0 and 1 start with the shared block; every other block is a row's own
+        first = shared if slot < 2 else next(own)
+        paged.set_blocks(slot, 0, [first] + [next(own) for _ in range(per_seq - 1)])
+    paged.sync_table()
+    spare = list(own)
+    assert paged.row(0)[0] == paged.row(1)[0] == shared and spare
+    assert paged.block_table.tolist() != contiguous.block_table.tolist()
+
+    gen = torch.Generator().manual_seed(5)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, s.vocab_size, (n,), generator=gen).tolist()
+
+    prefix = tokens(bs)  # the shared block's tokens
+    prompts = [prefix + tokens(9), prefix + tokens(6), tokens(11)]
+    caches = {"contiguous": contiguous, "paged": paged}
+
+    def step(kv: KVCache, decodes: list[tuple[int, int, int]], chunks: list[ChunkSpec], pad: int = 0) -> torch.Tensor:
+        """decodes: (token, position, slot); chunks take their tokens from `prompts`."""
+        ids = [t for t, _, _ in decodes] + [t for c in chunks for t in prompts[c.slot][c.start: c.start + c.length]]
+        batch = build_step_batch([p for _, p, _ in decodes], [sl for _, _, sl in decodes], chunks, ids,
+                                 kv.max_seq_len, kv.scratch_slot, CPU, pad_to=len(ids) + pad)
+        return model.forward_step(batch, kv)
+
+    def same(got: dict[str, torch.Tensor]) -> torch.Tensor:
+        assert torch.equal(got["paged"], got["contiguous"]), (got["paged"] - got["contiguous"]).abs().max()
+        return got["contiguous"]
+
+    # Sequences 0 (writing the shared block) and 2 start their prompts.
+    first = same({n: step(kv, [], [ChunkSpec(0, 0, 13), ChunkSpec(2, 0, 11)]) for n, kv in caches.items()})
+    # Sequence 1's prefix KV is sequence 0's (same tokens, same positions): the paged cache shares the
+    # block, the contiguous one gets a copy in sequence 1's own first block.
+    for layer in range(s.num_layers):
+        for cache in (contiguous.k[layer], contiguous.v[layer]):
+            cache[contiguous.row(1)[0]] = cache[contiguous.row(0)[0]]
+    # Sequences 0 and 2 decode beside sequence 1's continuation (reading the shared block), with padding.
+    nxt = [int(t) for t in first.argmax(-1)]
+    mixed = same({n: step(kv, [(nxt[0], 13, 0), (nxt[1], 11, 2)], [ChunkSpec(1, bs, 6)], pad=3)
+                  for n, kv in caches.items()})
+    ids = [int(mixed[0].argmax()), int(mixed[2].argmax()), int(mixed[1].argmax())]  # rows: 0, 1, 2
+    positions = [14, 10, 12]
+    for _ in range(6):  # decode steps, the last row padding on the scratch slot; blocks fill and change
+        args = (torch.tensor(ids + [0]), torch.tensor(positions + [0]), torch.tensor([0, 1, 2, contiguous.scratch_slot]))
+        logits = same({n: model.decode(*args, kv) for n, kv in caches.items()})
+        ids, positions = [int(t) for t in logits[:3].argmax(-1)], [p + 1 for p in positions]
+
+    for layer in range(s.num_layers):
+        for name in ("k", "v"):
+            got, want = (getattr(kv, name)[layer] for kv in (paged, contiguous))
+            assert torch.equal(paged.slot_view(got)[:slots], contiguous.slot_view(want)[:slots]), (layer, name)
+            assert not got[spare].any(), "a block outside every row's table was written"
 
 
 # ---- Triton kernels under the interpreter ------------------------------------------------------
@@ -210,12 +288,17 @@ fp.check_attention(cpu, dt, 6, 1, 24, batch=1, max_seq_len=64, num_splits=1)   #
 # NaN in a slot past a row's position (a stale earlier sequence) never reaches the row.
 from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton
 g = torch.Generator().manual_seed(5)
-q, k, v = torch.randn(2, 4, 16, generator=g).to(dt), *(torch.randn(3, 2, 150, 16, generator=g).to(dt) for _ in range(2))
+bs, per_seq = 16, 10  # 160 positions per row, its blocks shuffled over the pool
+q, k, v = torch.randn(2, 4, 16, generator=g).to(dt), *(torch.randn(1 + 3 * per_seq, 2, bs, 16, generator=g).to(dt) for _ in range(2))
+table = (1 + torch.randperm(3 * per_seq, generator=g)).view(3, per_seq).to(torch.int32)
 slots, pos = torch.tensor([1, 2]), torch.tensor([10, 70])
-ref = decode_attention_torch(q.float(), k.float(), v.float(), slots, pos)
-k[1, :, 11:], v[1, :, 11:], k[2, :, 71:], v[2, :, 71:] = (float("nan"),) * 4
+ref = decode_attention_torch(q.float(), k.float(), v.float(), table, slots, pos)
+for slot, first in ((1, 11), (2, 71)):
+    for p in range(first, per_seq * bs):
+        block = table[slot, p // bs]
+        k[block, :, p % bs], v[block, :, p % bs] = float("nan"), float("nan")
 for splits in (1, 3):
-    out = decode_attention_triton(q, k, v, slots, pos, num_splits=splits)
+    out = decode_attention_triton(q, k, v, table, slots, pos, num_splits=splits)
     assert torch.isfinite(out).all() and torch.allclose(out.float(), ref, atol=2e-2), splits
 
 # The whole decode step wired through every kernel vs the torch path, on the same weights and cache.

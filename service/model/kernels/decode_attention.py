@@ -1,10 +1,13 @@
-"""Decode attention: one query token per row against the filled part of its own KV slot.
+"""Decode attention: one query token per row against the filled part of its sequence's paged KV.
 
-`decode_attention_torch` gathers whole slots and masks (the CPU path and the reference): the
+Caches are [num_blocks, KVH, block_size, D]; row i reads position p of its sequence at
+(block_table[slot_ids[i], p // block_size], :, p % block_size) (service/model/kv_cache.py).
+`decode_attention_torch` gathers each row's blocks and masks (the CPU path and the reference): the
 positions past a row's own are selected away (zeroed) before any product, never only given a -inf
 bias, so a stale NaN or inf that an earlier sequence left in the slot cannot reach the row (0 x NaN
 and NaN - inf are NaN). `decode_attention_triton` is flash-decoding: a grid over (row, kv head,
-split of the sequence) loads only positions [0, positions[i]] of row i (the others as 0), the
+split of the sequence) loads only positions [0, positions[i]] of row i (the others as 0), each
+through the block table, the
 query heads of one kv head share its loads (GQA), and the softmax runs online in float32. Lengths
 come from the `positions` tensor, so both are graph-safe (fixed grid, no host syncs). The number
 of splits follows the batch by default; the batch-invariant mode fixes the split's length by the
@@ -24,20 +27,31 @@ if triton is not None:
 BLOCK_N = 64  # KV positions per inner step
 
 
+def gather_rows(cache: torch.Tensor, block_table: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    """Each row's whole table as positions: [B, KVH, blocks_per_seq * block_size, D] (a copy)."""
+    blocks = block_table.index_select(0, slot_ids).long()  # [B, MB]
+    out = cache[blocks]  # [B, MB, KVH, bs, D]
+    b, mb, kvh, bs, d = out.shape
+    return out.permute(0, 2, 1, 3, 4).reshape(b, kvh, mb * bs, d)
+
+
 def decode_attention_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    block_table: torch.Tensor,
     slot_ids: torch.Tensor,
     positions: torch.Tensor,
 ) -> torch.Tensor:
-    """q: [B, H, D]; k_cache, v_cache: [num_slots + 1, KVH, T, D]; slot_ids, positions: [B] long -> [B, H * D]."""
+    """q: [B, H, D]; k_cache, v_cache: [num_blocks, KVH, block_size, D]; block_table [rows, MB] int32;
+    slot_ids, positions: [B] long -> [B, H * D]."""
     b, h, d = q.shape
-    kvh, t = k_cache.shape[1], k_cache.shape[2]
+    kvh = k_cache.shape[1]
+    t = block_table.shape[1] * k_cache.shape[2]
     visible = torch.arange(t, device=q.device)[None, :] <= positions[:, None]  # [B, T]
     hidden = ~visible[:, None, :, None]  # [B, 1, T, 1]
-    k = k_cache.index_select(0, slot_ids).masked_fill_(hidden, 0)  # [B, KVH, T, D], stale positions zeroed
-    v = v_cache.index_select(0, slot_ids).masked_fill_(hidden, 0)
+    k = gather_rows(k_cache, block_table, slot_ids).masked_fill_(hidden, 0)  # stale positions zeroed
+    v = gather_rows(v_cache, block_table, slot_ids).masked_fill_(hidden, 0)
     qg = q.view(b, kvh, h // kvh, d)  # GQA: the query heads of one kv head share its keys
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=visible[:, None, None, :])  # [B, KVH, G, D]
     return out.reshape(b, h * d)
@@ -70,17 +84,21 @@ def decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    block_table: torch.Tensor,
     slot_ids: torch.Tensor,
     positions: torch.Tensor,
     num_splits: int | None = None,
     split_len: int | None = None,
 ) -> torch.Tensor:
     """Same contract as decode_attention_torch. `num_splits` overrides the heuristic (tests), which
-    picks the split by the batch; `split_len` fixes the split's length instead (fixed_split_len)."""
+    picks the split by the batch; `split_len` fixes the split's length instead (fixed_split_len).
+    Splits are over the table's span (blocks_per_seq * block_size positions)."""
     b, h, d = q.shape
-    kvh, t = k_cache.shape[1], k_cache.shape[2]
+    kvh, block_size = k_cache.shape[1], k_cache.shape[2]
+    t = block_table.shape[1] * block_size
     assert h % kvh == 0 and q.dtype == k_cache.dtype == v_cache.dtype
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    assert block_table.dtype == torch.int32 and block_table.stride(-1) == 1
     q = q.contiguous()
     groups = h // kvh
     if split_len is not None:
@@ -101,12 +119,13 @@ def decode_attention_triton(
     block_g = max(16, next_pow2(groups))  # tl.dot needs M >= 16
     on = pdl(q.device, b)
     _decode_attn_kernel[(b, kvh, num_splits)](
-        q, k_cache, v_cache, slot_ids, positions, out, part, lse,
+        q, k_cache, v_cache, block_table, slot_ids, positions, out, part, lse,
         d**-0.5,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0),
         out.stride(0), out.stride(1),
-        GROUPS=groups, HEAD_DIM=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
+        GROUPS=groups, HEAD_DIM=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=BLOCK_N, KV_BLOCK=block_size,
         SPLIT_LEN=split_len, NUM_SPLITS=num_splits, DYNAMIC_LOOP=not interpreting(), PDL=on,
         num_warps=4, **pdl_launch(on),
     )
@@ -125,10 +144,14 @@ def decode_attention_triton(
 if triton is not None:
 
     @triton.jit
-    def _attend_tile(q, k_ptr, v_ptr, kv_off, offs_n, end, offs_d, d_mask, stride_kt, sm_scale, m_i, l_i, acc):
-        # One tile of BLOCK_N positions: scores, online-softmax rescale, accumulate p @ v.
+    def _attend_tile(q, k_ptr, v_ptr, table_ptr, kv_off, offs_n, end, offs_d, d_mask, stride_kb, stride_kt,
+                     KV_BLOCK: tl.constexpr, sm_scale, m_i, l_i, acc):
+        # One tile of BLOCK_N positions, each read through the row's block table: scores,
+        # online-softmax rescale, accumulate p @ v.
         n_mask = offs_n < end
-        tile = kv_off + offs_n[:, None] * stride_kt + offs_d[None, :]
+        blocks = tl.load(table_ptr + offs_n // KV_BLOCK, mask=n_mask, other=0).to(tl.int64)
+        rows = blocks * stride_kb + (offs_n % KV_BLOCK) * stride_kt
+        tile = kv_off + rows[:, None] + offs_d[None, :]
         tile_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + tile, mask=tile_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_G, BLOCK_N] float32
@@ -144,13 +167,14 @@ if triton is not None:
 
     @triton.jit
     def _decode_attn_kernel(
-        q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, out_ptr, part_ptr, lse_ptr,
+        q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, pos_ptr, out_ptr, part_ptr, lse_ptr,
         sm_scale,
         stride_qb, stride_qh,
-        stride_ks, stride_kh, stride_kt,
+        stride_kb, stride_kh, stride_kt,
+        stride_tb,
         stride_ob, stride_oh,
         GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
+        BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
         PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
@@ -172,7 +196,8 @@ if triton is not None:
             mask=g_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
-        kv_off = slot * stride_ks + kvh * stride_kh
+        kv_off = kvh * stride_kh
+        table = table_ptr + slot * stride_tb
 
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -180,14 +205,14 @@ if triton is not None:
         if DYNAMIC_LOOP:  # only the filled tiles of this split
             for n0 in range(start, end, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
-                    q, k_ptr, v_ptr, kv_off, n0 + tl.arange(0, BLOCK_N), end, offs_d, d_mask, stride_kt,
-                    sm_scale, m_i, l_i, acc,
+                    q, k_ptr, v_ptr, table, kv_off, n0 + tl.arange(0, BLOCK_N), end, offs_d, d_mask, stride_kb,
+                    stride_kt, KV_BLOCK, sm_scale, m_i, l_i, acc,
                 )
         else:  # the interpreter cannot loop over runtime bounds: every tile of the split, masked
             for i in range(0, SPLIT_LEN, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
-                    q, k_ptr, v_ptr, kv_off, start + i + tl.arange(0, BLOCK_N), end, offs_d, d_mask, stride_kt,
-                    sm_scale, m_i, l_i, acc,
+                    q, k_ptr, v_ptr, table, kv_off, start + i + tl.arange(0, BLOCK_N), end, offs_d, d_mask,
+                    stride_kb, stride_kt, KV_BLOCK, sm_scale, m_i, l_i, acc,
                 )
 
         l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (start >= length) has l = 0

@@ -72,26 +72,33 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, what: str, atol: float, rtol: 
 def check_attention(
     device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
     batch: int = 3, max_seq_len: int = 200, num_splits: int | None = None, seed: int = 0,
-    split_len: int | None = None,
+    split_len: int | None = None, block_size: int = 16,
 ) -> None:
+    """The Triton decode kernel against the torch one over a paged cache whose rows hold blocks in a
+    shuffled order (and rows sharing a prefix block, as prefix caching makes them)."""
     from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton
 
     gen = torch.Generator(device).manual_seed(seed)
     slots = 4
+    per_seq = -(-max_seq_len // block_size)
+    num_blocks = 1 + slots * per_seq
     q = torch.randn(batch, num_heads, head_dim, device=device, dtype=dtype, generator=gen)
-    k = torch.randn(slots + 1, num_kv_heads, max_seq_len, head_dim, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, device=device, dtype=dtype, generator=gen)
     v = torch.randn(k.shape, device=device, dtype=dtype, generator=gen)
+    table = (1 + torch.randperm(num_blocks - 1, device=device, generator=gen)).view(slots, per_seq)
+    table[1, 0] = table[0, 0]  # a shared first block
+    table = torch.cat([table, torch.zeros(1, per_seq, dtype=table.dtype, device=device)]).to(torch.int32)
     slot_ids = torch.randint(0, slots + 1, (batch,), device=device, generator=gen)
     positions = torch.randint(0, max_seq_len, (batch,), device=device, generator=gen)
     positions[0] = 0  # a padding-like row of length 1
     positions[-1] = max_seq_len - 1  # a full row
-    ref = decode_attention_torch(q.float(), k.float(), v.float(), slot_ids, positions).to(dtype)
-    ours = decode_attention_triton(q, k, v, slot_ids, positions, num_splits=num_splits, split_len=split_len)
+    ref = decode_attention_torch(q.float(), k.float(), v.float(), table, slot_ids, positions).to(dtype)
+    ours = decode_attention_triton(q, k, v, table, slot_ids, positions, num_splits=num_splits, split_len=split_len)
     _close(ours, ref, "decode_attention", atol=2e-2, rtol=2e-2)
     if split_len is not None:  # a fixed split: each row alone is bit-identical to the same row in the batch
         for row in range(batch):
-            alone = decode_attention_triton(q[row: row + 1], k, v, slot_ids[row: row + 1], positions[row: row + 1],
-                                            split_len=split_len)
+            alone = decode_attention_triton(q[row: row + 1], k, v, table, slot_ids[row: row + 1],
+                                            positions[row: row + 1], split_len=split_len)
             if not torch.equal(alone, ours[row: row + 1]):
                 raise AssertionError(f"decode_attention row {row} alone differs from the same row in a batch")
 

@@ -34,10 +34,13 @@ Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tenso
 
 
 def decode_attention_fixed_split(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, slot_ids: torch.Tensor,
+    positions: torch.Tensor,
 ) -> torch.Tensor:
-    """The Triton decode kernel with its KV split fixed by the cache length (fixed_split_len)."""
-    return decode_attention_triton(q, k_cache, v_cache, slot_ids, positions, split_len=fixed_split_len(k_cache.shape[2]))
+    """The Triton decode kernel with its KV split fixed by the table's span (fixed_split_len)."""
+    span = block_table.shape[1] * k_cache.shape[2]
+    return decode_attention_triton(q, k_cache, v_cache, block_table, slot_ids, positions,
+                                   split_len=fixed_split_len(span))
 
 
 @dataclass(frozen=True)
