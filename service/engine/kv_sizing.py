@@ -56,7 +56,7 @@ def size_kv_cache(
             source = (f"auto: {free / 2**30:.1f} GiB free after the weights, less {graph_bytes / 2**30:.1f} GiB "
                       f"of graph budget and {CUDA_MARGIN_FRACTION:.0%} of the device")
         else:
-            nbytes = min(CPU_AUTO_BYTES, (1 + max_running * per_seq) * per_block)
+            nbytes = min(CPU_AUTO_BYTES, KVCache.contiguous_blocks(max_running, max_seq_len, block_size) * per_block)
             source = "auto (cpu): --max-running-seqs x --max-seq-len, at most 1 GiB"
     else:
         value = parse_memory_budget(kv_cache_memory)

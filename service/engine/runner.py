@@ -56,7 +56,7 @@ class ModelRunner:
         self.mirror: GraphMirror | None = None  # ranks > 0: the graphs rank 0's cache decides (follow_graphs)
         # The model's spec: with tensor parallelism, this rank's share of the KV heads.
         self.kv = KVCache(loaded.model.spec, max_running, max_seq_len, loaded.device, loaded.dtype, block_size,
-                          num_blocks if num_blocks is not None else 1 + max_running * -(-max_seq_len // block_size))
+                          num_blocks or KVCache.contiguous_blocks(max_running, max_seq_len, block_size))
         self.decode_step = ModelDecodeStep(loaded.model, self.kv, max_running, loaded.device)
         self.pieces = PiecewiseForward(loaded.model, self.kv)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"

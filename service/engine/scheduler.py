@@ -12,8 +12,8 @@ KV memory is paged (service/engine/block_pool.py): a sequence holds blocks for t
 has scheduled and takes one more whenever a step crosses into a new block. At admission the
 longest cached prefix of its prompt (full blocks, never the last token) is taken from the prefix
 cache and not computed again. When a running sequence needs a block and none is free, the most
-recently admitted running sequence (a paused one first) is preempted: it gives its blocks back (its full blocks stay
-in the prefix cache) and waits at the front of the queue to recompute its KV, prompt and
+recently admitted running sequence (a paused one first) is preempted: it gives its blocks back
+(its full blocks stay in the prefix cache) and waits at the front of the queue to recompute its KV, prompt and
 completion so far, then continues; its client sees only latency. Not thread-safe: only the engine
 thread calls it (the engine forwards aborts to its thread).
 """
@@ -186,7 +186,8 @@ class Scheduler:
         preempted_before = self.num_preemptions
         # Blocks for this step's decodes, oldest admission first, so that a preemption takes the
         # newest (which has not been given its block yet).
-        for seq in sorted((s for s in self._running.values() if _decodes(s)), key=lambda s: s.admitted):
+        short = [s for s in self._running.values() if _decodes(s) and self._blocks_needed(s, s.next_position() + 1)]
+        for seq in sorted(short, key=lambda s: s.admitted):  # usually none: a block lasts block_size steps
             if seq.status is SequenceStatus.RUNNING:
                 self._reserve(seq, seq.next_position() + 1)
         # Slot order keeps rows stable between steps, which keeps copies into static buffers simple.
@@ -203,7 +204,7 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.status is SequenceStatus.RUNNING:  # not preempted by an older one this step
-                budget -= self._add_chunk(batch, seq, budget, preempt=True)
+                budget -= self._add_chunk(batch, seq, budget)
         now = time.monotonic()
         blocked: list[Sequence] = []  # waiting sequences that cannot run now, in arrival order
         # After a preemption this step admits nobody: the blocks just given back would let the preempted
@@ -232,7 +233,7 @@ class Scheduler:
             self._num_paused += seq.paused  # paused while it waited
             self._running[seq.slot] = seq
             self._prefilling.append(seq)
-            budget -= self._add_chunk(batch, seq, budget, preempt=False)
+            budget -= self._add_chunk(batch, seq, budget)  # its blocks are free (_admit_blocks)
         self._waiting.extendleft(reversed(blocked))
         self._prefilling = [seq for seq in self._prefilling if seq.num_unprefilled_tokens]
         # A sequence preempted after its chunk or decode was added leaves this step.
@@ -250,17 +251,13 @@ class Scheduler:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _add_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int, preempt: bool) -> int:
+    def _add_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
         """Schedule the next chunk of seq's prompt within budget and the blocks it needs; returns its
         token count (0 when seq itself was preempted for blocks)."""
         start = seq.num_prefilled_tokens
         end = min(seq.prefill_len, start + budget)
-        if preempt:
-            if not self._reserve(seq, end):
-                return 0
-        else:
-            assert self._blocks_needed(seq, end) <= self.blocks.num_free, "admitted without its blocks"
-            self._reserve(seq, end)
+        if not self._reserve(seq, end):
+            return 0
         batch.prefills.append(PrefillChunk(seq, start, end))
         seq.num_prefilled_tokens = end
         return end - start
@@ -337,8 +334,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self._waiting.appendleft(seq)
-        self._by_key[seq.key] = seq
+        self._waiting.appendleft(seq)  # still in _by_key: _release keeps a preempted one there
         self._waiting_prompt_tokens += seq.num_prompt_tokens
 
     def _may_pass(self, blocked: list[Sequence], seq: Sequence) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from service.model.kernels.decode_attention import gather_rows
 from service.model.spec import ModelSpec
 
 NULL_BLOCK = 0
@@ -39,7 +40,7 @@ class KVCache:
         self.blocks_per_seq = -(-max_seq_len // block_size)
         contiguous = num_blocks is None
         if num_blocks is None:
-            num_blocks = 1 + num_slots * self.blocks_per_seq
+            num_blocks = self.contiguous_blocks(num_slots, max_seq_len, block_size)
         assert num_blocks >= 2, "a pool needs the null block and at least one more"
         self.num_blocks = num_blocks
         self.device = device
@@ -115,7 +116,9 @@ class KVCache:
     def slot_view(self, cache: torch.Tensor) -> torch.Tensor:
         """Every row's positions [0, blocks_per_seq * block_size) as [num_slots + 1, KVH, T, D] (a copy,
         tests and debugging; the scratch row reads the null block)."""
-        table = self.block_table.long()
-        out = cache[table]  # [rows, MB, KVH, bs, D]
-        rows, mb, kvh, bs, d = out.shape
-        return out.permute(0, 2, 1, 3, 4).reshape(rows, kvh, mb * bs, d)
+        return gather_rows(cache, self.block_table, torch.arange(self.num_slots + 1, device=cache.device))
+
+    @staticmethod
+    def contiguous_blocks(num_slots: int, max_seq_len: int, block_size: int) -> int:
+        """Blocks (the null block included) for every row at max_seq_len: the contiguous layout's pool."""
+        return 1 + num_slots * -(-max_seq_len // block_size)

@@ -669,18 +669,25 @@ def test_without_prefix_caching_nothing_is_ever_cached() -> None:
     assert not any(s.block_hashes for s in (first, second, third))
 
 
+def old_and_new(new_max_tokens: int, overlap: bool, prefix_caching: bool = True,
+                ) -> tuple[Scheduler, SimEngine, Sequence, Sequence]:
+    """4 blocks of 4 tokens and two sequences: `old` (4-token prompt, 12 out), then `new` (5-token prompt)."""
+    sched = Scheduler(max_running=2, max_num_batched_tokens=5, blocks=BlockPool(5, 4, prefix_caching))
+    sim = SimEngine(sched, overlap)
+    old = make_seq("old", prompt=[1, 2, 3, 4], max_tokens=12)
+    new = make_seq("new", prompt=[5, 6, 7, 8, 9], max_tokens=new_max_tokens)
+    sim.add(old)
+    sim.add(new)
+    return sched, sim, old, new
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_running_out_of_blocks_preempts_the_newest_which_recomputes_and_completes(prefix_caching: bool,
                                                                                   overlap: bool) -> None:
     # 4 blocks of 4 tokens. `old` and `new` take 2 each by their 5th token; at position 8 `old`
     # needs a third: `new`, admitted last, gives its blocks back and waits.
-    sched = Scheduler(max_running=2, max_num_batched_tokens=5, blocks=BlockPool(5, 4, prefix_caching))
-    sim = SimEngine(sched, overlap)
-    old = make_seq("old", prompt=[1, 2, 3, 4], max_tokens=12)
-    new = make_seq("new", prompt=[5, 6, 7, 8, 9], max_tokens=9)
-    sim.add(old)
-    sim.add(new)
+    sched, sim, old, new = old_and_new(9, overlap, prefix_caching)
     while not sched.num_preemptions:
         assert sim.steps < 20 and new.status is not SequenceStatus.FINISHED
         sim.step()
@@ -739,12 +746,7 @@ def test_a_sequence_preempted_with_a_token_in_flight_waits_until_it_is_read() ->
 def test_a_preempted_sequence_can_finish_while_it_waits() -> None:
     # `new`'s last token is in flight when `old` needs its block: it is preempted, then the engine
     # reads that token and finishes it while it waits.
-    sched = Scheduler(max_running=2, max_num_batched_tokens=5, blocks=BlockPool(5, 4))
-    sim = SimEngine(sched, overlap=True)
-    old = make_seq("old", prompt=[1, 2, 3, 4], max_tokens=12)
-    new = make_seq("new", prompt=[5, 6, 7, 8, 9], max_tokens=4)
-    sim.add(old)
-    sim.add(new)
+    sched, sim, old, new = old_and_new(4, overlap=True)
     while not sched.num_preemptions:
         assert sim.steps < 20 and new.status is not SequenceStatus.FINISHED
         sim.step(read=False)
