@@ -77,6 +77,14 @@ class SamplingParams:
     takes the next of the LLM's `seed`). max_tokens None is the LLM's `default_max_tokens`, capped by
     the room the context leaves. Generation stops before a `stop` string (not included in the text)
     and after a token of `stop_token_ids` or the model's end-of-sequence token (unless ignore_eos).
+
+    As in vLLM: min_p drops tokens below min_p x the top token's probability; presence_penalty and
+    frequency_penalty (OpenAI's, in [-2, 2]) lower the logits of tokens the completion holds (once, and
+    per occurrence); repetition_penalty (transformers', > 0, 1 is off) divides the positive logits and
+    multiplies the negative ones of every token in the prompt or the completion; min_tokens keeps EOS,
+    the stop token ids and the stop strings from ending the completion earlier; logit_bias adds a
+    value in [-100, 100] to a token's logit. logprobs: the log-probability of each completion token and
+    of the `logprobs` most likely ones (0 to 20), the model's own (before the processing above).
     """
 
     temperature: float = 1.0
@@ -87,6 +95,13 @@ class SamplingParams:
     stop: str | Sequence[str] | None = None
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Python types here; the values are checked by the server's own checks (validation.py).
@@ -103,6 +118,17 @@ class SamplingParams:
         _need(isinstance(self.ignore_eos, bool), f"SamplingParams.ignore_eos must be True or False, got {self.ignore_eos!r}")
         ids = tuple(self.stop_token_ids or ())
         _need(all(_is_int(i) and i >= 0 for i in ids), f"SamplingParams.stop_token_ids must hold token ids >= 0, got {ids!r}")
+        for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            _need(isinstance(value, int | float) and not isinstance(value, bool),
+                  f"SamplingParams.{name} must be a number, got {value!r}")
+        _need(_is_int(self.min_tokens), f"SamplingParams.min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        _need(self.logprobs is None or _is_int(self.logprobs),
+              f"SamplingParams.logprobs must be None or an int in [0, 20], got {self.logprobs!r}")
+        bias = dict(self.logit_bias or {})
+        _need(all(_is_int(t) and isinstance(b, int | float) and not isinstance(b, bool) for t, b in bias.items()),
+              f"SamplingParams.logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+        object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "top_k", max(0, self.top_k))
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", ids)
@@ -111,7 +137,10 @@ class SamplingParams:
     def values(self) -> RequestValues:
         return RequestValues(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                              max_tokens=self.max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                             ignore_eos=self.ignore_eos)
+                             ignore_eos=self.ignore_eos, min_p=self.min_p, presence_penalty=self.presence_penalty,
+                             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                             min_tokens=self.min_tokens, logit_bias=tuple(self.logit_bias.items()),
+                             logprobs=self.logprobs)
 
 
 @dataclass(frozen=True)
@@ -133,6 +162,9 @@ class GenerationOutput:
     stop_reason: str | int | None  # the stop string or stop token id that ended it
     seed: int  # the seed that drove sampling
     timings: Timings
+    # Per completion token, when SamplingParams.logprobs asked: its log-probability and the top ones.
+    logprobs: list[engine_request.TokenLogprobs] | None = None
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
 @dataclass(frozen=True)
@@ -270,12 +302,13 @@ class _Collector:
     """The engine's sink for one prompt (called on the engine thread): gathers its tokens and text,
     and reports the prompt's index to `done` when it ends."""
 
-    __slots__ = ("index", "done", "token_ids", "text", "finish", "error")
+    __slots__ = ("index", "done", "token_ids", "text", "logprobs", "finish", "error")
 
     def __init__(self, index: int, done: queue.SimpleQueue) -> None:
         self.index, self.done = index, done
         self.token_ids: list[int] = []
         self.text = ""
+        self.logprobs: list[engine_request.TokenLogprobs] | None = None
         self.finish: engine_request.Finish | None = None
         self.error: str | None = None
 
@@ -294,6 +327,8 @@ class _Collector:
     def _add(self, delta: engine_request.TokenDelta) -> None:
         self.token_ids += delta.token_ids
         self.text += delta.text
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
 
 
 _open_lock = threading.Lock()
@@ -458,7 +493,7 @@ class LLM:
                 if collector.finish is None:
                     engine.abort(key)
             raise
-        return [self._output(prompt, ids, c) for (prompt, ids), c in zip(encoded, collectors)]
+        return [self._output(prompt, ids, c, p) for (prompt, ids), c, p in zip(encoded, collectors, params)]
 
     def _request(self, index: int, ids: list[int], p: SamplingParams) -> engine_request.GenerationRequest:
         """The engine's request, checked by the server's checks (validation.py): ValueError naming the field."""
@@ -487,7 +522,7 @@ class LLM:
                 finished += 1
                 bar.update(1)
 
-    def _output(self, prompt: str | None, ids: list[int], c: _Collector) -> GenerationOutput:
+    def _output(self, prompt: str | None, ids: list[int], c: _Collector, params: SamplingParams) -> GenerationOutput:
         if c.finish is None and not self._finalizer.alive:
             raise RuntimeError("this LLM was closed (close(), or the interpreter exiting) while generate() ran")
         if c.finish is None:
@@ -497,6 +532,8 @@ class LLM:
             prompt=prompt, prompt_token_ids=ids, text=c.text, token_ids=c.token_ids, finish_reason=f.reason.value,
             stop_reason=f.matched_stop, seed=f.seed,
             timings=Timings(f.queue_seconds, f.time_to_first_token_seconds, f.total_seconds),
+            logprobs=c.logprobs if c.logprobs is not None or params.logprobs is None else [],
+            cached_tokens=f.cached_tokens,
         )
 
     # ---- graph cache and lifetime -------------------------------------------------------------

@@ -136,6 +136,15 @@ class BlockPool:
         self._by_hash[digest] = block
         self._hash_of[block] = digest
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any block is held, as vLLM refuses, so
+        that a running sequence never holds a block the cache no longer knows."""
+        if len(self._free) != self.num_blocks:
+            return False
+        self._by_hash.clear()
+        self._hash_of.clear()
+        return True
+
     def refs(self, block: int) -> int:
         return self._refs[block]
 

@@ -22,7 +22,7 @@ import structlog
 
 from service.engine.adapters import AdapterNotFound
 from service.engine.output import RequestOutput
-from service.engine.request import AdapterGone, EngineError, Finish, GenerationRequest, RequestEvent
+from service.engine.request import AdapterGone, EngineError, Finish, GenerationRequest, RequestEvent, StepTokens
 from service.engine.scheduler import PrefillChunk, Scheduler
 from service.engine.sequence import Sequence, SequenceStatus
 
@@ -46,9 +46,9 @@ class Runner(Protocol):
         runner feeds it on the device."""
         ...
 
-    def collect(self, launched: Any) -> list[int]:
+    def collect(self, launched: Any) -> StepTokens:
         """The launched step's sampled tokens: one per decode, then one per chunk that completes its
-        prompt (ScheduledBatch.sampling's order)."""
+        prompt (ScheduledBatch.sampling's order), with the log-probabilities rows asked for."""
         ...
 
 
@@ -304,16 +304,17 @@ class Engine:
             self.publish(events)
 
     def _read_tokens(self, launched: _InFlight, events: list[tuple[Sink, RequestEvent]]) -> None:
-        tokens = self.runner.collect(launched.launched)
+        step = self.runner.collect(launched.launched)
         now = time.monotonic()
-        for seq, token in zip(launched.seqs, tokens, strict=True):
+        logprobs = step.logprobs if step.logprobs is not None else [None] * len(step.token_ids)
+        for seq, token, token_logprobs in zip(launched.seqs, step.token_ids, logprobs, strict=True):
             seq.num_pending -= 1
             if seq.status is SequenceStatus.FINISHED or seq.aborted:
                 continue  # finished or aborted after this step was launched: the token is surplus
             # (A preempted sequence, waiting again, keeps its token: its recompute starts from it.)
             seq.completion_token_ids.append(token)
             output, sink = self._outputs[seq.key]
-            for event in output.on_token(token, now):
+            for event in output.on_token(token, now, token_logprobs):
                 if isinstance(event, Finish):
                     self.scheduler.finish(seq)
                     events.append(self._finish(seq, event, now))

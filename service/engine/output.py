@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from service.engine.detokenizer import IncrementalDetokenizer
-from service.engine.request import Finish, FinishReason, RequestEvent, TokenDelta
+from service.engine.request import Finish, FinishReason, RequestEvent, TokenDelta, TokenLogprobs
 from service.engine.sequence import Sequence
 from service.engine.stop import StopStringMatcher
 
@@ -25,10 +25,12 @@ class RequestOutput:
         self._stops = StopStringMatcher(stopping.stop)
         self._pending_ids: list[int] = []
         self._pending_text = ""
+        self._pending_logprobs: list[TokenLogprobs] | None = [] if seq.request.sampling.logprobs is not None else None
+        self._min_tokens = seq.request.sampling.min_tokens
 
-    def on_token(self, token: int, now: float) -> list[RequestEvent]:
-        """Record one sampled token (already appended to the sequence). Returns the events to publish;
-        the last one is a Finish when the request is over."""
+    def on_token(self, token: int, now: float, logprobs: TokenLogprobs | None = None) -> list[RequestEvent]:
+        """Record one sampled token (already appended to the sequence) and its log-probabilities.
+        Returns the events to publish; the last one is a Finish when the request is over."""
         seq = self.seq
         if seq.first_token_at is None:
             seq.first_token_at = now
@@ -37,8 +39,18 @@ class RequestOutput:
         if token in self._eos_ids:
             return [self._finish(FinishReason.EOS, now)]
         self._pending_ids.append(token)
-        text, matched = self._stops.feed(self._detokenizer.add([token]))
-        self._pending_text += text
+        if self._pending_logprobs is not None:
+            assert logprobs is not None, "a request with logprobs got a token without them"
+            self._pending_logprobs.append(logprobs)
+        text = self._detokenizer.add([token])
+        matched = None
+        if seq.num_completion_tokens <= self._min_tokens:
+            # Stop strings are looked for in the text after the first min_tokens tokens, as the
+            # sampler bans stop ids and EOS until then.
+            self._pending_text += text
+        else:
+            text, matched = self._stops.feed(text)
+            self._pending_text += text
         if matched is not None:
             return [self._finish(FinishReason.STOP, now, matched=matched, flush=False)]
         if seq.num_completion_tokens >= seq.request.stopping.max_tokens:
@@ -51,8 +63,10 @@ class RequestOutput:
         return self._finish(FinishReason.ABORT, now)
 
     def _take_delta(self) -> TokenDelta:
-        delta = TokenDelta(self._pending_ids, self._pending_text)
+        delta = TokenDelta(self._pending_ids, self._pending_text, self._pending_logprobs)
         self._pending_ids, self._pending_text = [], ""
+        if self._pending_logprobs is not None:
+            self._pending_logprobs = []
         return delta
 
     def _finish(self, reason: FinishReason, now: float, matched: str | int | None = None, flush: bool = True) -> Finish:

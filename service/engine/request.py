@@ -13,16 +13,39 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
+MAX_LOGPROBS = 20  # top log-probabilities per token at most (the OpenAI API's limit)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """How a request's next token is chosen (service/engine/sampler.py applies it, in vLLM's order:
+    logit bias and min_tokens, then the penalties, then temperature, min_p, top-k and top-p)."""
+
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # in (0, 1]; 1 disables
     top_k: int = 0  # 0 disables
     seed: int = 0  # always set: the servicer assigns one when the client gave none
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability; 0 disables
+    # OpenAI's penalties, on the completion's tokens only: logit -= presence * (count > 0) + frequency * count.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # The CTRL / transformers penalty on every token of the prompt and the completion: a positive
+    # logit is divided by it, a negative one multiplied. 1 disables.
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # EOS and the stop token ids are not sampled before this many completion tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    # Log-probabilities of each sampled token and of the `logprobs` most likely ones (None: none;
+    # 0: the sampled token's only). They are the model's (log_softmax of its logits), before any of
+    # the processing above, as vLLM reports them.
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 @dataclass(frozen=True)
@@ -47,11 +70,20 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and the most likely tokens at its position, best first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability)
+
+
+@dataclass(frozen=True)
 class TokenDelta:
     """New completion tokens and the text they complete (valid UTF-8, may be empty)."""
 
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -82,6 +114,15 @@ class EngineError:
 class AdapterGone(EngineError):
     """The request's adapter was unloaded after the request was accepted (an unload raced it): the
     caller must load it again or pick another; retrying elsewhere does not help."""
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """A step's sampled tokens on the host, one per sampling row, and their log-probabilities
+    (None for a row that asked for none; the list is None when no row did)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
 
 
 RequestEvent = TokenDelta | Finish | EngineError

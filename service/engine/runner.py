@@ -30,7 +30,8 @@ from service.engine.decode_step import LoraDecodeStep, ModelDecodeStep, fed_back
 from service.engine.piecewise_step import LoraPiecewiseStep, PiecewiseStep
 from service.engine.rank_memory import RankMemory, device_memory
 from service.engine.ranks import Ranks
-from service.engine.sampler import SamplingBatch, sample
+from service.engine.request import StepTokens
+from service.engine.sampler import Sampled, SampleRow, SamplingBatch, TokenHistory, sample, unpack_logprobs
 from service.engine.scheduler import PrefillChunk
 from service.engine.sequence import Sequence
 from service.engine.step_channel import StepInputs
@@ -99,6 +100,10 @@ class ModelRunner:
         # GIL) instead of a blocking copy lets other threads run while the GPU works.
         on_cuda = self.device.type == "cuda"
         self._host_tokens = torch.zeros((2, 2 * max_running), dtype=torch.long, pin_memory=on_cuda)
+        self._eos_ids = tuple(loaded.spec.eos_token_ids)
+        # The penalties' token counts, made at the first request with a penalty (KV slots + scratch rows).
+        self._history: TokenHistory | None = None
+        self._history_rows = self.kv.scratch_slot + 1
         self._tokens_ready = (torch.cuda.Event(), torch.cuda.Event()) if on_cuda else None
         self._turn = 0
         # The latest launch: each sequence's row in it and its sampled tokens (on device).
@@ -149,7 +154,7 @@ class ModelRunner:
     def step(self, decodes: list[Sequence], prefills: list[PrefillChunk]) -> list[int]:
         """One engine step, launched and read back at once. Returns one token per sampling sequence
         (decodes, then the sequences whose prompt a chunk completes)."""
-        return self.collect(self.launch(decodes, prefills))
+        return self.collect(self.launch(decodes, prefills)).token_ids
 
     @torch.inference_mode()
     def launch(self, decodes: list[Sequence], prefills: list[PrefillChunk]) -> LaunchedStep:
@@ -158,7 +163,7 @@ class ModelRunner:
         by the previous launch, not yet read by the host) takes it from that launch's device tokens."""
         assert decodes or prefills, "an empty step"
         try:
-            tokens, sampling = self.mixed(decodes, prefills)
+            tokens, sampling, logprobs = self.mixed(decodes, prefills)
             if self.ranks is not None and tokens.numel():
                 self.tp.broadcast(tokens)  # the other ranks may feed them back next step
         except Exception as exc:
@@ -166,27 +171,38 @@ class ModelRunner:
                 raise
             raise self.ranks.explain(exc) from exc
         self._previous = {seq.key: row for row, seq in enumerate(sampling)}, tokens
+        logprob_ks = [s.request.sampling.logprobs for s in sampling] if logprobs is not None else None
         if self._tokens_ready is None:
-            return LaunchedStep(tokens, None, None)
+            return LaunchedStep(tokens, None, None, logprobs, logprob_ks)
         # Two pinned buffers and events in turn: the host reads launch t while launch t+1 is queued.
         self._turn ^= 1
         host = self._host_tokens[self._turn, : tokens.shape[0]]
         host.copy_(tokens, non_blocking=True)
+        if logprobs is not None:  # rare enough for a pinned buffer of its own per step
+            logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True).copy_(logprobs, non_blocking=True)
         ready = self._tokens_ready[self._turn]
         ready.record()
-        return LaunchedStep(tokens, host, ready)
+        return LaunchedStep(tokens, host, ready, logprobs, logprob_ks)
 
-    def collect(self, launched: LaunchedStep) -> list[int]:
-        """The launched step's tokens on the host: the step's one host sync."""
+    def collect(self, launched: LaunchedStep) -> StepTokens:
+        """The launched step's tokens (and log-probabilities) on the host: the step's one host sync."""
         if launched.ready is None:
-            return launched.tokens.tolist()
-        launched.ready.synchronize()  # releases the GIL while the device works
-        return launched.host.tolist()
+            ids = launched.tokens.tolist()
+        else:
+            launched.ready.synchronize()  # releases the GIL while the device works
+            ids = launched.host.tolist()
+        if launched.logprobs is None:
+            return StepTokens(ids)
+        ks = launched.logprob_ks
+        rows = iter(unpack_logprobs(launched.logprobs.tolist(), [k for k in ks if k is not None]))
+        return StepTokens(ids, [None if k is None else next(rows) for k in ks])
 
-    def mixed(self, decodes: list[Sequence], chunks: list[PrefillChunk]) -> tuple[torch.Tensor, list[Sequence]]:
+    def mixed(self, decodes: list[Sequence], chunks: list[PrefillChunk]
+              ) -> tuple[torch.Tensor, list[Sequence], torch.Tensor | None]:
         """Decodes and prompt chunks (or decodes alone) in one forward pass (one host->device copy of
-        the step's rows); returns the sampling sequences (each decode, then each chunk that completes
-        its prompt) and a token for each (on device)."""
+        the step's rows); returns a token for each sampling sequence (on device), the sequences (each
+        decode, then each chunk that completes its prompt), and the packed log-probabilities of
+        those that asked for them (sampler.Sampled)."""
         rows, previous_tokens = self._previous
         pending_rows = [rows[s.key] if s.num_pending else -1 for s in decodes]
         sampling = decodes + [c.seq for c in chunks if c.completes_prompt]
@@ -205,8 +221,9 @@ class ModelRunner:
         )
         logits = self.forward(inputs, previous_tokens)
         if not sampling:  # every chunk leaves part of its prompt for a later step
-            return torch.zeros(0, dtype=torch.long, device=self.device), sampling
-        return self._sample(logits, sampling), sampling
+            return torch.zeros(0, dtype=torch.long, device=self.device), sampling, None
+        sampled = self._sample(logits, sampling)
+        return sampled.tokens, sampling, sampled.logprobs
 
     def forward(self, inputs: StepInputs, previous_tokens: torch.Tensor) -> torch.Tensor:
         """The step's forward pass -> float32 logits of its sampling rows. The dispatcher: a uniform
@@ -281,10 +298,30 @@ class ModelRunner:
         """The base graph cache, then the LoRA one when the server serves adapters."""
         return [self.graphs] + ([self.lora_graphs] if self.lora_graphs is not None else [])
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        # The counter is the index of the token being sampled, pending ones included.
-        params = [(s.request.sampling, s.num_completion_tokens + s.num_pending) for s in seqs]
-        return sample(logits, SamplingBatch.build(params, self.device))
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+        rows = []
+        for seq in seqs:
+            request = seq.request
+            counter = seq.num_completion_tokens + seq.num_pending  # the index of the token sampled now
+            banned = ()
+            if counter < request.sampling.min_tokens:
+                stopping = request.stopping
+                banned = stopping.stop_token_ids + (() if stopping.ignore_eos else self._eos_ids)
+            if request.sampling.penalized:
+                self._track_history(seq)
+            rows.append(SampleRow(request.sampling, counter, _slot(seq), banned))
+        return sample(logits, SamplingBatch.build(rows, self.device), self._history)
+
+    def _track_history(self, seq: Sequence) -> None:
+        """Make the sequence's history row describe it (once per admission: a new slot, or the same
+        slot after a preemption, starts again from what the host knows, which is everything then)."""
+        if self._history is None:
+            self._history = TokenHistory(self._history_rows, self.loaded.spec.vocab_size, self.device)
+        owner = (seq.key, seq.admitted)
+        slot = _slot(seq)
+        if self._history.owner[slot] != owner:
+            assert not seq.num_pending, "a sequence's first sampling after admission has no token in flight"
+            self._history.reset(slot, owner, seq.request.prompt_token_ids, seq.completion_token_ids)
 
 
 def _table_updates(seqs: list[Sequence]) -> list[tuple[int, int, list[int]]]:
@@ -310,3 +347,5 @@ class LaunchedStep:
     tokens: torch.Tensor  # [n] int64 on the device
     host: torch.Tensor | None  # pinned [n], filled when `ready` completes (None on CPU)
     ready: torch.cuda.Event | None
+    logprobs: torch.Tensor | None = None  # packed (sampler.Sampled), pinned on CUDA
+    logprob_ks: list[int | None] | None = None  # per sampling row: its top-k count, None for none

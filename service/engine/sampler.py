@@ -12,11 +12,12 @@ draws exactly from softmax(logits / T) restricted to the kept (top-k / top-p) to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from service.engine.request import SamplingParams
+from service.engine.request import SamplingParams, TokenLogprobs
 
 _MASK32 = 0xFFFFFFFF
 _C1 = 0x7FEB352D  # lowbias32's multipliers, the second as the int32 with the same bits
@@ -24,9 +25,19 @@ _C2 = 0x846CA68B - (1 << 32)
 _UNIFORM_BITS = 23  # (k + 0.5) * 2**-23 for k < 2**23 is exact in float32 and strictly inside (0, 1)
 
 
+class SampleRow(NamedTuple):
+    """One sampling row of a step, as the runner knows it."""
+
+    params: SamplingParams
+    counter: int  # index of the completion token being sampled (pending ones included)
+    history_row: int = 0  # its row in the TokenHistory (the KV slot); read only with penalties
+    banned: tuple[int, ...] = ()  # ids it may not sample now (EOS and stop ids before min_tokens)
+
+
 @dataclass
 class SamplingBatch:
-    """Per-row sampling parameters as device tensors, built once per step on the host."""
+    """Per-row sampling parameters as device tensors, built once per step on the host. The optional
+    stages are None when no row of the step uses them: such rows cost nothing."""
 
     temperature: Tensor  # [B] float32, 0 = greedy
     top_p: Tensor  # [B] float32, 1 = disabled
@@ -36,34 +47,125 @@ class SamplingBatch:
     all_greedy: bool  # host-side flags: skip whole stages without looking at the tensors
     any_top_p: bool
     any_top_k: bool
+    min_p: Tensor | None = None  # [B] float32, 0 = disabled
+    additive: tuple[Tensor, Tensor, Tensor] | None = None  # (rows, ids, values): logit bias, -inf bans
+    penalties: Penalties | None = None
+    logprobs: tuple[Tensor, int, list[int]] | None = None  # (rows [L], largest k, k per row)
 
     @classmethod
-    def build(cls, params: list[tuple[SamplingParams, int]], device: torch.device | str) -> SamplingBatch:
-        """params: (sampling parameters, counter) per row."""
-        floats = torch.tensor([[p.temperature for p, _ in params], [p.top_p for p, _ in params]],
-                              dtype=torch.float32)  # [2, B]
-        ints = torch.tensor([[p.top_k for p, _ in params], [_to_int64(p.seed) for p, _ in params],
-                             [_to_int64(c) for _, c in params]], dtype=torch.int64)  # [3, B]
-        if torch.device(device).type == "cuda":
-            # Two copies from pinned memory, queued on the stream: the host does not wait for them.
-            floats = floats.pin_memory().to(device, non_blocking=True)
-            ints = ints.pin_memory().to(device, non_blocking=True)
-        else:
-            floats, ints = floats.to(device), ints.to(device)
-        return cls(
-            temperature=floats[0],
-            top_p=floats[1],
-            top_k=ints[0],
-            seed=ints[1],
-            counter=ints[2],
-            all_greedy=all(p.greedy for p, _ in params),
-            any_top_p=any(not p.greedy and p.top_p < 1.0 for p, _ in params),
-            any_top_k=any(not p.greedy and p.top_k > 0 for p, _ in params),
+    def build(cls, rows: list[SampleRow] | list[tuple], device: torch.device | str) -> SamplingBatch:
+        rows = [SampleRow(*r) for r in rows]
+        ps = [r.params for r in rows]
+        floats = [[p.temperature for p in ps], [p.top_p for p in ps]]
+        ints = [[p.top_k for p in ps], [_to_int64(p.seed) for p in ps], [_to_int64(r.counter) for r in rows]]
+        any_min_p = any(not p.greedy and p.min_p > 0 for p in ps)
+        if any_min_p:
+            floats.append([p.min_p for p in ps])
+        # Sparse per-row additions to the logits: (row, id, value) triples, one copy for all.
+        add_rows, add_ids, add_values = [], [], []
+        for b, r in enumerate(rows):
+            for token, bias in r.params.logit_bias:
+                add_rows.append(b), add_ids.append(token), add_values.append(bias)
+            for token in r.banned:
+                add_rows.append(b), add_ids.append(token), add_values.append(float("-inf"))
+        penalized = [b for b, p in enumerate(ps) if p.penalized]
+        if penalized:
+            floats += [[ps[b].presence_penalty for b in penalized], [ps[b].frequency_penalty for b in penalized],
+                       [ps[b].repetition_penalty for b in penalized]]
+            ints += [penalized, [rows[b].history_row for b in penalized]]
+        with_logprobs = [b for b, p in enumerate(ps) if p.logprobs is not None]
+        if with_logprobs:
+            ints.append(with_logprobs)
+        if add_rows:
+            ints += [add_rows, add_ids]
+            floats.append(add_values)
+        float_t = _to_device(torch.tensor([v for f in floats for v in f], dtype=torch.float32), device)
+        int_t = _to_device(torch.tensor([v for i in ints for v in i], dtype=torch.int64), device)
+        float_parts = iter(float_t.split([len(f) for f in floats]))
+        int_parts = iter(int_t.split([len(i) for i in ints]))
+        batch = cls(
+            temperature=next(float_parts), top_p=next(float_parts),
+            top_k=next(int_parts), seed=next(int_parts), counter=next(int_parts),
+            all_greedy=all(p.greedy for p in ps),
+            any_top_p=any(not p.greedy and p.top_p < 1.0 for p in ps),
+            any_top_k=any(not p.greedy and p.top_k > 0 for p in ps),
         )
+        if any_min_p:
+            batch.min_p = next(float_parts)
+        if penalized:
+            presence, frequency, repetition = next(float_parts), next(float_parts), next(float_parts)
+            batch.penalties = Penalties(next(int_parts), next(int_parts), presence, frequency, repetition)
+        if with_logprobs:
+            ks = [ps[b].logprobs for b in with_logprobs]
+            batch.logprobs = (next(int_parts), max(ks), ks)
+        if add_rows:
+            batch.additive = (next(int_parts), next(int_parts), next(float_parts))
+        return batch
 
 
-def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """logits: [B, V] float32 -> token ids [B] int64 on logits.device."""
+@dataclass
+class Penalties:
+    rows: Tensor  # [P] the step's rows with a penalty
+    history_rows: Tensor  # [P] their TokenHistory rows
+    presence: Tensor  # [P] float32
+    frequency: Tensor
+    repetition: Tensor
+
+
+class TokenHistory:
+    """What the penalties read, on the device: per history row (a KV slot), how often each token
+    occurs in the completion and which occur in the prompt. Updated on the device after each
+    sampling, so a token sampled by a step still in flight counts without a host sync.
+    [rows, vocab] int32 + bool: about 5 bytes x vocab per row (165 MB for 257 rows at 128k)."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device | str) -> None:
+        self.counts = torch.zeros((rows, vocab), dtype=torch.int32, device=device)
+        self.in_prompt = torch.zeros((rows, vocab), dtype=torch.bool, device=device)
+        self.owner: list[object] = [None] * rows  # who each row describes now
+
+    def reset(self, row: int, owner: object, prompt: list[int], completion: list[int]) -> None:
+        """Make `row` describe a sequence that has `prompt` and, so far, `completion`."""
+        device = self.counts.device
+        self.counts[row].zero_()
+        self.in_prompt[row].zero_()
+        self.in_prompt[row, _to_device(torch.tensor(prompt, dtype=torch.int64), device)] = True
+        if completion:
+            ids = _to_device(torch.tensor(completion, dtype=torch.int64), device)
+            self.counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        self.owner[row] = owner
+
+    def add(self, rows: Tensor, tokens: Tensor) -> None:
+        """Count tokens[i] in history row rows[i] (device tensors)."""
+        self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+
+
+@dataclass
+class Sampled:
+    tokens: Tensor  # [B] int64
+    # [L, 1 + 2k] float32 for the rows with logprobs: the sampled token's log-probability, then the
+    # top k log-probabilities, then their ids (exact in float32 below 2**24): one copy to the host.
+    logprobs: Tensor | None = None
+
+
+def sample(logits: Tensor, batch: SamplingBatch, history: TokenHistory | None = None) -> Sampled:
+    """logits: [B, V] float32 -> token ids [B] int64 on logits.device (and log-probabilities)."""
+    raw = logits
+    if batch.additive is not None or batch.penalties is not None:
+        logits = logits.clone()
+        if batch.additive is not None:
+            rows, ids, values = batch.additive
+            logits.index_put_((rows, ids), values, accumulate=True)  # -inf bans stay -inf
+        if batch.penalties is not None:
+            assert history is not None, "penalties need the token history"
+            _apply_penalties(logits, batch.penalties, history)
+    tokens = _choose(logits, batch)
+    if batch.penalties is not None:
+        assert history is not None
+        history.add(batch.penalties.history_rows, tokens[batch.penalties.rows])
+    return Sampled(tokens, None if batch.logprobs is None else _logprobs(raw, tokens, batch.logprobs))
+
+
+def _choose(logits: Tensor, batch: SamplingBatch) -> Tensor:
     greedy_ids = logits.argmax(dim=-1)  # [B]; first index among ties
     if batch.all_greedy:
         return greedy_ids
@@ -71,6 +173,10 @@ def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
     # Greedy rows divide by 1 so the sampled path stays finite; their result is discarded below.
     temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
     scaled = logits / temperature.unsqueeze(1)  # [B, V]
+    if batch.min_p is not None:
+        # p < min_p * p_max  <=>  logit < max logit + log(min_p); log(0) = -inf keeps every token.
+        floor = scaled.max(dim=-1, keepdim=True).values + batch.min_p.log().unsqueeze(1)
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     if batch.any_top_k or batch.any_top_p:
         scaled = _mask_top_k_top_p(scaled, batch)
     noise = gumbel_noise(batch.seed, batch.counter, logits.shape[1])  # [B, V]
@@ -97,6 +203,44 @@ def _mask_top_k_top_p(scaled: Tensor, batch: SamplingBatch) -> Tensor:
     remove[:, 0] = False  # always keep the top-1, whatever top_p or top_k say
     masked_sorted = sorted_vals.masked_fill(remove, float("-inf"))
     return torch.empty_like(scaled).scatter_(1, sorted_idx, masked_sorted)
+
+
+def _apply_penalties(logits: Tensor, p: Penalties, history: TokenHistory) -> None:
+    counts = history.counts[p.history_rows]  # [P, V]
+    in_completion = counts > 0
+    rows = logits[p.rows]
+    repetition = p.repetition.unsqueeze(1)
+    seen = in_completion | history.in_prompt[p.history_rows]
+    rows = torch.where(seen, torch.where(rows > 0, rows / repetition, rows * repetition), rows)
+    rows = rows - p.frequency.unsqueeze(1) * counts - p.presence.unsqueeze(1) * in_completion
+    logits[p.rows] = rows
+
+
+def _logprobs(raw: Tensor, tokens: Tensor, spec: tuple[Tensor, int, list[int]]) -> Tensor:
+    rows, k, _ = spec
+    logprobs = raw[rows].log_softmax(dim=-1)  # [L, V]
+    chosen = logprobs.gather(1, tokens[rows].unsqueeze(1))  # [L, 1]
+    if k == 0:
+        return chosen
+    top = logprobs.topk(k, dim=-1)
+    return torch.cat([chosen, top.values, top.indices.to(torch.float32)], dim=1)
+
+
+def unpack_logprobs(packed: list[list[float]], ks: list[int]) -> list[TokenLogprobs]:
+    """The host side of Sampled.logprobs: one TokenLogprobs per row with logprobs."""
+    out = []
+    for row, k in zip(packed, ks, strict=True):
+        width = (len(row) - 1) // 2
+        top = tuple((int(row[1 + width + i]), row[1 + i]) for i in range(k))
+        out.append(TokenLogprobs(row[0], top))
+    return out
+
+
+def _to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    if torch.device(device).type == "cuda":
+        # A copy from pinned memory, queued on the stream: the host does not wait for it.
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def gumbel_noise(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:

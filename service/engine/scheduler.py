@@ -125,6 +125,10 @@ class Scheduler:
         """The block pool's counts with this scheduler's preemptions. Any thread may call it (reads)."""
         return dataclasses.replace(self.blocks.stats(), preemptions=self.num_preemptions)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (the engine thread, between steps); False while requests hold blocks."""
+        return self.blocks.reset_prefix_cache()
+
     def has_work(self) -> bool:
         return bool(self._waiting or self._aborted or len(self._running) > self._num_paused)
 

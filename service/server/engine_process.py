@@ -188,6 +188,10 @@ class EngineProcess:
             return future
         return self._ops.submit(fn)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the engine's prefix cache; False while requests hold KV blocks (blocking: off the loop)."""
+        return self.remote("reset_prefix_cache", timeout=5.0)
+
     def remote(self, name: str, *args: Any, timeout: float = _CALL_TIMEOUT_S) -> Any:
         """Call `name` in the engine process (engine_worker.READS / GRAPH_OPS); blocking, so
         never on the event loop, which is the thread that reads the answer."""
@@ -304,7 +308,7 @@ class EngineProcess:
                 if sink is None:
                     continue
                 if kind == DELTA:
-                    pairs.append((sink, TokenDelta(payload[0], payload[1])))
+                    pairs.append((sink, TokenDelta(*payload)))
                 elif kind == FINISH:
                     pairs.append((sink, payload))
                 else:

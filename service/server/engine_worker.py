@@ -148,7 +148,7 @@ class _Worker:
         events = []
         for sink, event in pairs:
             if isinstance(event, TokenDelta):
-                events.append((DELTA, sink.key, (event.token_ids, event.text)))
+                events.append((DELTA, sink.key, (event.token_ids, event.text, event.logprobs)))
             elif isinstance(event, Finish):
                 events.append((FINISH, sink.key, event))
             else:  # the EngineError itself: its type (AdapterGone) decides the status code
@@ -232,6 +232,9 @@ class _Worker:
         elif name in GRAPH_OPS:
             future = self.engine.call(lambda: self._graph_op(name, args))
             # The callback runs where the future completes: here, if the engine has stopped.
+            future.add_done_callback(lambda f: self._reply_when_done(call_id, f))
+        elif name == "reset_prefix_cache":
+            future = self.engine.call(self.engine.scheduler.reset_prefix_cache)
             future.add_done_callback(lambda f: self._reply_when_done(call_id, f))
         elif name == "load_adapter":  # reads files: on its own thread, so list and unload never queue behind it
             self.adapter_reads.submit(self._adapter_op, call_id, name, args)

@@ -86,8 +86,12 @@ class _Writer:
         self.request_id = request_id
 
     def chunk(self, delta: TokenDelta) -> inference_pb2.GenerateResponse:
-        return inference_pb2.GenerateResponse(
-            request_id=self.request_id, chunk=inference_pb2.Chunk(token_ids=delta.token_ids, text=delta.text))
+        chunk = inference_pb2.Chunk(token_ids=delta.token_ids, text=delta.text)
+        if delta.logprobs is not None:
+            chunk.logprobs.extend(inference_pb2.TokenLogprob(
+                logprob=lp.logprob, top=[inference_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+                for lp in delta.logprobs)
+        return inference_pb2.GenerateResponse(request_id=self.request_id, chunk=chunk)
 
     def finished(self, f: Finish) -> list[inference_pb2.GenerateResponse]:
         msg = inference_pb2.Finished(
@@ -181,6 +185,10 @@ def to_generation_request(request: inference_pb2.GenerateRequest, request_id: st
         seed=s.seed if s.HasField("seed") else None,
         max_tokens=t.max_tokens if t.HasField("max_tokens") else None,
         stop=tuple(t.stop), stop_token_ids=tuple(t.stop_token_ids), ignore_eos=t.ignore_eos,
+        min_p=s.min_p, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        min_tokens=t.min_tokens, logit_bias=tuple(s.logit_bias.items()),
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
     )
     return generation_request(request_id, prompt, values, limits, GRAPHSERVE_FIELDS, adapter=request.adapter,
                               stream_interval=_stream_interval(request), arrival_time=arrival_time)

@@ -317,6 +317,7 @@ def _merge_ready(first: TokenDelta, queue: asyncio.Queue[RequestEvent]) -> Reque
     if queue.empty():
         return first
     ids, text = list(first.token_ids), first.text
+    logprobs = None if first.logprobs is None else list(first.logprobs)
     while not queue.empty():
         nxt = queue._queue[0]  # noqa: SLF001 - peek: a Finish must stay queued for the next get()
         if not isinstance(nxt, TokenDelta):
@@ -324,4 +325,6 @@ def _merge_ready(first: TokenDelta, queue: asyncio.Queue[RequestEvent]) -> Reque
         queue.get_nowait()
         ids += nxt.token_ids
         text += nxt.text
-    return TokenDelta(ids, text)
+        if logprobs is not None:
+            logprobs += nxt.logprobs or ()
+    return TokenDelta(ids, text, logprobs)

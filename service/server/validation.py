@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.config import ServeConfig
-from service.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from service.engine.request import MAX_LOGPROBS, GenerationRequest, SamplingParams, StoppingParams
 
 MAX_REQUEST_ID_BYTES = 256
 MAX_STREAM_INTERVAL = 1024
@@ -28,6 +28,9 @@ _CHARS_PER_TOKEN_GUESS = 4
 # them +-inf in float32 and the sampler picks the first infinite one, a degenerate stream. Mapped,
 # not refused: OpenAI-style clients send tiny temperatures to mean "deterministic".
 GREEDY_TEMPERATURE_EPSILON = 1e-5
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias per request
+MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| at most, as in the OpenAI API
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| at most, as in the OpenAI API
 
 
 class InvalidRequest(ValueError):
@@ -88,6 +91,13 @@ class RequestValues:
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: Sequence[tuple[int, float]] = ()
+    logprobs: int | None = None
 
 
 def need(ok: bool, message: str) -> None:
@@ -159,6 +169,28 @@ def check_sampling(v: RequestValues, f: Fields) -> None:
         need(math.isfinite(v.top_p) and 0 < v.top_p <= 1, f"{f.sampling}top_p must be in (0, 1], got {v.top_p}")
     need(v.top_k >= 0, f"{f.sampling}top_k must be >= 0 (0 is off), got {v.top_k}")
     need(v.seed is None or 0 <= v.seed < 2**64, f"{f.sampling}seed must be in [0, 2**64), got {v.seed}")
+    need(math.isfinite(v.min_p) and 0 <= v.min_p <= 1, f"{f.sampling}min_p must be in [0, 1] (0 is off), got {v.min_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(v, name)
+        need(math.isfinite(value) and abs(value) <= MAX_PENALTY,
+             f"{f.sampling}{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 is off), got {value}")
+    need(math.isfinite(v.repetition_penalty) and v.repetition_penalty > 0,
+         f"{f.sampling}repetition_penalty must be a finite number > 0 (1 is off), got {v.repetition_penalty}")
+    need(v.min_tokens >= 0, f"{f.stopping}min_tokens must be >= 0, got {v.min_tokens}")
+    need(v.logprobs is None or 0 <= v.logprobs <= MAX_LOGPROBS,
+         f"{f.sampling}logprobs must be in [0, {MAX_LOGPROBS}] (the top tokens reported per position), "
+         f"got {v.logprobs}")
+    need(len(v.logit_bias) <= MAX_LOGIT_BIAS,
+         f"{f.sampling}logit_bias has {len(v.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    for token, bias in v.logit_bias:
+        need(math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS_VALUE,
+             f"{f.sampling}logit_bias[{token}] must be in [-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], "
+             f"got {bias}")
+
+
+def check_logit_bias_ids(v: RequestValues, vocab_size: int, f: Fields) -> None:
+    bad = next((t for t, _ in v.logit_bias if not 0 <= t < vocab_size), None)
+    need(bad is None, f"{f.sampling}logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 def sampling_params(v: RequestValues, f: Fields) -> SamplingParams:
@@ -168,7 +200,12 @@ def sampling_params(v: RequestValues, f: Fields) -> SamplingParams:
     if temperature < GREEDY_TEMPERATURE_EPSILON:
         temperature = 0.0
     return SamplingParams(temperature=temperature,
-                          top_p=1.0 if v.top_p is None else float(v.top_p), top_k=int(v.top_k), seed=int(seed))
+                          top_p=1.0 if v.top_p is None else float(v.top_p), top_k=int(v.top_k), seed=int(seed),
+                          min_p=float(v.min_p), presence_penalty=float(v.presence_penalty),
+                          frequency_penalty=float(v.frequency_penalty),
+                          repetition_penalty=float(v.repetition_penalty), min_tokens=int(v.min_tokens),
+                          logit_bias=tuple(sorted((int(t), float(b)) for t, b in v.logit_bias)),
+                          logprobs=None if v.logprobs is None else int(v.logprobs))
 
 
 def stopping_params(v: RequestValues, prompt_len: int, limits: Limits, f: Fields) -> StoppingParams:
@@ -192,6 +229,8 @@ def stopping_params(v: RequestValues, prompt_len: int, limits: Limits, f: Fields
         need(text != "", f"{f.stopping}stop contains an empty string")
         need(len(text.encode("utf-8", "surrogatepass")) <= limits.max_stop_string_bytes,
              f"a {f.stopping}stop string is longer than {limits.max_stop_string_bytes} bytes")
+    need(v.min_tokens <= max_tokens,
+         f"{f.stopping}min_tokens ({v.min_tokens}) is above {f.stopping}max_tokens ({max_tokens}): lower it")
     ids = tuple(v.stop_token_ids)
     need(len(ids) <= limits.max_stop_token_ids,
          f"{f.stopping}stop_token_ids has {len(ids)} ids; at most {limits.max_stop_token_ids} are allowed")
@@ -204,6 +243,7 @@ def generation_request(request_id: str, prompt: list[int], v: RequestValues, lim
                        adapter: str = "", stream_interval: int = 1, arrival_time: float | None = None
                        ) -> GenerationRequest:
     """The engine's request for checked values; InvalidRequest names the first bad field."""
+    check_logit_bias_ids(v, limits.vocab_size, f)
     return GenerationRequest(
         request_id=request_id,
         adapter=adapter,

@@ -7,9 +7,9 @@ and the Python API); the stream's life is streams.py's.
 
 Semantics follow vLLM's servicer: chunks carry the new token ids (a delta) and their count; the
 complete message carries every output id, the finish reason as vLLM names it ("stop" for EOS, a stop
-string or a stop token; "length"; "abort") and the matched stop. What graphserve does not do yet
-(sampling fields beyond temperature / top-p / top-k / seed, n > 1, logprobs, structured outputs,
-LoRA by name) is refused with INVALID_ARGUMENT naming the field; what it will not do (embeddings,
+string or a stop token; "length"; "abort") and the matched stop, and each token's logprobs when
+asked. What graphserve does not do yet (n > 1, prompt logprobs, structured outputs, LoRA by name)
+is refused with INVALID_ARGUMENT naming the field; what it will not do (embeddings,
 multimodal inputs, prefill/decode disaggregation, the profiler) with UNIMPLEMENTED or INVALID_ARGUMENT.
 """
 
@@ -32,7 +32,7 @@ import grpc
 from google.protobuf.unknown_fields import UnknownFieldSet
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from service.engine.request import Finish, FinishReason, GenerationRequest, TokenDelta
+from service.engine.request import Finish, FinishReason, GenerationRequest, TokenDelta, TokenLogprobs
 from service.server.streams import Stream, Streams, answers_rejections
 from service.server.validation import (
     Fields,
@@ -215,12 +215,16 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def FlushCache(self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
                          ) -> common_pb2.FlushCacheResponse:
-        return common_pb2.FlushCacheResponse(success=True, message="graphserve keeps no prefix cache: nothing to flush")
+        await self._facts(context)
+        if await asyncio.to_thread(self.streams.engine.reset_prefix_cache):
+            return common_pb2.FlushCacheResponse(success=True, message="the prefix cache is empty")
+        return common_pb2.FlushCacheResponse(
+            success=False, message="requests are running and hold KV blocks: flush again when the server is idle")
 
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
                                 context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "graphserve keeps no prefix cache yet, so it publishes no KV cache events")
+                            "graphserve publishes no KV cache events (its prefix cache is local to the worker)")
 
     async def StartProfile(self, request: common_pb2.StartProfileRequest, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the profiler is not served over gRPC; see bench/ for profiles")
@@ -241,25 +245,40 @@ class _Writer:
     def __init__(self, stream: bool) -> None:
         self.stream = stream
         self.output_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []  # a whole completion's, for the complete message
         self.prompt_tokens = 0
 
     def chunk(self, delta: TokenDelta) -> vllm_engine_pb2.GenerateResponse | None:
         self.output_ids += delta.token_ids
+        if not self.stream:
+            self.logprobs += delta.logprobs or ()
         if not self.stream or not delta.token_ids:
             return None
-        return vllm_engine_pb2.GenerateResponse(chunk=vllm_engine_pb2.GenerateStreamChunk(
-            token_ids=delta.token_ids, prompt_tokens=self.prompt_tokens, completion_tokens=len(delta.token_ids)))
+        chunk = vllm_engine_pb2.GenerateStreamChunk(
+            token_ids=delta.token_ids, prompt_tokens=self.prompt_tokens, completion_tokens=len(delta.token_ids))
+        if delta.logprobs is not None:
+            chunk.output_logprobs.CopyFrom(_output_logprobs(delta.token_ids, delta.logprobs))
+        return vllm_engine_pb2.GenerateResponse(chunk=chunk)
 
     def finished(self, f: Finish) -> list[vllm_engine_pb2.GenerateResponse]:
         last = None if f.final_delta is None else self.chunk(f.final_delta)
         complete = vllm_engine_pb2.GenerateComplete(
             output_ids=self.output_ids, finish_reason=_FINISH_REASONS[f.reason], prompt_tokens=f.prompt_tokens,
             completion_tokens=f.completion_tokens, cached_tokens=f.cached_tokens)
+        if self.logprobs:  # streamed ones went out with their chunks
+            complete.output_logprobs.CopyFrom(_output_logprobs(self.output_ids, self.logprobs))
         if isinstance(f.matched_stop, str):
             complete.matched_stop_str = f.matched_stop
         elif isinstance(f.matched_stop, int):
             complete.matched_token_id = f.matched_stop
         return [*([last] if last is not None else []), vllm_engine_pb2.GenerateResponse(complete=complete)]
+
+
+def _output_logprobs(ids: list[int], logprobs: list[TokenLogprobs]) -> vllm_engine_pb2.OutputLogProbs:
+    return vllm_engine_pb2.OutputLogProbs(
+        token_logprobs=[lp.logprob for lp in logprobs], token_ids=ids,
+        top_logprobs=[vllm_engine_pb2.TopLogProbs(values=[v for _, v in lp.top], token_ids=[t for t, _ in lp.top])
+                      for lp in logprobs])
 
 
 # ---- vllm.grpc.engine request -> checked values -------------------------------------------------
@@ -289,10 +308,7 @@ def check_supported(request: vllm_engine_pb2.GenerateRequest) -> None:
          f"data_parallel_rank is {request.data_parallel_rank}: this worker has one data-parallel rank (0)")
     p = request.sampling_params
     unsupported = {
-        "min_p": p.min_p != 0, "frequency_penalty": p.frequency_penalty != 0,
-        "presence_penalty": p.presence_penalty != 0, "repetition_penalty": p.repetition_penalty not in (0, 1),
-        "min_tokens": p.min_tokens != 0, "n": p.n > 1, "logprobs": p.HasField("logprobs"),
-        "prompt_logprobs": p.HasField("prompt_logprobs"), "logit_bias": len(p.logit_bias) > 0,
+        "n": p.n > 1, "prompt_logprobs": p.HasField("prompt_logprobs"),
         "truncate_prompt_tokens": p.HasField("truncate_prompt_tokens"),
         "include_stop_str_in_output": p.include_stop_str_in_output,
     }
@@ -301,7 +317,8 @@ def check_supported(request: vllm_engine_pb2.GenerateRequest) -> None:
         unsupported[constraint] = True
     named = [name for name, used in unsupported.items() if used]
     need(not named, f"sampling_params.{named[0] if named else ''} is not supported by graphserve yet: leave it unset "
-                    "(supported: temperature, top_p, top_k, seed, max_tokens, stop, stop_token_ids, ignore_eos)")
+                    "(supported: temperature, top_p, top_k, min_p, seed, max_tokens, min_tokens, stop, stop_token_ids, "
+                    "ignore_eos, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, logprobs)")
 
 
 def request_values(p: vllm_engine_pb2.SamplingParams) -> RequestValues:
@@ -313,6 +330,10 @@ def request_values(p: vllm_engine_pb2.SamplingParams) -> RequestValues:
         seed=(p.seed & 0xFFFFFFFF) if p.HasField("seed") else None,
         max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
         stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        min_p=p.min_p, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty != 0 else 1.0,  # 0 is unset on the wire
+        min_tokens=p.min_tokens, logit_bias=tuple(p.logit_bias.items()),
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
     )
 
 

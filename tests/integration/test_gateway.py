@@ -165,8 +165,8 @@ def test_bad_input_through_the_gateway_is_a_clear_client_error(fleet) -> None:  
         oa.completions.create(model=MODEL, prompt="hi", max_tokens=10**6)
     assert "max_tokens" in str(info.value)
     with pytest.raises(openai.BadRequestError) as info:
-        oa.chat.completions.create(model=MODEL, messages=CONVERSATIONS[0], max_tokens=8, logprobs=True, top_logprobs=2)
-    assert "logprobs" in str(info.value)
+        oa.chat.completions.create(model=MODEL, messages=CONVERSATIONS[0], max_tokens=8, presence_penalty=2.5)
+    assert "presence_penalty" in str(info.value)
     assert oa.completions.create(model=MODEL, prompt="still serving", max_tokens=3, temperature=0).usage.completion_tokens == 3
 
 
@@ -240,3 +240,38 @@ def test_vllm_health_reports_a_draining_replica(model_cache_dir, tmp_path) -> No
         assert replica.wait(60) == 0
     finally:
         replica.close()
+
+
+def test_logprobs_and_penalties_through_the_gateway_equal_graphserve_v1(fleet) -> None:  # noqa: ANN001
+    replicas, gateway = fleet
+    oa = client(gateway)
+    conversation = CONVERSATIONS[0]
+    messages = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in conversation])
+    stub = inference_pb2_grpc.InferenceStub(replicas[0].channel)
+    sampling = dict(temperature=0, logprobs=3, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.3)
+    chunks, _ = generate(stub, messages=messages, sampling=pb.SamplingParams(**sampling),
+                         stopping=pb.StoppingCriteria(max_tokens=12, ignore_eos=True))
+    expected = [lp for c in chunks for lp in c.logprobs]
+    assert len(expected) == 12
+    for stream in (False, True):
+        answer = oa.chat.completions.create(
+            model=MODEL, messages=conversation, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3,
+            presence_penalty=0.5, frequency_penalty=0.5, stream=stream,
+            extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+        if not stream:
+            content = answer.choices[0].logprobs.content
+            assert [lp.logprob for lp in content] == pytest.approx([e.logprob for e in expected], abs=1e-4)
+            assert all(len(lp.top_logprobs) == 3 for lp in content)
+            assert [t.logprob for lp in content for t in lp.top_logprobs] == pytest.approx(
+                [t.logprob for e in expected for t in e.top], abs=1e-4)
+            continue
+        content = [lp for chunk in answer for choice in chunk.choices if choice.logprobs
+                   for lp in choice.logprobs.content or []]
+        # smg streams one entry per text delta: where it held a token's bytes back (this random model's
+        # tokens are often not whole UTF-8 characters) the merged delta carries one token's entry. Each
+        # entry it streams is one of ours, in order.
+        rest = iter(expected)
+        for lp in content:
+            assert any(lp.logprob == pytest.approx(e.logprob, abs=1e-4) for e in rest), "an entry not ours, or out of order"
+            assert len(lp.top_logprobs) == 3
+        assert len(content) >= len(expected) // 2

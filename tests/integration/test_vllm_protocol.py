@@ -177,7 +177,7 @@ def test_both_services_in_reflection_and_health(server) -> None:  # noqa: ANN001
 
 UNSUPPORTED = {
     "embeddings": ("Embed", v.EmbedRequest(tokenized=v.TokenizedInput(input_ids=PROMPT)), "UNIMPLEMENTED", "embeddings"),
-    "kv events": ("SubscribeKvEvents", common_pb2.SubscribeKvEventsRequest(), "UNIMPLEMENTED", "prefix cache"),
+    "kv events": ("SubscribeKvEvents", common_pb2.SubscribeKvEventsRequest(), "UNIMPLEMENTED", "KV cache events"),
     "profiler": ("StartProfile", common_pb2.StartProfileRequest(), "UNIMPLEMENTED", "profiler"),
 }
 
@@ -191,9 +191,16 @@ def test_what_graphserve_does_not_do_is_unimplemented(engine, name: str) -> None
     assert info.value.code().name == code and needle in info.value.details()
 
 
-def test_flush_cache_says_there_is_nothing_to_flush(engine) -> None:  # noqa: ANN001
+def test_flush_cache_empties_the_prefix_cache(server, engine) -> None:  # noqa: ANN001
+    prompt = list(range(40, 40 + 80))  # five full blocks of 16
+    request = v.GenerateRequest(tokenized=v.TokenizedInput(input_ids=prompt), sampling_params=greedy_params(2))
+    _, first = run(engine, request)
+    _, again = run(engine, request)
+    assert again.cached_tokens >= 64, "the second request should find the first's blocks"
     answer = engine.FlushCache(common_pb2.FlushCacheRequest(), timeout=10)
-    assert answer.success and "no prefix cache" in answer.message
+    assert answer.success, answer.message
+    _, after = run(engine, request)
+    assert after.cached_tokens == 0 and list(after.output_ids) == list(first.output_ids)
 
 
 def tok(**params) -> v.GenerateRequest:  # noqa: ANN003
@@ -213,11 +220,17 @@ BAD_REQUESTS = {
     "top_p above one": (tok(top_p=1.5), "sampling_params.top_p"),
     "stop id past vocab": (tok(stop_token_ids=[10**6]), "sampling_params.stop_token_ids"),
     "empty stop string": (tok(stop=[""]), "sampling_params.stop"),
-    "logprobs": (tok(logprobs=5), "sampling_params.logprobs"),
+    "all logprobs": (tok(logprobs=-1), "sampling_params.logprobs"),
+    "too many logprobs": (tok(logprobs=21), "sampling_params.logprobs"),
+    "prompt logprobs": (tok(prompt_logprobs=1), "sampling_params.prompt_logprobs"),
     "n above one": (tok(n=2), "sampling_params.n"),
-    "penalty": (tok(frequency_penalty=0.5), "sampling_params.frequency_penalty"),
+    "penalty out of range": (tok(frequency_penalty=2.5), "sampling_params.frequency_penalty"),
+    "repetition penalty below zero": (tok(repetition_penalty=-1), "sampling_params.repetition_penalty"),
+    "min_p above one": (tok(min_p=1.5), "sampling_params.min_p"),
+    "min_tokens over max_tokens": (tok(min_tokens=9, max_tokens=4), "sampling_params.min_tokens"),
     "json schema": (tok(json_schema='{"type": "object"}'), "sampling_params.json_schema"),
-    "logit bias": (tok(logit_bias={3: 5.0}), "sampling_params.logit_bias"),
+    "logit bias past vocab": (tok(logit_bias={10**6: 5.0}), "sampling_params.logit_bias"),
+    "logit bias too large": (tok(logit_bias={3: 500.0}), "sampling_params.logit_bias[3]"),
     "multimodal": (v.GenerateRequest(tokenized=v.TokenizedInput(input_ids=PROMPT), mm_inputs=v.MultimodalInputs()),
                    "multimodal"),
     "pd transfer": (v.GenerateRequest(tokenized=v.TokenizedInput(input_ids=PROMPT), kv_transfer_params_json="{}"),
@@ -268,3 +281,45 @@ def test_a_duplicate_request_id_is_refused_while_it_streams(server, engine) -> N
     engine.Abort(v.AbortRequest(request_ids=["twice"]), timeout=10)
     list(call)
     assert errors and errors[0].code() == grpc.StatusCode.INVALID_ARGUMENT and "already streaming" in errors[0].details()
+
+
+def test_logprobs_stream_with_their_tokens_and_match_graphserve_v1(server, engine) -> None:  # noqa: ANN001
+    params = greedy_params(10, logprobs=3)
+    chunks, complete = run(engine, v.GenerateRequest(tokenized=v.TokenizedInput(input_ids=PROMPT),
+                                                     sampling_params=params, stream=True))
+    streamed = [t for c in chunks for t in c.output_logprobs.token_ids]
+    assert streamed == [t for c in chunks for t in c.token_ids] == list(complete.output_ids)
+    values = [lp for c in chunks for lp in c.output_logprobs.token_logprobs]
+    tops = [top for c in chunks for top in c.output_logprobs.top_logprobs]
+    assert len(values) == len(tops) == 10 and all(len(t.token_ids) == 3 for t in tops)
+    # Greedy: the sampled token is the most likely one.
+    assert [t.token_ids[0] for t in tops] == streamed
+    assert values == pytest.approx([t.values[0] for t in tops])
+    _, whole = run(engine, v.GenerateRequest(tokenized=v.TokenizedInput(input_ids=PROMPT), sampling_params=params,
+                                             stream=False))
+    assert list(whole.output_logprobs.token_ids) == streamed
+    assert list(whole.output_logprobs.token_logprobs) == pytest.approx(values, abs=1e-5)
+    _, graphserve = generate(server.stub(), token_ids=pb.TokenIds(ids=PROMPT),
+                             sampling=pb.SamplingParams(temperature=0, logprobs=3),
+                             stopping=pb.StoppingCriteria(max_tokens=10, ignore_eos=True))
+    theirs = [lp.logprob for c in _ for lp in c.logprobs]
+    assert theirs == pytest.approx(values, abs=1e-5)
+
+
+def test_penalties_bias_and_min_tokens_change_what_is_generated(server, engine) -> None:  # noqa: ANN001
+    free, _ = graphserve_ids(server, PROMPT, 12, ignore_eos=True)
+    request = v.GenerateRequest(tokenized=v.TokenizedInput(input_ids=PROMPT),
+                                sampling_params=greedy_params(12, logit_bias={free[0]: -100.0}))
+    _, complete = run(engine, request)
+    assert complete.output_ids[0] != free[0]
+    forced = v.GenerateRequest(tokenized=v.TokenizedInput(input_ids=PROMPT),
+                               sampling_params=greedy_params(12, logit_bias={77: 100.0}))
+    assert set(run(engine, forced)[1].output_ids) == {77}
+    repeated = v.GenerateRequest(tokenized=v.TokenizedInput(input_ids=PROMPT), sampling_params=greedy_params(
+        12, logit_bias={77: 5.0}, presence_penalty=2.0, frequency_penalty=2.0, repetition_penalty=2.0))
+    ids = list(run(engine, repeated)[1].output_ids)
+    assert ids.count(77) < 12  # the penalties push back against the bias
+    eos = server.app.tokenizer.eos_token_id
+    early_end = v.SamplingParams(temperature=0.0, max_tokens=12, min_tokens=5, logit_bias={eos: 100.0})
+    _, ended = run(engine, v.GenerateRequest(tokenized=v.TokenizedInput(input_ids=PROMPT), sampling_params=early_end))
+    assert (ended.finish_reason, ended.completion_tokens, len(ended.output_ids)) == ("stop", 6, 5)

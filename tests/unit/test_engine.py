@@ -13,6 +13,7 @@ from service.engine.request import (
     FinishReason,
     GenerationRequest,
     SamplingParams,
+    StepTokens,
     StoppingParams,
 )
 from service.engine.scheduler import Scheduler
@@ -39,8 +40,8 @@ class ScriptedRunner:
             raise RuntimeError("scripted failure")
         return [1] * (len(decodes) + sum(chunk.completes_prompt for chunk in prefills))
 
-    def collect(self, launched: list[int]) -> list[int]:
-        return launched
+    def collect(self, launched: list[int]) -> StepTokens:
+        return StepTokens(launched)
 
 
 class Collector:

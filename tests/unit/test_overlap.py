@@ -20,6 +20,7 @@ from service.engine.request import (
     FinishReason,
     GenerationRequest,
     SamplingParams,
+    StepTokens,
     StoppingParams,
     TokenDelta,
 )
@@ -61,7 +62,7 @@ class RecordingRunner:
             self.rows[seq.request_id] = self.rows.get(seq.request_id, 0) + 1
         return self._launches, self.runner.launch(decodes, prefills)
 
-    def collect(self, launched) -> list[int]:  # noqa: ANN001
+    def collect(self, launched) -> StepTokens:  # noqa: ANN001
         number, handle = launched
         self.log.append(("collect", number))
         return self.runner.collect(handle)

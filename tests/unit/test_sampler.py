@@ -6,7 +6,17 @@ import pytest
 import torch
 
 from service.engine.request import SamplingParams
-from service.engine.sampler import SamplingBatch, _as_int32, _hash32, gumbel_noise, sample
+from service.engine.sampler import (
+    SampleRow,
+    SamplingBatch,
+    TokenHistory,
+    _apply_penalties,
+    _as_int32,
+    _hash32,
+    gumbel_noise,
+    sample,
+    unpack_logprobs,
+)
 
 V = 8
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, -2.0])  # distinct, unsorted
@@ -15,17 +25,17 @@ LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, -2.0])  # distinct, 
 def draw(logits_row: torch.Tensor, params: SamplingParams, counters: range) -> torch.Tensor:
     """One row per counter, the same logits: independent draws of one request's distribution."""
     batch = SamplingBatch.build([(params, c) for c in counters], "cpu")
-    return sample(logits_row.expand(len(counters), -1).contiguous(), batch)
+    return sample(logits_row.expand(len(counters), -1).contiguous(), batch).tokens
 
 
 def test_greedy_rows_take_the_argmax() -> None:
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
     batch = SamplingBatch.build([(SamplingParams(temperature=0.0, seed=i), i) for i in range(5)], "cpu")
     assert batch.all_greedy
-    assert torch.equal(sample(logits, batch), logits.argmax(dim=-1))
+    assert torch.equal(sample(logits, batch).tokens, logits.argmax(dim=-1))
     # Mixed with sampled rows, greedy rows still take the argmax.
     params = [(SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i), i) for i in range(5)]
-    out = sample(logits, SamplingBatch.build(params, "cpu"))
+    out = sample(logits, SamplingBatch.build(params, "cpu")).tokens
     assert out.dtype == torch.int64 and out.shape == (5,)
     assert torch.equal(out[1::2], logits.argmax(dim=-1)[1::2])
 
@@ -41,12 +51,12 @@ def test_row_result_is_independent_of_batch_composition_and_order() -> None:
         (SamplingParams(temperature=0.7, top_k=20, top_p=0.5, seed=2**64 - 1), 1),
         (SamplingParams(temperature=1.0, seed=-5), 9),
     ]
-    full = sample(logits, SamplingBatch.build(params, "cpu"))
+    full = sample(logits, SamplingBatch.build(params, "cpu")).tokens
     for row in range(6):  # alone: flags such as any_top_k differ from the full batch
-        alone = sample(logits[row:row + 1], SamplingBatch.build([params[row]], "cpu"))
+        alone = sample(logits[row:row + 1], SamplingBatch.build([params[row]], "cpu")).tokens
         assert alone.item() == full[row].item()
     perm = torch.tensor([4, 2, 0, 5, 1, 3])
-    shuffled = sample(logits[perm], SamplingBatch.build([params[i] for i in perm], "cpu"))
+    shuffled = sample(logits[perm], SamplingBatch.build([params[i] for i in perm], "cpu")).tokens
     assert torch.equal(shuffled, full[perm])
 
 
@@ -139,11 +149,101 @@ def test_cuda_draws_equal_cpu_draws() -> None:
     logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(2)) * 3
     params = [(SamplingParams(temperature=(0.0, 0.6, 1.0, 1.5)[i % 4], top_p=(1.0, 0.9)[i % 2],
                               top_k=(0, 50, 0)[i % 3], seed=2**40 + i), i * 7) for i in range(64)]
-    cpu = sample(logits, SamplingBatch.build(params, "cpu"))
-    cuda = sample(logits.cuda(), SamplingBatch.build(params, "cuda"))
+    cpu = sample(logits, SamplingBatch.build(params, "cpu")).tokens
+    cuda = sample(logits.cuda(), SamplingBatch.build(params, "cuda")).tokens
     assert cuda.device.type == "cuda"
     # Float rounding (log, softmax) may differ in the last ulp; a near-tie can then flip a row.
     assert (cpu == cuda.cpu()).float().mean() >= 0.97
     noise_cpu = gumbel_noise(torch.tensor([5, -1]), torch.tensor([0, 2**33]), 1000)
     noise_cuda = gumbel_noise(torch.tensor([5, -1]).cuda(), torch.tensor([0, 2**33]).cuda(), 1000)
     assert torch.allclose(noise_cpu, noise_cuda.cpu(), rtol=1e-5, atol=1e-5)
+
+
+# ---- logits processing: penalties, min_p, logit bias, bans, log-probabilities -----------------
+
+def _history_for(rows: list[tuple[list[int], list[int]]], vocab: int) -> TokenHistory:
+    history = TokenHistory(len(rows), vocab, "cpu")
+    for row, (prompt, completion) in enumerate(rows):
+        history.reset(row, row, prompt, completion)
+    return history
+
+
+def test_repetition_penalty_equals_transformers_processor() -> None:
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 40, generator=gen) * 3
+    rows = [([1, 2, 3], [5, 5, 7]), ([0, 39], []), ([4], [4, 4, 9, 30])]
+    penalty = 1.7
+    history = _history_for(rows, 40)
+    batch = SamplingBatch.build([SampleRow(SamplingParams(temperature=0.0, repetition_penalty=penalty), 0, r)
+                                 for r in range(3)], "cpu")
+    got = sample(logits, batch, history).tokens  # (adds the sampled tokens to the history)
+    history = _history_for(rows, 40)
+    for r, (prompt, completion) in enumerate(rows):
+        ids = torch.tensor([prompt + completion])
+        expected = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits[r:r + 1].clone())
+        assert got[r].item() == expected.argmax().item()
+        processed = logits[r:r + 1].clone()  # the processed logits themselves
+        _apply_penalties(processed, SamplingBatch.build([SampleRow(SamplingParams(repetition_penalty=penalty), 0, r)],
+                                                        "cpu").penalties, history)
+        torch.testing.assert_close(processed, expected)
+
+
+def test_presence_and_frequency_penalties_count_completion_tokens_only() -> None:
+    logits = torch.zeros(1, 10)
+    history = _history_for([([2, 2, 3], [3, 5, 5, 5])], 10)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    _apply_penalties(logits, SamplingBatch.build([SampleRow(params, 0, 0)], "cpu").penalties, history)
+    expected = torch.zeros(1, 10)
+    expected[0, 3] = -(0.5 + 0.25 * 1)
+    expected[0, 5] = -(0.5 + 0.25 * 3)  # the prompt's 2 is not penalized
+    torch.testing.assert_close(logits, expected)
+
+
+def test_sampled_tokens_enter_the_history_on_the_device() -> None:
+    history = _history_for([([1], []), ([1], [])], 6)
+    logits = torch.tensor([[0.0, 0.0, 5.0, 4.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 9.0, 8.0]])
+    params = SamplingParams(temperature=0.0, presence_penalty=2.0)
+    rows = [SampleRow(params, 0, 1), SampleRow(SamplingParams(temperature=0.0), 0, 0)]  # row 1 of the batch is plain
+    assert sample(logits, SamplingBatch.build(rows, "cpu"), history).tokens.tolist() == [2, 4]
+    assert history.counts[1, 2] == 1 and history.counts.sum() == 1  # only the penalized row counts
+    # The next step sees it: 5 - 2 < 4.
+    assert sample(logits, SamplingBatch.build(rows, "cpu"), history).tokens.tolist() == [3, 4]
+
+
+def test_min_p_keeps_what_transformers_keeps() -> None:
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    logits = torch.tensor([3.0, 2.9, 2.0, 1.0, 0.5, -1.0, 2.5, 0.0])
+    kept = MinPLogitsWarper(min_p=0.3)(None, logits.unsqueeze(0).clone())[0].isfinite()
+    drawn = set(draw(logits, SamplingParams(min_p=0.3, seed=5), range(600)).tolist())
+    assert drawn == set(kept.nonzero().flatten().tolist())
+
+
+def test_logit_bias_forces_and_forbids_and_bans_win() -> None:
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(4))
+    top = logits.argmax(dim=-1)
+    rows = [SampleRow(SamplingParams(temperature=0.0, logit_bias=((7, 100.0),)), 0),
+            SampleRow(SamplingParams(temperature=0.0, logit_bias=((int(top[1]), -100.0),)), 0)]
+    got = sample(logits, SamplingBatch.build(rows, "cpu")).tokens.tolist()
+    assert got[0] == 7 and got[1] != top[1].item()
+    banned = [SampleRow(SamplingParams(temperature=0.0, logit_bias=((7, 100.0),)), 0, 0, (7,))]
+    assert sample(logits[:1], SamplingBatch.build(banned, "cpu")).tokens.item() != 7
+
+
+def test_logprobs_are_the_models_log_softmax_before_processing() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(6))
+    rows = [SampleRow(SamplingParams(temperature=0.0, logprobs=5, logit_bias=((9, 100.0),)), 0),
+            SampleRow(SamplingParams(temperature=0.0), 0),
+            SampleRow(SamplingParams(temperature=1.0, seed=1, logprobs=0), 3)]
+    batch = SamplingBatch.build(rows, "cpu")
+    out = sample(logits, batch)
+    reference = logits.log_softmax(dim=-1)
+    first, third = unpack_logprobs(out.logprobs.tolist(), batch.logprobs[2])
+    assert out.tokens[0].item() == 9
+    assert first.logprob == pytest.approx(reference[0, 9].item(), abs=1e-6)
+    top = reference[0].topk(5)
+    assert [t for t, _ in first.top] == top.indices.tolist()
+    assert [v for _, v in first.top] == pytest.approx(top.values.tolist(), abs=1e-6)
+    assert third.top == () and third.logprob == pytest.approx(reference[2, out.tokens[2]].item(), abs=1e-6)
