@@ -218,7 +218,7 @@ class Scheduler:
             if seq.num_pending:  # preempted with a token in flight: admitted once the engine read it
                 blocked.append(seq)
                 continue
-            if not self._may_pass(blocked, seq) or not self._admit_adapter(seq):
+            if self._waits_for_shared_prefill(seq) or not self._may_pass(blocked, seq) or not self._admit_adapter(seq):
                 blocked.append(seq)
                 continue
             if not self._admit_blocks(seq, budget):
@@ -307,6 +307,16 @@ class Scheduler:
         seq.num_registered_blocks = len(cached)
         seq.num_prefilled_tokens = seq.num_computed_tokens = start
         return True
+
+    def _waits_for_shared_prefill(self, seq: Sequence) -> bool:
+        """A prompt whose first block a prefilling sequence computes now (admitted this step, the
+        block not yet in the prefix cache) waits a step, then takes the blocks that prefill registered
+        instead of computing them again: the n samples of one prompt, a burst with one system prompt."""
+        if not self.blocks.prefix_caching or not self._prefilling or seq.num_tokens <= self.block_size:
+            return False
+        self._extend_hashes(seq, self.block_size)
+        first = seq.block_hashes[0]
+        return any(p.num_registered_blocks == 0 and p.block_hashes[:1] == [first] for p in self._prefilling)
 
     def _extend_hashes(self, seq: Sequence, num_tokens: int) -> None:
         """seq.block_hashes cover the full blocks of its first num_tokens known tokens."""

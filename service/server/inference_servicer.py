@@ -26,6 +26,7 @@ from service.server.validation import (
     encode_capped,
     generation_request,
     need,
+    samples,
 )
 
 # Text prompts above this many bytes are tokenized off the event loop; chats always are (rendering
@@ -69,14 +70,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         streams = self.streams
         request_id = await streams.begin(context, request.request_id, lambda: _estimated_tokens(request))
 
-        async def prepare(stream: Stream) -> GenerationRequest:
+        async def prepare(stream: Stream) -> list[GenerationRequest]:
             size = check_prompt_size(request, self.limits)
             check_adapter(request.adapter, self.adapter_names)  # a set lookup: before any tokenization
             if size > INLINE_TOKENIZE_BYTES or request.WhichOneof("prompt") == "messages":
                 prompt = await asyncio.to_thread(prompt_ids, request, self.tokenizer, self.limits)
             else:
                 prompt = prompt_ids(request, self.tokenizer, self.limits)
-            return to_generation_request(request, request_id, prompt, self.limits, arrival_time=stream.arrival)
+            gen = to_generation_request(request, request_id, prompt, self.limits, arrival_time=stream.arrival)
+            return samples(gen, request.n if request.HasField("n") else 1)
 
         await streams.serve(context, (context.peer(), request_id), prepare, _Writer(request_id))
 
@@ -85,16 +87,17 @@ class _Writer:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
 
-    def chunk(self, delta: TokenDelta) -> inference_pb2.GenerateResponse:
-        chunk = inference_pb2.Chunk(token_ids=delta.token_ids, text=delta.text)
+    def chunk(self, delta: TokenDelta, index: int) -> inference_pb2.GenerateResponse:
+        chunk = inference_pb2.Chunk(token_ids=delta.token_ids, text=delta.text, index=index)
         if delta.logprobs is not None:
             chunk.logprobs.extend(inference_pb2.TokenLogprob(
                 logprob=lp.logprob, top=[inference_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
                 for lp in delta.logprobs)
         return inference_pb2.GenerateResponse(request_id=self.request_id, chunk=chunk)
 
-    def finished(self, f: Finish) -> list[inference_pb2.GenerateResponse]:
+    def finished(self, f: Finish, index: int) -> list[inference_pb2.GenerateResponse]:
         msg = inference_pb2.Finished(
+            index=index,
             finish_reason=_FINISH_REASONS[f.reason],
             usage=inference_pb2.Usage(prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
                                       cached_prompt_tokens=f.cached_tokens),
@@ -109,7 +112,7 @@ class _Writer:
             msg.stop_string = f.matched_stop
         elif isinstance(f.matched_stop, int):
             msg.stop_token_id = f.matched_stop
-        last = [] if f.final_delta is None else [self.chunk(f.final_delta)]
+        last = [] if f.final_delta is None else [self.chunk(f.final_delta, index)]
         return [*last, inference_pb2.GenerateResponse(request_id=self.request_id, finished=msg)]
 
 

@@ -83,62 +83,74 @@ def answers_rejections(method: Handler) -> Handler:
 
 
 class Stream:
-    """One open Generate stream: its queue of engine events, and the back-pressure on its sequence.
+    """One open Generate stream: its queue of engine events, and the back-pressure on its sequences
+    (one per sample: a request for n samples runs n sequences, its events tagged with their index).
 
     `put` runs on the event loop (the engine process's events are delivered there). When more than
     `max_backlog` tokens wait in the queue (the client reads slower than the engine generates, or not
-    at all), the sequence is paused in the engine: it keeps its KV slot but is not scheduled, so an
-    unread stream costs neither device steps nor memory beyond the bound. It resumes once the queue
-    is drained.
+    at all), the sequences are paused in the engine: they keep their KV blocks but are not scheduled,
+    so an unread stream costs neither device steps nor memory beyond the bound. They resume once the
+    queue is drained.
     """
 
     def __init__(self, engine: Any, max_backlog: int, arrival: float) -> None:
         self.engine = engine
         self.max_backlog = max_backlog
         self.arrival = arrival
-        self.queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
-        self.key: str | None = None
+        self.queue: asyncio.Queue[tuple[int, RequestEvent]] = asyncio.Queue()
+        self.keys: list[str] = []  # the engine's key of each sample's sequence, once submitted
+        self.ended: set[int] = set()  # samples whose terminal event arrived
         self.prompt_tokens = 0
         self.sent_tokens = 0
         self.backlog = 0
         self.paused = False
 
-    def put(self, event: RequestEvent) -> None:
-        self.queue.put_nowait(event)
+    def sink(self, index: int) -> Callable[[RequestEvent], None]:
+        return lambda event: self.put(event, index)
+
+    def put(self, event: RequestEvent, index: int = 0) -> None:
+        self.queue.put_nowait((index, event))
         if isinstance(event, TokenDelta):
             self.backlog += len(event.token_ids)
-            if self.backlog > self.max_backlog and not self.paused and self.key is not None:
+            if self.backlog > self.max_backlog and not self.paused and self.keys:
                 self.paused = True
-                self.engine.pause(self.key, True)
+                for key in self.keys:
+                    self.engine.pause(key, True)
 
     def taken(self, delta: TokenDelta) -> None:
         self.backlog -= len(delta.token_ids)
         self.sent_tokens += len(delta.token_ids)
-        if self.paused and self.queue.empty() and self.key is not None:
+        if self.paused and self.queue.empty() and self.keys:
             self.paused = False
-            self.engine.pause(self.key, False)
+            for key in self.keys:
+                self.engine.pause(key, False)
 
     def abort(self) -> None:
-        """Ask the engine to end this stream (finish_reason abort); a no-op before it was submitted."""
-        if self.key is not None:
-            self.engine.abort(self.key)
+        """Ask the engine to end this stream's sequences (finish_reason abort); a no-op before submit."""
+        for index, key in enumerate(self.keys):
+            if index not in self.ended:
+                self.engine.abort(key)
 
     def local_abort(self) -> None:
         """End the stream with finish_reason abort without the engine (it does not answer)."""
-        self.queue.put_nowait(Finish(FinishReason.ABORT, self.prompt_tokens, self.sent_tokens + self.backlog,
-                                     total_seconds=max(0.0, time.monotonic() - self.arrival)))
+        for index in range(max(1, len(self.keys))):
+            if index not in self.ended:
+                self.queue.put_nowait((index, Finish(FinishReason.ABORT, self.prompt_tokens,
+                                                     self.sent_tokens + self.backlog,
+                                                     total_seconds=max(0.0, time.monotonic() - self.arrival))))
 
 
 class StreamWriter(Protocol):
     """A protocol's messages for the engine's events."""
 
-    def chunk(self, delta: TokenDelta) -> Any | None: ...
+    def chunk(self, delta: TokenDelta, index: int) -> Any | None: ...
 
-    def finished(self, finish: Finish) -> list[Any]: ...
+    def finished(self, finish: Finish, index: int) -> list[Any]: ...
 
 
-# A servicer's checks and mapping: the validated, tokenized request for the engine, or InvalidRequest.
-Prepare = Callable[[Stream], Awaitable[GenerationRequest]]
+# A servicer's checks and mapping: the validated, tokenized request for the engine (one per sample),
+# or InvalidRequest.
+Prepare = Callable[[Stream], Awaitable[list[GenerationRequest]]]
 
 
 class Streams:
@@ -251,37 +263,43 @@ class Streams:
         finished = stalled = False
         try:
             try:
-                gen = await prepare(stream)
+                gens = await prepare(stream)
             except InvalidRequest as exc:
                 await self.reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
             if self.draining:
                 await self.reject(context, grpc.StatusCode.UNAVAILABLE, "draining",
                                   "the server is shutting down; retry on another replica")
-            stream.prompt_tokens = len(gen.prompt_token_ids)
+            stream.prompt_tokens = len(gens[0].prompt_token_ids)
             try:
-                stream.key = self.engine.submit(gen, stream.put)
+                for index, gen in enumerate(gens):
+                    stream.keys.append(self.engine.submit(gen, stream.sink(index)))
             except EngineStopped:
+                stream.abort()
                 await self.reject(context, grpc.StatusCode.UNAVAILABLE, "engine_down",
                                   "the engine is not running; retry on another replica")
             while True:
-                event = await stream.queue.get()
+                index, event = await stream.queue.get()
                 if isinstance(event, TokenDelta):
-                    event = _merge_ready(event, stream.queue)
+                    event = _merge_ready(event, index, stream.queue)
                 if isinstance(event, TokenDelta):
                     stream.taken(event)
-                    message = writer.chunk(event)
+                    message = writer.chunk(event, index)
                     if message is not None:
                         await self._write(context, message)
                 elif isinstance(event, Finish):
-                    finished = True
-                    for message in writer.finished(event):
+                    stream.ended.add(index)
+                    for message in writer.finished(event, index):
                         await self._write(context, message)
                     log.info("request_finished", request_id=request_id, reason=event.reason.value,
                              prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                              queue_s=round(event.queue_seconds, 4), ttft_s=round(event.time_to_first_token_seconds, 4),
-                             total_s=round(event.total_seconds, 4))
-                    return
+                             total_s=round(event.total_seconds, 4), **({"sample": index} if len(gens) > 1 else {}))
+                    if len(stream.ended) == len(gens):
+                        finished = True
+                        return
                 elif isinstance(event, EngineError):
+                    stream.ended.add(index)
+                    stream.abort()  # the other samples end with the call
                     finished = True
                     # An adapter unloaded after the check (a race): NOT_FOUND, retrying elsewhere won't help.
                     code = grpc.StatusCode.NOT_FOUND if isinstance(event, AdapterGone) else grpc.StatusCode.UNAVAILABLE
@@ -292,7 +310,7 @@ class Streams:
         finally:
             if not finished:
                 stream.abort()
-                if stream.key is not None:
+                if stream.keys:
                     log.info("request_cancelled", request_id=request_id)
             del self.active[scope]
             if not self.active:
@@ -312,15 +330,15 @@ class Streams:
             raise _Stalled from None
 
 
-def _merge_ready(first: TokenDelta, queue: asyncio.Queue[RequestEvent]) -> RequestEvent | TokenDelta:
-    """Merge the deltas already queued behind `first`; stop at (and keep) anything else."""
+def _merge_ready(first: TokenDelta, index: int, queue: asyncio.Queue[tuple[int, RequestEvent]]) -> TokenDelta:
+    """Merge the deltas of the same sample already queued behind `first`; stop at (and keep) anything else."""
     if queue.empty():
         return first
     ids, text = list(first.token_ids), first.text
     logprobs = None if first.logprobs is None else list(first.logprobs)
     while not queue.empty():
-        nxt = queue._queue[0]  # noqa: SLF001 - peek: a Finish must stay queued for the next get()
-        if not isinstance(nxt, TokenDelta):
+        nxt_index, nxt = queue._queue[0]  # noqa: SLF001 - peek: a Finish must stay queued for the next get()
+        if nxt_index != index or not isinstance(nxt, TokenDelta):
             break
         queue.get_nowait()
         ids += nxt.token_ids

@@ -8,6 +8,7 @@ never lets a malformed request reach the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 import time
@@ -30,6 +31,7 @@ _CHARS_PER_TOKEN_GUESS = 4
 GREEDY_TEMPERATURE_EPSILON = 1e-5
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias per request
 MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| at most, as in the OpenAI API
+MAX_SAMPLES = 16  # n: completions of one prompt per request
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| at most, as in the OpenAI API
 
 
@@ -253,3 +255,12 @@ def generation_request(request_id: str, prompt: list[int], v: RequestValues, lim
         stream_interval=stream_interval,
         arrival_time=time.monotonic() if arrival_time is None else arrival_time,
     )
+
+
+def samples(gen: GenerationRequest, n: int, field: str = "n") -> list[GenerationRequest]:
+    """The n samples of one request: the same prompt (they share its KV blocks through the prefix
+    cache: the scheduler runs the first's prefill, then the others take its blocks), seeds seed,
+    seed + 1, ... so that each is reproducible and they differ."""
+    need(1 <= n <= MAX_SAMPLES, f"{field} must be in [1, {MAX_SAMPLES}], got {n}")
+    return [gen] + [dataclasses.replace(gen, sampling=dataclasses.replace(
+        gen.sampling, seed=(gen.sampling.seed + i) % 2**64)) for i in range(1, n)]

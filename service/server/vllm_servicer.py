@@ -8,7 +8,8 @@ and the Python API); the stream's life is streams.py's.
 Semantics follow vLLM's servicer: chunks carry the new token ids (a delta) and their count; the
 complete message carries every output id, the finish reason as vLLM names it ("stop" for EOS, a stop
 string or a stop token; "length"; "abort") and the matched stop, and each token's logprobs when
-asked. What graphserve does not do yet (n > 1, prompt logprobs, structured outputs, LoRA by name)
+asked, and n samples (each message tagged with its index). What graphserve does not do yet (prompt
+logprobs, structured outputs, LoRA by name)
 is refused with INVALID_ARGUMENT naming the field; what it will not do (embeddings,
 multimodal inputs, prefill/decode disaggregation, the profiler) with UNIMPLEMENTED or INVALID_ARGUMENT.
 """
@@ -42,6 +43,7 @@ from service.server.validation import (
     encode_capped,
     generation_request,
     need,
+    samples,
 )
 
 PROTO_VERSION = importlib.metadata.version("smg-grpc-proto")
@@ -113,12 +115,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
         writer = _Writer(request.stream)
 
-        async def prepare(stream: Stream) -> GenerationRequest:
+        async def prepare(stream: Stream) -> list[GenerationRequest]:
             check_supported(request)
             prompt = await self._prompt_ids(request)
             writer.prompt_tokens = len(prompt)
-            return generation_request(request_id, prompt, request_values(request.sampling_params), self.limits, FIELDS,
-                                      arrival_time=stream.arrival)
+            gen = generation_request(request_id, prompt, request_values(request.sampling_params), self.limits, FIELDS,
+                                     arrival_time=stream.arrival)
+            return samples(gen, max(1, request.sampling_params.n), "sampling_params.n")  # 0 is unset on the wire
 
         await streams.serve(context, (SERVICE_NAME, request_id), prepare, writer)
 
@@ -240,33 +243,36 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
 
 class _Writer:
-    """vLLM's messages: a chunk per delta (streaming), then the complete message."""
+    """vLLM's messages: a chunk per delta (streaming), then a complete message per sample, each
+    tagged with the sample's index (n > 1)."""
 
     def __init__(self, stream: bool) -> None:
         self.stream = stream
-        self.output_ids: list[int] = []
-        self.logprobs: list[TokenLogprobs] = []  # a whole completion's, for the complete message
+        self.output_ids: dict[int, list[int]] = {}
+        self.logprobs: dict[int, list[TokenLogprobs]] = {}  # a whole completion's, for its complete message
         self.prompt_tokens = 0
 
-    def chunk(self, delta: TokenDelta) -> vllm_engine_pb2.GenerateResponse | None:
-        self.output_ids += delta.token_ids
+    def chunk(self, delta: TokenDelta, index: int) -> vllm_engine_pb2.GenerateResponse | None:
+        self.output_ids.setdefault(index, []).extend(delta.token_ids)
         if not self.stream:
-            self.logprobs += delta.logprobs or ()
+            self.logprobs.setdefault(index, []).extend(delta.logprobs or ())
         if not self.stream or not delta.token_ids:
             return None
         chunk = vllm_engine_pb2.GenerateStreamChunk(
-            token_ids=delta.token_ids, prompt_tokens=self.prompt_tokens, completion_tokens=len(delta.token_ids))
+            token_ids=delta.token_ids, prompt_tokens=self.prompt_tokens, completion_tokens=len(delta.token_ids),
+            index=index)
         if delta.logprobs is not None:
             chunk.output_logprobs.CopyFrom(_output_logprobs(delta.token_ids, delta.logprobs))
         return vllm_engine_pb2.GenerateResponse(chunk=chunk)
 
-    def finished(self, f: Finish) -> list[vllm_engine_pb2.GenerateResponse]:
-        last = None if f.final_delta is None else self.chunk(f.final_delta)
+    def finished(self, f: Finish, index: int) -> list[vllm_engine_pb2.GenerateResponse]:
+        last = None if f.final_delta is None else self.chunk(f.final_delta, index)
+        output_ids = self.output_ids.get(index, [])
         complete = vllm_engine_pb2.GenerateComplete(
-            output_ids=self.output_ids, finish_reason=_FINISH_REASONS[f.reason], prompt_tokens=f.prompt_tokens,
-            completion_tokens=f.completion_tokens, cached_tokens=f.cached_tokens)
-        if self.logprobs:  # streamed ones went out with their chunks
-            complete.output_logprobs.CopyFrom(_output_logprobs(self.output_ids, self.logprobs))
+            output_ids=output_ids, finish_reason=_FINISH_REASONS[f.reason], prompt_tokens=f.prompt_tokens,
+            completion_tokens=f.completion_tokens, cached_tokens=f.cached_tokens, index=index)
+        if self.logprobs.get(index):  # streamed ones went out with their chunks
+            complete.output_logprobs.CopyFrom(_output_logprobs(output_ids, self.logprobs[index]))
         if isinstance(f.matched_stop, str):
             complete.matched_stop_str = f.matched_stop
         elif isinstance(f.matched_stop, int):
@@ -308,7 +314,7 @@ def check_supported(request: vllm_engine_pb2.GenerateRequest) -> None:
          f"data_parallel_rank is {request.data_parallel_rank}: this worker has one data-parallel rank (0)")
     p = request.sampling_params
     unsupported = {
-        "n": p.n > 1, "prompt_logprobs": p.HasField("prompt_logprobs"),
+        "prompt_logprobs": p.HasField("prompt_logprobs"),
         "truncate_prompt_tokens": p.HasField("truncate_prompt_tokens"),
         "include_stop_str_in_output": p.include_stop_str_in_output,
     }

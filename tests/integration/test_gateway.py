@@ -21,7 +21,7 @@ from service.proto import inference_pb2 as pb
 from service.proto import inference_pb2_grpc
 from tests.support.gateway import Gateway, find_smg
 from tests.support.process import ServerProcess
-from tests.support.server import generate
+from tests.support.server import generate, generate_samples
 
 pytestmark = pytest.mark.skipif(find_smg() is None, reason="smg is not installed (the dev extra has it)")
 
@@ -275,3 +275,27 @@ def test_logprobs_and_penalties_through_the_gateway_equal_graphserve_v1(fleet) -
             assert any(lp.logprob == pytest.approx(e.logprob, abs=1e-4) for e in rest), "an entry not ours, or out of order"
             assert len(lp.top_logprobs) == 3
         assert len(content) >= len(expected) // 2
+
+
+def test_n_choices_through_the_gateway_are_the_samples_graphserve_v1_gives(fleet) -> None:  # noqa: ANN001
+    replicas, gateway = fleet
+    oa = client(gateway)
+    conversation = CONVERSATIONS[1]
+    messages = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in conversation])
+    stub = inference_pb2_grpc.InferenceStub(replicas[0].channel)
+    chunks, _ = generate_samples(stub, 3, messages=messages, sampling=pb.SamplingParams(temperature=1.0, seed=77),
+                         stopping=pb.StoppingCriteria(max_tokens=10, ignore_eos=True))
+    expected = ["".join(c.text for c in chunks if c.index == i) for i in range(3)]
+    answer = oa.chat.completions.create(model=MODEL, messages=conversation, max_tokens=10, temperature=1.0, seed=77,
+                                        n=3, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in answer.choices) == [0, 1, 2]
+    for choice in answer.choices:
+        assert_same_text(choice.message.content, expected[choice.index])
+    assert answer.usage.completion_tokens == 30
+    streamed = ["", "", ""]
+    for chunk in oa.chat.completions.create(model=MODEL, messages=conversation, max_tokens=10, temperature=1.0,
+                                            seed=77, n=3, stream=True, extra_body={"ignore_eos": True}):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    for text, want in zip(streamed, expected):
+        assert_same_text(text, want)

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from service.proto import inference_pb2
-from tests.support.server import generate, greedy
+from tests.support.server import generate, generate_samples, greedy
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "graphs and caches", "hello", "日本語のテキスト", "a b c d e f"]
 
@@ -172,4 +172,32 @@ def test_resubmitting_a_cancelled_request_id_at_once_is_served(server) -> None:
         _, finished = generate(stub, request_id="retry-me", **greedy("Once upon a time", 5))
         assert finished.usage.completion_tokens == 5 and finished.finish_reason == inference_pb2.FINISH_REASON_LENGTH
     assert server.app.engine.alive
+    _wait_idle(server)
+
+
+def test_n_samples_stream_interleaved_each_with_its_seed(server) -> None:
+    stub = server.stub()
+    request = dict(text="Once upon a time", sampling=inference_pb2.SamplingParams(temperature=1.0, seed=9),
+                   stopping=inference_pb2.StoppingCriteria(max_tokens=12, ignore_eos=True))
+    chunks, finished = generate_samples(stub, 4, **request)
+    assert [f.seed for f in finished] == [9, 10, 11, 12] and all(f.usage.completion_tokens == 12 for f in finished)
+    for i in range(len(finished)):
+        alone, _ = generate(stub, text="Once upon a time", sampling=inference_pb2.SamplingParams(temperature=1.0, seed=9 + i),
+                            stopping=request["stopping"])
+        assert [t for c in chunks if c.index == i for t in c.token_ids] == [t for c in alone for t in c.token_ids]
+    for bad in (0, 17):
+        with pytest.raises(grpc.RpcError) as info:
+            generate(stub, n=bad, **request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n must be in [1, 16]" in info.value.details()
+
+
+def test_cancelling_an_n_sample_stream_frees_every_sample(server) -> None:
+    call = server.stub().Generate(inference_pb2.GenerateRequest(n=3, **greedy("Once upon a time", 400)), timeout=60)
+    seen = set()
+    for response in call:
+        seen.add(response.chunk.index)
+        if len(seen) == 3:
+            call.cancel()
+            break
+    assert server.app.engine.num_running == 3
     _wait_idle(server)

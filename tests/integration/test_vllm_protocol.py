@@ -223,7 +223,7 @@ BAD_REQUESTS = {
     "all logprobs": (tok(logprobs=-1), "sampling_params.logprobs"),
     "too many logprobs": (tok(logprobs=21), "sampling_params.logprobs"),
     "prompt logprobs": (tok(prompt_logprobs=1), "sampling_params.prompt_logprobs"),
-    "n above one": (tok(n=2), "sampling_params.n"),
+    "n above the limit": (tok(n=17), "sampling_params.n"),
     "penalty out of range": (tok(frequency_penalty=2.5), "sampling_params.frequency_penalty"),
     "repetition penalty below zero": (tok(repetition_penalty=-1), "sampling_params.repetition_penalty"),
     "min_p above one": (tok(min_p=1.5), "sampling_params.min_p"),
@@ -323,3 +323,29 @@ def test_penalties_bias_and_min_tokens_change_what_is_generated(server, engine) 
     early_end = v.SamplingParams(temperature=0.0, max_tokens=12, min_tokens=5, logit_bias={eos: 100.0})
     _, ended = run(engine, v.GenerateRequest(tokenized=v.TokenizedInput(input_ids=PROMPT), sampling_params=early_end))
     assert (ended.finish_reason, ended.completion_tokens, len(ended.output_ids)) == ("stop", 6, 5)
+
+
+def test_n_samples_share_the_prompt_and_each_reproduces_its_seed(server, engine) -> None:  # noqa: ANN001
+    prompt = list(range(200, 240))  # two full blocks of 16 and 8 more
+    params = v.SamplingParams(temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True, n=3)
+    for stream in (True, False):
+        chunks, completes = [], []
+        for response in engine.Generate(v.GenerateRequest(tokenized=v.TokenizedInput(input_ids=prompt),
+                                                          sampling_params=params, stream=stream), timeout=60):
+            if response.WhichOneof("response") == "chunk":
+                chunks.append(response.chunk)
+            else:
+                completes.append(response.complete)
+        assert sorted(c.index for c in completes) == [0, 1, 2]
+        by_index = {c.index: list(c.output_ids) for c in completes}
+        if stream:
+            for i in range(3):
+                assert [t for c in chunks if c.index == i for t in c.token_ids] == by_index[i]
+        assert len({tuple(ids) for ids in by_index.values()}) == 3, "the samples should differ"
+        # The later samples took the first's full blocks from the prefix cache.
+        assert sorted(c.cached_tokens for c in completes)[1:] == [32, 32]
+        for i in range(3):  # sample i is the request with seed + i
+            single = v.SamplingParams(temperature=1.0, seed=1234 + i, max_tokens=10, ignore_eos=True)
+            _, alone = run(engine, v.GenerateRequest(tokenized=v.TokenizedInput(input_ids=prompt),
+                                                     sampling_params=single))
+            assert list(alone.output_ids) == by_index[i]

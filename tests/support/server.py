@@ -83,6 +83,21 @@ def generate(stub: inference_pb2_grpc.InferenceStub, timeout: float = 60, **fiel
     return chunks, finished
 
 
+def generate_samples(stub: inference_pb2_grpc.InferenceStub, n: int, timeout: float = 60, **fields
+                     ) -> tuple[list, list[inference_pb2.Finished]]:  # noqa: ANN003
+    """Run one Generate call for n samples; returns (chunks, each sample's finished, by index)."""
+    chunks, finished = [], {}
+    for response in stub.Generate(inference_pb2.GenerateRequest(n=n, **fields), timeout=timeout):
+        if response.WhichOneof("kind") == "chunk":
+            assert response.chunk.index not in finished, "a chunk arrived after its sample's finished message"
+            chunks.append(response.chunk)
+        else:
+            assert response.finished.index not in finished, "two finished messages for one sample"
+            finished[response.finished.index] = response.finished
+    assert sorted(finished) == list(range(n)), f"finished messages for samples {sorted(finished)} of {n}"
+    return chunks, [finished[i] for i in range(n)]
+
+
 def greedy(prompt: str, max_tokens: int, **extra) -> dict:  # noqa: ANN003
     return dict(
         text=prompt,
