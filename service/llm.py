@@ -34,10 +34,12 @@ import structlog
 from service.chat import ChatMessage, Conversation, chat_prompt
 from service.config import ConfigError, ServeConfig, default_max_running_seqs
 from service.engine import request as engine_request
+from service.engine.request import Constraint  # noqa: F401 - exported: SamplingParams(constraint=Constraint(...))
 from service.server.validation import (
     Fields,
     Limits,
     RequestValues,
+    check_constraint,
     check_prompt_ids,
     check_sampling,
     generation_request,
@@ -85,6 +87,8 @@ class SamplingParams:
     the stop token ids and the stop strings from ending the completion earlier; logit_bias adds a
     value in [-100, 100] to a token's logit. logprobs: the log-probability of each completion token and
     of the `logprobs` most likely ones (0 to 20), the model's own (before the processing above).
+    constraint: the completion follows a JSON schema, any JSON object, a regex, an EBNF grammar or one
+    of a list of choices (Constraint, exported here), and ends when the grammar is complete.
     """
 
     temperature: float = 1.0
@@ -102,6 +106,8 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
+    # Structured output, e.g. Constraint("json_schema", schema_text), Constraint("choice", ("yes", "no"))
+    constraint: engine_request.Constraint | None = None
 
     def __post_init__(self) -> None:
         # Python types here; the values are checked by the server's own checks (validation.py).
@@ -129,6 +135,8 @@ class SamplingParams:
         _need(all(_is_int(t) and isinstance(b, int | float) and not isinstance(b, bool) for t, b in bias.items()),
               f"SamplingParams.logit_bias must map token ids to numbers, got {self.logit_bias!r}")
         object.__setattr__(self, "logit_bias", bias)
+        _need(self.constraint is None or isinstance(self.constraint, engine_request.Constraint),
+              f"SamplingParams.constraint must be None or a Constraint, got {self.constraint!r}")
         object.__setattr__(self, "top_k", max(0, self.top_k))
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", ids)
@@ -140,7 +148,7 @@ class SamplingParams:
                              ignore_eos=self.ignore_eos, min_p=self.min_p, presence_penalty=self.presence_penalty,
                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                              min_tokens=self.min_tokens, logit_bias=tuple(self.logit_bias.items()),
-                             logprobs=self.logprobs)
+                             logprobs=self.logprobs, constraint=self.constraint)
 
 
 @dataclass(frozen=True)
@@ -401,8 +409,8 @@ class LLM:
         self.max_seq_len = lr.max_seq_len
         self.vocab_size = lr.loaded.spec.vocab_size
         # The server's request limits; no server cap on max_tokens beyond the context.
-        self._limits = dataclasses.replace(Limits.from_config(config, self.vocab_size), max_seq_len=self.max_seq_len,
-                                           max_tokens_limit=2**31)
+        self._limits = dataclasses.replace(Limits.from_config(config, self.vocab_size, self._engine.grammars),
+                                           max_seq_len=self.max_seq_len, max_tokens_limit=2**31)
         self._seeds = random.Random(o.seed) if o.seed is not None else None
         self._ids = itertools.count()
         log.info("llm_ready", model=config.model, device=str(lr.loaded.device), graph_mode=lr.mode.value,
@@ -501,6 +509,7 @@ class LLM:
         values = p.values()
         if values.seed is None and self._seeds is not None:
             values = dataclasses.replace(values, seed=self._seeds.getrandbits(63))
+        check_constraint(values, self._limits, fields)
         request = generation_request(f"llm-{next(self._ids)}", check_prompt_ids(ids, self._limits, fields), values,
                                      self._limits, fields)
         # Nothing streams: the text arrives in one piece with the finish.

@@ -22,6 +22,7 @@ from service.engine.kv_sizing import size_kv_cache
 from service.engine.ranks import start_ranks
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
+from service.engine.structured import Grammars
 from service.model.loader import LoadedModel, load_model, read_model_spec
 from service.model.lora import LoraAdapter, LoraError, read_adapter
 from service.model.parallel import TensorParallel, shard_spec
@@ -189,9 +190,11 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
 
     scheduler = Scheduler(c.max_running_seqs, c.max_num_batched_tokens, adapters=lr.adapters,
                           blocks=lr.runner.new_block_pool(c.prefix_caching))
+    grammars = Grammars(lr.loaded.tokenizer, lr.loaded.spec.vocab_size, lr.loaded.spec.eos_token_ids)
+    lr.runner.grammars = grammars
     engine = Engine(lr.runner, scheduler, lr.loaded.tokenizer,
                     frozenset(lr.loaded.spec.eos_token_ids), publish=publish, observer=observer,
-                    between_steps=between_steps, overlap=c.overlap_steps)
+                    between_steps=between_steps, overlap=c.overlap_steps, grammars=grammars)
     for graphs in caches:
         graphs.notify = engine.wake  # a finished capture is committed between steps, even when idle
     if ranks is not None:

@@ -86,7 +86,9 @@ class Engine:
         observer: EngineObserver | None = None,
         between_steps: Callable[[], None] | None = None,
         overlap: bool = True,
+        grammars: Any = None,
     ) -> None:
+        """grammars: structured.Grammars, for requests with a constraint (None: none accepted)."""
         self.runner = runner
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -97,12 +99,16 @@ class Engine:
         # Overlap: launch step t+1 before reading step t's tokens, so that the host's work on step t
         # (stop checks, detokenizing, publishing) runs while the device computes step t+1.
         self.overlap = overlap
+        self.grammars = grammars
+        # Running requests with a constraint: their next mask needs the token in flight, so while
+        # any runs each step is read before the next is scheduled (no overlap).
+        self._constrained = 0
         self._in_flight: _InFlight | None = None  # launched, not yet collected (overlap only)
         self._cond = threading.Condition()
         # Requests are known inside the engine by a key unique to this submit, not by the client's
         # request id: a client may cancel and resubmit the same id before the engine has seen the abort.
         self._keys = itertools.count()
-        self._inbox: list[tuple[str, GenerationRequest, Sink]] = []
+        self._inbox: list[tuple[str, GenerationRequest, Sink, Any]] = []  # (key, request, sink, matcher)
         self._aborts: list[str] = []
         self._pauses: list[tuple[str, bool]] = []
         self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
@@ -148,19 +154,27 @@ class Engine:
 
     @property
     def waiting_prompt_tokens(self) -> int:
-        return self.scheduler.waiting_prompt_tokens + sum(len(r.prompt_token_ids) for _, r, _ in list(self._inbox))
+        return self.scheduler.waiting_prompt_tokens + sum(len(r.prompt_token_ids) for _, r, _, _ in list(self._inbox))
 
     def has_pending_work(self) -> bool:
         return bool(self._inbox or self._calls or self.scheduler.has_work() or self._in_flight)
 
     def submit(self, request: GenerationRequest, sink: Sink, key: str | None = None) -> str:
         """Queue a request; returns the key that `abort` takes (made here unless the caller, which
-        then keeps keys unique, gives one). Raises EngineStopped when the engine no longer accepts work."""
+        then keeps keys unique, gives one). Raises EngineStopped when the engine no longer accepts work.
+        A constraint is compiled here, on the caller's thread (cached per constraint), not on the
+        engine thread; an invalid one raises structured.InvalidConstraint."""
+        matcher = None
+        constraint = request.sampling.constraint
+        if constraint is not None:
+            if self.grammars is None:
+                raise ValueError("this engine serves no structured outputs (no grammar compiler)")
+            matcher = self.grammars.compiler.matcher(constraint)
         with self._cond:
             if self.error is not None or self._stopping:
                 raise EngineStopped("the engine is not running")
             key = key if key is not None else f"{request.request_id}#{next(self._keys)}"
-            self._inbox.append((key, request, sink))
+            self._inbox.append((key, request, sink, matcher))
             self._cond.notify()
         return key
 
@@ -222,10 +236,11 @@ class Engine:
                     self._drain()  # operator calls see a quiet device and every token read
                 for fn, future in calls:
                     self._run_call(fn, future)
-                for key, request, sink in inbox:
+                for key, request, sink, matcher in inbox:
                     if request.adapter and not self._hold_adapter(request.adapter, sink):
                         continue
-                    seq = Sequence(request, key=key)
+                    seq = Sequence(request, key=key, matcher=matcher)
+                    self._constrained += matcher is not None
                     self._outputs[key] = (RequestOutput(seq, self.tokenizer, self.eos_token_ids), sink)
                     self.scheduler.add(seq)
                 for key in aborts:
@@ -252,6 +267,8 @@ class Engine:
         """Schedule and launch a step; then read and publish the tokens of the step launched before it
         (with overlap) or of this one (without)."""
         started = time.monotonic()
+        if self._constrained and self._in_flight is not None:
+            self._drain()  # the constrained rows' matchers take the tokens in flight before their next mask
         batch = self.scheduler.schedule()
         now = time.monotonic()
         events = self._step_events = []
@@ -337,6 +354,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, finish: Finish | None, now: float) -> tuple[Sink, RequestEvent]:
         output, sink = self._outputs.pop(seq.key)
+        self._constrained -= seq.matcher is not None
         if seq.request.adapter:
             assert self.scheduler.adapters is not None
             self.scheduler.adapters.unhold(seq.request.adapter)
@@ -357,7 +375,7 @@ class Engine:
         """Every request still queued or running ends with an EngineError."""
         with self._cond:  # reentrant: also called with the lock held
             inbox, self._inbox = self._inbox, []
-        pairs: list[tuple[Sink, RequestEvent]] = [(sink, EngineError(message)) for _, _, sink in inbox]
+        pairs: list[tuple[Sink, RequestEvent]] = [(sink, EngineError(message)) for _, _, sink, _ in inbox]
         pairs += [(sink, EngineError(message)) for _, sink in self._outputs.values()]
         self._outputs.clear()
         self._publish_safely(pairs)

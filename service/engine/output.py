@@ -34,6 +34,8 @@ class RequestOutput:
         seq = self.seq
         if seq.first_token_at is None:
             seq.first_token_at = now
+        if seq.matcher is not None:
+            seq.matcher.accept(token)  # allowed by the mask it was sampled under
         if token in self._stop_ids:
             return [self._finish(FinishReason.STOP, now, matched=token)]
         if token in self._eos_ids:
@@ -55,6 +57,8 @@ class RequestOutput:
             return [self._finish(FinishReason.STOP, now, matched=matched, flush=False)]
         if seq.num_completion_tokens >= seq.request.stopping.max_tokens:
             return [self._finish(FinishReason.LENGTH, now)]
+        if seq.matcher is not None and seq.matcher.is_terminated:
+            return [self._finish(FinishReason.STOP, now)]  # the grammar is complete: only EOS could follow
         if len(self._pending_ids) >= seq.request.stream_interval:
             return [self._take_delta()]
         return []

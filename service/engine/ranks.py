@@ -248,7 +248,6 @@ class Ranks:
 def start_ranks(c: Any, device: torch.device) -> tuple[Ranks, TensorParallel, torch.device]:
     """Rank 0: start ranks 1..N-1 for config `c` and join the group with them. Returns the ranks,
     rank 0's TensorParallel and its device."""
-    import torch.distributed as dist
 
     n = c.tensor_parallel_size
     if device.type == "cuda" and torch.cuda.device_count() < n:

@@ -14,6 +14,21 @@ class FinishReason(enum.Enum):
 
 
 MAX_LOGPROBS = 20  # top log-probabilities per token at most (the OpenAI API's limit)
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Structured output: the completion follows a JSON schema, any JSON object, a regex (the whole
+    output), an EBNF grammar (GBNF with a `root` rule, or Lark) or one of a list of choices
+    (service/engine/structured.py compiles it)."""
+
+    kind: str  # one of CONSTRAINT_KINDS
+    value: str | tuple[str, ...] = ""  # schema text, regex, grammar, or the choices ("" for json_object)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.value, list):  # keep it hashable: it is the compiler's cache key
+            object.__setattr__(self, "value", tuple(self.value))
 
 
 @dataclass(frozen=True)
@@ -38,6 +53,7 @@ class SamplingParams:
     # 0: the sampled token's only). They are the model's (log_softmax of its logits), before any of
     # the processing above, as vLLM reports them.
     logprobs: int | None = None
+    constraint: Constraint | None = None  # the grammar the completion must follow
 
     @property
     def greedy(self) -> bool:

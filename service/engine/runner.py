@@ -104,6 +104,10 @@ class ModelRunner:
         # The penalties' token counts, made at the first request with a penalty (KV slots + scratch rows).
         self._history: TokenHistory | None = None
         self._history_rows = self.kv.scratch_slot + 1
+        # Structured outputs: the grammar compiler (set by the builder) and the constrained rows'
+        # masks, filled on the host per step (made at the first constrained request).
+        self.grammars = None
+        self._bitmask: torch.Tensor | None = None
         self._tokens_ready = (torch.cuda.Event(), torch.cuda.Event()) if on_cuda else None
         self._turn = 0
         # The latest launch: each sequence's row in it and its sampled tokens (on device).
@@ -310,7 +314,26 @@ class ModelRunner:
             if request.sampling.penalized:
                 self._track_history(seq)
             rows.append(SampleRow(request.sampling, counter, _slot(seq), banned))
-        return sample(logits, SamplingBatch.build(rows, self.device), self._history)
+        batch = SamplingBatch.build(rows, self.device)
+        constrained = [(seq.matcher, b) for b, seq in enumerate(seqs) if seq.matcher is not None]
+        if constrained:
+            batch.bitmask = self._masks(constrained)
+        return sample(logits, batch, self._history)
+
+    def _masks(self, constrained: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """The constrained rows and their grammar masks (on the device, copied without a wait: the
+        engine reads each step before it schedules the next while a constrained request runs, so
+        the pinned buffer is free again when it is refilled)."""
+        from service.engine.structured import allocate_bitmask
+
+        if self._bitmask is None:
+            self._bitmask = allocate_bitmask(self._host_tokens.shape[1], self.loaded.spec.vocab_size,
+                                             pin=self.device.type == "cuda")
+        masks = self._bitmask[: len(constrained)]
+        self.grammars.compiler.fill_bitmasks([(m, i) for i, (m, _) in enumerate(constrained)], masks)
+        rows = torch.tensor([b for _, b in constrained], dtype=torch.int64)
+        on_cuda = self.device.type == "cuda"
+        return rows.pin_memory().to(self.device, non_blocking=True) if on_cuda else rows, masks
 
     def _track_history(self, seq: Sequence) -> None:
         """Make the sequence's history row describe it (once per admission: a new slot, or the same

@@ -51,6 +51,9 @@ class SamplingBatch:
     additive: tuple[Tensor, Tensor, Tensor] | None = None  # (rows, ids, values): logit bias, -inf bans
     penalties: Penalties | None = None
     logprobs: tuple[Tensor, int, list[int]] | None = None  # (rows [L], largest k, k per row)
+    # Structured outputs: (rows [C] on the device, their grammar masks int32 [C, words], pinned host
+    # memory on CUDA) from service/engine/structured.py.
+    bitmask: tuple[Tensor, Tensor] | None = None
 
     @classmethod
     def build(cls, rows: list[SampleRow] | list[tuple], device: torch.device | str) -> SamplingBatch:
@@ -150,8 +153,15 @@ class Sampled:
 def sample(logits: Tensor, batch: SamplingBatch, history: TokenHistory | None = None) -> Sampled:
     """logits: [B, V] float32 -> token ids [B] int64 on logits.device (and log-probabilities)."""
     raw = logits
-    if batch.additive is not None or batch.penalties is not None:
+    if batch.additive is not None or batch.penalties is not None or batch.bitmask is not None:
         logits = logits.clone()
+        if batch.bitmask is not None:
+            from service.engine.structured import apply_bitmask
+
+            rows, masks = batch.bitmask
+            constrained = logits[rows]
+            apply_bitmask(constrained, masks)
+            logits[rows] = constrained
         if batch.additive is not None:
             rows, ids, values = batch.additive
             logits.index_put_((rows, ids), values, accumulate=True)  # -inf bans stay -inf

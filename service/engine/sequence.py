@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from service.engine.request import GenerationRequest
 
@@ -52,6 +53,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     num_preemptions: int = 0
     admitted: int = 0  # admission order (the scheduler's counter): the newest running is preempted first
+    # Structured output: the request's position in its grammar (service/engine/structured.Matcher),
+    # advanced by each token the engine reads; the sampler masks the tokens it does not allow.
+    matcher: Any = None
 
     def __post_init__(self) -> None:
         if not self.key:

@@ -22,7 +22,6 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import llguidance
@@ -30,10 +29,12 @@ import llguidance.hf
 import torch
 from llguidance.gbnf_to_lark import is_lark_syntax
 
+from service.engine.request import CONSTRAINT_KINDS as KINDS
+from service.engine.request import Constraint
+
 # llguidance.torch is not imported: it builds a torch.compile'd function at import (1.6 s) that we
 # do not use; the two mask calls below are what its helpers do.
 
-KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 # JSON whitespace: flexible, as the library allows by default, but at most 16 characters between
 # two tokens of the JSON (enough to pretty-print a few levels deep). Unbounded, a small or random
 # model can emit whitespace forever and never close the object; with none at all, a model trained
@@ -45,16 +46,6 @@ _MAX_MESSAGE = 600
 
 class InvalidConstraint(ValueError):
     """A constraint that cannot be compiled; the message names the kind and what is wrong."""
-
-
-@dataclass(frozen=True)
-class Constraint:
-    kind: str  # one of KINDS
-    value: str | tuple[str, ...] = ""  # schema text, regex, EBNF/Lark grammar, or the choices ("" for json_object)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.value, list):  # keep it hashable: it is the cache key
-            object.__setattr__(self, "value", tuple(self.value))
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -260,3 +251,20 @@ def _unicode_escape(m: re.Match[str]) -> str:
     if cp > 0x10FFFF or 0xD800 <= cp <= 0xDFFF:
         return m.group(0)  # left for the converter to reject
     return chr(cp)
+
+
+class Grammars:
+    """A process's GrammarCompiler, made at the first constrained request (preparing a 128k
+    vocabulary takes a while; servers that never see one never pay it). Thread-safe."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        self._args = (tokenizer, vocab_size, tuple(eos_token_ids))
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(*self._args)
+            return self._compiler

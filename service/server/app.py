@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from service.config import ServeConfig
+from service.engine.structured import Grammars
 from service.model.spec import ModelLoadError
 from service.proto import inference_pb2, inference_pb2_grpc
 from service.server.admin_server import start_admin_server
@@ -147,7 +148,9 @@ class App:
         if ready.max_loras:
             self.metrics.set_lora_graph_source(self.graphs.lora_snapshot)
         self.admin_server, self.admin_port = await start_admin_server(c, self.engine, self.graphs, self.metrics)
-        limits = Limits.from_config(dataclasses.replace(c, max_seq_len=ready.max_seq_len), vocab_size=spec.vocab_size)
+        grammars = Grammars(self.tokenizer, spec.vocab_size, spec.eos_token_ids)
+        limits = Limits.from_config(dataclasses.replace(c, max_seq_len=ready.max_seq_len), vocab_size=spec.vocab_size,
+                                    grammars=grammars)
         self.streams.attach(self.engine)
         self.servicer.attach(self.tokenizer, limits, self._model_info(ready))
         self.vllm_servicer.attach(self.tokenizer, limits, ModelFacts.read(

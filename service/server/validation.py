@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.config import ServeConfig
-from service.engine.request import MAX_LOGPROBS, GenerationRequest, SamplingParams, StoppingParams
+from service.engine.request import MAX_LOGPROBS, Constraint, GenerationRequest, SamplingParams, StoppingParams
 
 MAX_REQUEST_ID_BYTES = 256
 MAX_STREAM_INTERVAL = 1024
@@ -51,10 +51,12 @@ class Limits:
     max_stop_token_ids: int
     max_chat_messages: int = 1024
     allow_chat_special_tokens: bool = False
+    grammars: Any = None  # structured.Grammars of this process: constraints are compiled to be checked
 
     @classmethod
-    def from_config(cls, config: ServeConfig, vocab_size: int) -> Limits:
+    def from_config(cls, config: ServeConfig, vocab_size: int, grammars: Any = None) -> Limits:
         return cls(
+            grammars=grammars,
             vocab_size=vocab_size,
             max_seq_len=config.max_seq_len,
             default_max_tokens=config.default_max_tokens,
@@ -100,6 +102,7 @@ class RequestValues:
     min_tokens: int = 0
     logit_bias: Sequence[tuple[int, float]] = ()
     logprobs: int | None = None
+    constraint: Constraint | None = None
 
 
 def need(ok: bool, message: str) -> None:
@@ -190,6 +193,20 @@ def check_sampling(v: RequestValues, f: Fields) -> None:
              f"got {bias}")
 
 
+def check_constraint(v: RequestValues, limits: Limits, f: Fields) -> None:
+    """Compile the request's constraint (cached per constraint; up to hundreds of ms for a huge
+    schema: async callers run this in a thread). INVALID_ARGUMENT names the field and the problem."""
+    if v.constraint is None:
+        return
+    from service.engine.structured import InvalidConstraint
+
+    need(limits.grammars is not None, f"{f.sampling}{v.constraint.kind}: this server serves no structured outputs")
+    try:
+        limits.grammars.compiler.check(v.constraint)
+    except InvalidConstraint as exc:
+        raise InvalidRequest(f"{f.sampling}{v.constraint.kind}: {exc}") from None
+
+
 def check_logit_bias_ids(v: RequestValues, vocab_size: int, f: Fields) -> None:
     bad = next((t for t, _ in v.logit_bias if not 0 <= t < vocab_size), None)
     need(bad is None, f"{f.sampling}logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})")
@@ -207,7 +224,7 @@ def sampling_params(v: RequestValues, f: Fields) -> SamplingParams:
                           frequency_penalty=float(v.frequency_penalty),
                           repetition_penalty=float(v.repetition_penalty), min_tokens=int(v.min_tokens),
                           logit_bias=tuple(sorted((int(t), float(b)) for t, b in v.logit_bias)),
-                          logprobs=None if v.logprobs is None else int(v.logprobs))
+                          logprobs=None if v.logprobs is None else int(v.logprobs), constraint=v.constraint)
 
 
 def stopping_params(v: RequestValues, prompt_len: int, limits: Limits, f: Fields) -> StoppingParams:

@@ -8,8 +8,8 @@ and the Python API); the stream's life is streams.py's.
 Semantics follow vLLM's servicer: chunks carry the new token ids (a delta) and their count; the
 complete message carries every output id, the finish reason as vLLM names it ("stop" for EOS, a stop
 string or a stop token; "length"; "abort") and the matched stop, and each token's logprobs when
-asked, and n samples (each message tagged with its index). What graphserve does not do yet (prompt
-logprobs, structured outputs, LoRA by name)
+asked, n samples (each message tagged with its index) and structured outputs. What graphserve does not
+do yet (prompt logprobs, structural tags, LoRA by name)
 is refused with INVALID_ARGUMENT naming the field; what it will not do (embeddings,
 multimodal inputs, prefill/decode disaggregation, the profiler) with UNIMPLEMENTED or INVALID_ARGUMENT.
 """
@@ -33,12 +33,13 @@ import grpc
 from google.protobuf.unknown_fields import UnknownFieldSet
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from service.engine.request import Finish, FinishReason, GenerationRequest, TokenDelta, TokenLogprobs
+from service.engine.request import Constraint, Finish, FinishReason, GenerationRequest, TokenDelta, TokenLogprobs
 from service.server.streams import Stream, Streams, answers_rejections
 from service.server.validation import (
     Fields,
     Limits,
     RequestValues,
+    check_constraint,
     check_prompt_ids,
     encode_capped,
     generation_request,
@@ -119,8 +120,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             check_supported(request)
             prompt = await self._prompt_ids(request)
             writer.prompt_tokens = len(prompt)
-            gen = generation_request(request_id, prompt, request_values(request.sampling_params), self.limits, FIELDS,
-                                     arrival_time=stream.arrival)
+            values = request_values(request.sampling_params)
+            if values.constraint is not None:
+                await asyncio.to_thread(check_constraint, values, self.limits, FIELDS)
+            gen = generation_request(request_id, prompt, values, self.limits, FIELDS, arrival_time=stream.arrival)
             return samples(gen, max(1, request.sampling_params.n), "sampling_params.n")  # 0 is unset on the wire
 
         await streams.serve(context, (SERVICE_NAME, request_id), prepare, writer)
@@ -318,13 +321,12 @@ def check_supported(request: vllm_engine_pb2.GenerateRequest) -> None:
         "truncate_prompt_tokens": p.HasField("truncate_prompt_tokens"),
         "include_stop_str_in_output": p.include_stop_str_in_output,
     }
-    constraint = p.WhichOneof("constraint")
-    if constraint is not None:
-        unsupported[constraint] = True
+    unsupported["structural_tag"] = p.WhichOneof("constraint") == "structural_tag"
     named = [name for name, used in unsupported.items() if used]
     need(not named, f"sampling_params.{named[0] if named else ''} is not supported by graphserve yet: leave it unset "
                     "(supported: temperature, top_p, top_k, min_p, seed, max_tokens, min_tokens, stop, stop_token_ids, "
-                    "ignore_eos, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, logprobs)")
+                    "ignore_eos, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, logprobs, n, "
+                    "json_schema, json_object, regex, grammar, choice)")
 
 
 def request_values(p: vllm_engine_pb2.SamplingParams) -> RequestValues:
@@ -340,7 +342,19 @@ def request_values(p: vllm_engine_pb2.SamplingParams) -> RequestValues:
         repetition_penalty=p.repetition_penalty if p.repetition_penalty != 0 else 1.0,  # 0 is unset on the wire
         min_tokens=p.min_tokens, logit_bias=tuple(p.logit_bias.items()),
         logprobs=p.logprobs if p.HasField("logprobs") else None,
+        constraint=_constraint(p),
     )
+
+
+def _constraint(p: vllm_engine_pb2.SamplingParams) -> Constraint | None:
+    kind = p.WhichOneof("constraint")
+    if kind is None or kind == "structural_tag":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object") if p.json_object else None
+    if kind == "choice":
+        return Constraint("choice", tuple(p.choice.choices))
+    return Constraint(kind, getattr(p, kind))
 
 
 def tokenizer_zip(model_dir: Path) -> tuple[bytes, str]:

@@ -3,6 +3,7 @@ client as users of an OpenAI-compatible endpoint would: what they get equals wha
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -10,6 +11,7 @@ import time
 from collections.abc import Iterator
 
 import grpc
+import jsonschema
 import openai
 import pytest
 from grpc_health.v1 import health_pb2
@@ -299,3 +301,20 @@ def test_n_choices_through_the_gateway_are_the_samples_graphserve_v1_gives(fleet
             streamed[choice.index] += choice.delta.content or ""
     for text, want in zip(streamed, expected):
         assert_same_text(text, want)
+
+
+def test_response_format_through_the_gateway_gives_valid_json(fleet) -> None:  # noqa: ANN001
+    _, gateway = fleet
+    oa = client(gateway)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                               "population": {"type": "integer"}, "capital": {"type": "boolean"}},
+              "required": ["city", "population", "capital"], "additionalProperties": False}
+    answer = oa.chat.completions.create(
+        model=MODEL, messages=CONVERSATIONS[0], max_tokens=200, temperature=1.0, seed=4, n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    for choice in answer.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    with pytest.raises(openai.BadRequestError) as info:
+        oa.chat.completions.create(model=MODEL, messages=CONVERSATIONS[0], max_tokens=20, extra_body={"regex": "(unclosed"})
+    assert "regex" in str(info.value)
