@@ -13,6 +13,9 @@ PIN=(
   # graphserve serve: not in the image, or older there than pyproject.toml asks
   structlog==26.1.0 grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
   smg-grpc-proto==0.4.28 typing-extensions==4.16.0
+  # structured outputs (llguidance) and the GPU tests' output checks (jsonschema)
+  llguidance==1.9.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
+  attrs==26.1.0
   # the gateway (a Rust binary inside the wheel) and what it needs beside the image's pyyaml
   smg==1.13.0 setproctitle==1.3.8
   # the openai client: httpx2 / httpcore2 (not the image's httpx), pydantic and the rest
@@ -21,7 +24,7 @@ PIN=(
 )
 mkdir -p "$DEST"
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$DEST" "${PIN[@]}"
 ls "$DEST"
 du -sh "$DEST"

@@ -13,6 +13,7 @@
 #   bash bench/h200_session.sh invariant-bench invariant-grpc  # the steps only; the gRPC tests on cuda
 #   bash bench/h200_session.sh gateway  # 64 streams through smg against direct gRPC (wheels: bench/fetch_wheels.sh)
 #   bash bench/h200_session.sh paged    # paged KV: its GPU tests (and the kernels', graphs'), decode steps at context 512 and 4096
+#   bash bench/h200_session.sh gen-1b sampling  # sampling fields: their GPU tests, the sampler's cost, the closed loop
 #   bash bench/h200_session.sh gen-1b prefix-load  # a shared 1,024-token prefix at 20 req/s, prefix cache on and off
 #   bash bench/h200_session.sh gen-1b startup load  # the 1B checkpoint once; start-up GPU tests; the serving load
 #     (TAG=before LOAD_ARGS='--server-args "--startup-graph-timeout 0"' for the start-up captures off)
@@ -75,6 +76,9 @@ for part in "$@"; do
         tests/gpu/test_chunked_gpu.py tests/gpu/test_piecewise_gpu.py -p no:cacheprovider --timeout 200
       run decode-512 90 python3 bench/decode_bench.py $M --random-init --batches 1,64,256 --no-anchors --no-plot --context 512
       run decode-4096 120 python3 bench/decode_bench.py $M --random-init --batches 1,64,256 --no-anchors --no-plot --context 4096 ;;
+    sampling)
+      TAIL=8 run sampling-gpu-tests 240 python3 -m pytest -q -m gpu tests/gpu/test_sampling_gpu.py -p no:cacheprovider --timeout 200
+      TAIL=30 run sampling-bench 300 python3 bench/sampling_bench.py --device cuda --e2e --cache-dir .cache/models ;;
     prefix-load)
       eval "run prefix-load${TAG:+-$TAG} 570 python3 bench/serving_load.py $M --cache-dir .cache/models \
         --rates ${RATES:-20} --starts ${STARTS:-warm} --requests ${REQUESTS:-200} --shared-prefix 1024 --prefix-caching on,off \

@@ -1,0 +1,185 @@
+"""What the sampling fields cost a decode step: the sampler alone per configuration (64 rows of a
+128k vocabulary: logprobs, penalties, grammar masks), and closed-loop tokens/s through the LLM API
+with CUDA graphs (plain, every row with top-5 logprobs and the three penalties, every row under a
+10-field JSON schema).
+
+    python3 bench/sampling_bench.py --device cuda                    # the sampler alone
+    python3 bench/sampling_bench.py --device cuda --e2e --cache-dir .cache/models   # and the closed loop
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import print_table, time_ms, write_result  # noqa: E402
+from service.engine.request import Constraint  # noqa: E402
+from service.engine.request import SamplingParams as EngineParams  # noqa: E402
+from service.engine.sampler import SampleRow, SamplingBatch, TokenHistory, sample  # noqa: E402
+
+# Ten fields of the kinds OpenAI users constrain to: strings, numbers, booleans, an enum, an array.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"}, "name": {"type": "string", "maxLength": 16},
+        "email": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "score": {"type": "number"}, "active": {"type": "boolean"},
+        "role": {"enum": ["reader", "writer", "admin"]}, "city": {"type": "string", "maxLength": 16},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "verified": {"type": "boolean"},
+    },
+    "required": ["id", "name", "email", "age", "score", "active", "role", "city", "tags", "verified"],
+    "additionalProperties": False,
+}
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
+
+
+def sampler_rows(args: argparse.Namespace) -> list[dict]:
+    device = torch.device(args.device)
+    b, vocab = args.batch, args.vocab
+    logits = torch.randn(b, vocab, device=device)
+    history = TokenHistory(b, vocab, device)
+    gen = torch.Generator().manual_seed(0)
+    for r in range(b):  # 300 prompt and 100 completion tokens per row
+        ids = torch.randint(0, vocab, (400,), generator=gen).tolist()
+        history.reset(r, r, ids[:300], ids[300:])
+    configs = {
+        "greedy": EngineParams(temperature=0.0),
+        "sampled (T 0.8, top-p 0.95)": EngineParams(temperature=0.8, top_p=0.95, seed=1),
+        "greedy + top-5 logprobs": EngineParams(temperature=0.0, logprobs=5),
+        "greedy + 3 penalties": EngineParams(temperature=0.0, **PENALTIES),
+        "greedy + logprobs + penalties": EngineParams(temperature=0.0, logprobs=5, **PENALTIES),
+        "sampled + logprobs + penalties": EngineParams(temperature=0.8, top_p=0.95, seed=1, logprobs=5, **PENALTIES),
+        "greedy + min_p + logit_bias": EngineParams(temperature=0.0, min_p=0.05, logit_bias=((5, 1.0), (6, -1.0))),
+    }
+    rows = []
+    for name, p in configs.items():
+        step_rows = [SampleRow(p, 100, r) for r in range(b)]
+
+        def run(step_rows: list[SampleRow] = step_rows) -> None:
+            sample(logits, SamplingBatch.build(step_rows, device), history)
+
+        rows.append({"config": name, "rows": b, "vocab": vocab, "ms": round(time_ms(run, device, iters=50), 3)})
+    rows += grammar_rows(args, device, logits)
+    base = rows[0]["ms"]
+    for row in rows:
+        row["x_greedy"] = round(row["ms"] / base, 2)
+    return rows
+
+
+def grammar_rows(args: argparse.Namespace, device: torch.device, logits: torch.Tensor) -> list[dict]:
+    """Filling 64 rows' JSON-schema masks on the host (in a step they are filled while the engine
+    prepares it), and applying them on the device."""
+    from service.engine.structured import GrammarCompiler, allocate_bitmask, apply_bitmask
+    from service.model.builtin import BUILTIN_SHAPES, write_tokenizer
+    from transformers import AutoTokenizer
+
+    tok_dir = Path(args.tokenizer_dir)
+    if not (tok_dir / "tokenizer.json").is_file():
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        write_tokenizer(tok_dir, BUILTIN_SHAPES["llama-1b"])
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    compiler = GrammarCompiler(tokenizer, args.vocab, [tokenizer.eos_token_id])
+    matchers = [compiler.matcher(Constraint("json_schema", json.dumps(SCHEMA))) for _ in range(args.batch)]
+    for m in matchers[1::2]:  # half the rows inside a string value, half at the start
+        for token in tokenizer.encode('{"id": 12, "name": "ab', add_special_tokens=False):
+            m.accept(token)
+    masks = allocate_bitmask(args.batch, args.vocab, pin=device.type == "cuda")
+    rows_t = torch.arange(args.batch, device=device)
+    fill = [(m, i) for i, m in enumerate(matchers)]
+    fills = []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        compiler.fill_bitmasks(fill, masks)
+        fills.append((time.perf_counter() - t0) * 1000)
+    fills.sort()
+
+    def apply() -> None:
+        constrained = logits[rows_t]
+        apply_bitmask(constrained, masks)
+        logits[rows_t] = constrained
+
+    return [{"config": f"JSON schema: fill {args.batch} masks (host)", "rows": args.batch, "vocab": args.vocab,
+             "ms": round(fills[len(fills) // 2], 3)},
+            {"config": f"JSON schema: apply {args.batch} masks (device)", "rows": args.batch, "vocab": args.vocab,
+             "ms": round(time_ms(apply, device, iters=50), 3)}]
+
+
+def e2e_rows(args: argparse.Namespace) -> list[dict]:
+    from service.llm import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(100, 120000, (32,), generator=gen).tolist() for _ in range(args.streams)]
+    configs = {
+        "plain (greedy)": SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True),
+        "top-5 logprobs + 3 penalties": SamplingParams(temperature=0.0, max_tokens=args.output_tokens,
+                                                       ignore_eos=True, logprobs=5, **PENALTIES),
+        "10-field JSON schema": SamplingParams(temperature=1.0, seed=3, max_tokens=args.output_tokens,
+                                               constraint=Constraint("json_schema", json.dumps(SCHEMA))),
+    }
+    rows = []
+    with LLM(model=args.model, model_cache_dir=args.cache_dir, device=args.device, dtype=args.dtype) as llm:
+        llm.generate(prompts, configs["plain (greedy)"])  # captures and warms every size
+        for name, params in configs.items():
+            best = None
+            for _ in range(args.rounds):
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, [params] * len(prompts))
+                seconds = time.perf_counter() - t0
+                tokens = sum(len(o.token_ids) for o in outs)
+                if best is None or tokens / seconds > best[0]:
+                    best = (tokens / seconds, tokens, seconds, outs)
+            tps, tokens, seconds, outs = best
+            row = {"config": name, "streams": args.streams, "tokens": tokens, "seconds": round(seconds, 3),
+                   "tokens_per_s": round(tps)}
+            if params.constraint is not None:
+                row["valid_json"] = sum(_valid(o.text) for o in outs)
+            rows.append(row)
+    for row in rows:
+        row["x_plain"] = round(row["tokens_per_s"] / rows[0]["tokens_per_s"], 3)
+    return rows
+
+
+def _valid(text: str) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--tokenizer-dir", default=".cache/llama-1b-tokenizer")
+    p.add_argument("--e2e", action="store_true", help="also the closed loop through the LLM API")
+    p.add_argument("--model", default="builtin:llama-1b")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--output-tokens", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args(argv)
+    sampler = sampler_rows(args)
+    print_table(sampler, ["config", "rows", "vocab", "ms", "x_greedy"], title="the sampler alone, one step")
+    payload = {"sampler": sampler}
+    if args.e2e:
+        payload["closed_loop"] = e2e_rows(args)
+        print_table(payload["closed_loop"], ["config", "streams", "tokens", "seconds", "tokens_per_s", "x_plain",
+                                             "valid_json"], title="closed loop through the LLM API, graphs on")
+    print(write_result("sampling", payload, args.device))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""The sampling fields on the GPU with CUDA graphs on: logprobs, penalties, bias, min_tokens and
+structured outputs give what the eager run gives (float32), the sampler's CUDA path equals its CPU
+path, and a step with constrained rows still replays its graph."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import jsonschema
+import pytest
+import torch
+
+from service.engine.request import SamplingParams as EngineParams
+from service.engine.sampler import SampleRow, SamplingBatch, TokenHistory, sample, unpack_logprobs
+from service.engine.structured import GrammarCompiler, apply_bitmask
+from service.llm import LLM, Constraint, SamplingParams
+from tests.integration.test_structured_outputs import SCHEMA
+
+pytestmark = pytest.mark.gpu
+PROMPTS = ["Explain CUDA graphs", "The quick brown fox", "Once upon a time there was", "graphs replay kernels"]
+
+
+@pytest.fixture(scope="module")
+def llms(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LLM, LLM]]:
+    cache = tmp_path_factory.mktemp("cache")
+    common = dict(model="builtin:tiny", model_cache_dir=cache, device="cuda", dtype="float32", max_running_seqs=16,
+                  max_seq_len=512)
+    with LLM(cudagraph_mode="full_and_piecewise", **common) as graphed, LLM(cudagraph_mode="none", **common) as eager:
+        yield graphed, eager
+
+
+def replays(llm: LLM) -> int:
+    return sum(b.since_start.replays for b in llm.graph_cache_state().buckets)
+
+
+def test_logprobs_and_penalties_with_graphs_equal_eager(llms: tuple[LLM, LLM]) -> None:
+    graphed, eager = llms
+    eos = graphed.tokenizer.eos_token_id
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5, repetition_penalty=1.4,
+                             presence_penalty=0.5, frequency_penalty=0.5),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=24, logprobs=1, min_p=0.05, logit_bias={7: 2.0}),
+              SamplingParams(temperature=0.0, max_tokens=24, min_tokens=6, logit_bias={eos: 100.0}),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
+    before = replays(graphed)
+    got, want = graphed.generate(PROMPTS, params), eager.generate(PROMPTS, params)
+    assert replays(graphed) > before
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+        if w.logprobs is not None:
+            assert [lp.logprob for lp in g.logprobs] == pytest.approx([lp.logprob for lp in w.logprobs], abs=1e-4)
+            assert [t for lp in g.logprobs for t, _ in lp.top] == [t for lp in w.logprobs for t, _ in lp.top]
+    assert len(got[2].token_ids) == 6 and got[2].finish_reason == "eos"
+
+
+def test_structured_outputs_with_graphs_are_valid_and_replay(llms: tuple[LLM, LLM]) -> None:
+    graphed, eager = llms
+    constraint = Constraint("json_schema", json.dumps(SCHEMA))
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=300, constraint=constraint) for i in range(8)]
+    before = replays(graphed)
+    got = graphed.generate(["Describe a user as JSON"] * 8, params)
+    assert replays(graphed) > before  # constrained steps replay their graphs
+    for out in got:
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    assert [o.token_ids for o in got] == [o.token_ids for o in eager.generate(["Describe a user as JSON"] * 8, params)]
+
+
+def test_the_samplers_cuda_path_equals_its_cpu_path(llms: tuple[LLM, LLM]) -> None:
+    graphed, _ = llms
+    vocab = 2048
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, vocab, generator=gen) * 4
+    params = [EngineParams(temperature=0.0, repetition_penalty=1.5, logprobs=4),
+              EngineParams(temperature=0.0, presence_penalty=1.0, frequency_penalty=0.5, logit_bias=((5, 9.0),)),
+              EngineParams(temperature=0.8, seed=4, min_p=0.1, logprobs=0),
+              EngineParams(temperature=0.0),
+              EngineParams(temperature=1.0, seed=9, top_k=50, top_p=0.9, repetition_penalty=1.2),
+              EngineParams(temperature=0.0, logit_bias=((11, 100.0),))]
+    rows = [SampleRow(p, 3, r, (17,) if r == 3 else ()) for r, p in enumerate(params)]
+    prompts = [[1, 2, 3], [5, 5], [8], [9, 10], [11, 12, 13], [4]]
+    outs = []
+    for device in ("cpu", "cuda"):
+        history = TokenHistory(6, vocab, device)
+        for r, prompt in enumerate(prompts):
+            history.reset(r, r, prompt, [prompt[0], 20 + r])
+        batch = SamplingBatch.build(rows, device)
+        out = sample(logits.to(device), batch, history)
+        outs.append((out.tokens.tolist(), unpack_logprobs(out.logprobs.tolist(), batch.logprobs[2]), history.counts.cpu()))
+    (cpu_t, cpu_lp, cpu_h), (cuda_t, cuda_lp, cuda_h) = outs
+    assert cpu_t == cuda_t and torch.equal(cpu_h, cuda_h)
+    for a, b in zip(cpu_lp, cuda_lp):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5) and [t for t, _ in a.top] == [t for t, _ in b.top]
+    # Grammar masks: applied on the GPU as on the CPU.
+    compiler = GrammarCompiler(graphed.tokenizer, graphed.vocab_size, [graphed.tokenizer.eos_token_id])
+    matcher = compiler.matcher(Constraint("json_schema", json.dumps(SCHEMA)))
+    mask = torch.full((1, (graphed.vocab_size + 31) // 32), -1, dtype=torch.int32).pin_memory()
+    matcher.fill_bitmask(mask, 0)
+    row = torch.randn(1, graphed.vocab_size)
+    on_gpu = row.cuda()
+    apply_bitmask(row, mask)
+    apply_bitmask(on_gpu, mask)
+    torch.cuda.synchronize()
+    assert torch.equal(row, on_gpu.cpu())
