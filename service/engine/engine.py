@@ -40,10 +40,12 @@ Publish = Callable[[list[tuple[Sink, RequestEvent]]], None]
 
 
 class Runner(Protocol):
-    def launch(self, decodes: list[Sequence], prefills: list[PrefillChunk]) -> Any:
+    def launch(self, decodes: list[Sequence], prefills: list[PrefillChunk],
+               before_sampling: Callable[[], None] | None = None) -> Any:
         """Queue one forward pass over the decodes (one token each) and the prompt chunks; returns a
         handle for `collect`. A decode may have a token pending from the previous launch: the
-        runner feeds it on the device."""
+        runner feeds it on the device. before_sampling (given only while a constrained request
+        runs) is called after the forward pass is queued and before the tokens are sampled."""
         ...
 
     def collect(self, launched: Any) -> StepTokens:
@@ -100,8 +102,9 @@ class Engine:
         # (stop checks, detokenizing, publishing) runs while the device computes step t+1.
         self.overlap = overlap
         self.grammars = grammars
-        # Running requests with a constraint: their next mask needs the token in flight, so while
-        # any runs each step is read before the next is scheduled (no overlap).
+        # Running requests with a constraint: their next mask needs the token in flight, so while any
+        # runs, the step in flight is read after the next step's forward pass is queued and before
+        # its sampling (the host's work still overlaps the device's forward pass).
         self._constrained = 0
         self._in_flight: _InFlight | None = None  # launched, not yet collected (overlap only)
         self._cond = threading.Condition()
@@ -267,8 +270,6 @@ class Engine:
         """Schedule and launch a step; then read and publish the tokens of the step launched before it
         (with overlap) or of this one (without)."""
         started = time.monotonic()
-        if self._constrained and self._in_flight is not None:
-            self._drain()  # the constrained rows' matchers take the tokens in flight before their next mask
         batch = self.scheduler.schedule()
         now = time.monotonic()
         events = self._step_events = []
@@ -277,7 +278,13 @@ class Engine:
         seqs = batch.sampling  # a chunk that leaves part of its prompt for later steps samples nothing
         launched = None
         if not batch.empty:
-            launched = _InFlight(seqs, self.runner.launch(batch.decodes, batch.prefills))
+            if self._constrained and self._in_flight is not None:  # masks need the tokens in flight
+                in_flight, self._in_flight = self._in_flight, None
+                handle = self.runner.launch(batch.decodes, batch.prefills,
+                                            before_sampling=lambda: self._read_tokens(in_flight, events))
+            else:
+                handle = self.runner.launch(batch.decodes, batch.prefills)
+            launched = _InFlight(seqs, handle)
             for seq in seqs:
                 seq.num_pending += 1
         launched_at = time.monotonic()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -161,13 +162,16 @@ class ModelRunner:
         return self.collect(self.launch(decodes, prefills)).token_ids
 
     @torch.inference_mode()
-    def launch(self, decodes: list[Sequence], prefills: list[PrefillChunk]) -> LaunchedStep:
+    def launch(self, decodes: list[Sequence], prefills: list[PrefillChunk],
+               before_sampling: Callable[[], None] | None = None) -> LaunchedStep:
         """Queue one engine step on the device without waiting for it: one forward pass over the
-        running decodes and the prompt chunks. A decode whose input token is still pending (sampled
-        by the previous launch, not yet read by the host) takes it from that launch's device tokens."""
+        running decodes and the prompt chunks, then the sampling. A decode whose input token is still
+        pending (sampled by the previous launch, not yet read by the host) takes it from that launch's
+        device tokens. before_sampling runs between the two, while the device computes the forward
+        pass (the engine reads the previous step there when grammar masks need its tokens)."""
         assert decodes or prefills, "an empty step"
         try:
-            tokens, sampling, logprobs = self.mixed(decodes, prefills)
+            tokens, sampling, logprobs = self.mixed(decodes, prefills, before_sampling)
             if self.ranks is not None and tokens.numel():
                 self.tp.broadcast(tokens)  # the other ranks may feed them back next step
         except Exception as exc:
@@ -201,7 +205,8 @@ class ModelRunner:
         rows = iter(unpack_logprobs(launched.logprobs.tolist(), [k for k in ks if k is not None]))
         return StepTokens(ids, [None if k is None else next(rows) for k in ks])
 
-    def mixed(self, decodes: list[Sequence], chunks: list[PrefillChunk]
+    def mixed(self, decodes: list[Sequence], chunks: list[PrefillChunk],
+              before_sampling: Callable[[], None] | None = None
               ) -> tuple[torch.Tensor, list[Sequence], torch.Tensor | None]:
         """Decodes and prompt chunks (or decodes alone) in one forward pass (one host->device copy of
         the step's rows); returns a token for each sampling sequence (on device), the sequences (each
@@ -224,9 +229,14 @@ class ModelRunner:
             table_updates=_table_updates(decodes + [c.seq for c in chunks]),
         )
         logits = self.forward(inputs, previous_tokens)
+        # Before before_sampling: reading the step in flight may finish some of these sequences
+        # (their slots then go back), whose rows still sample here (the token is surplus).
+        rows = self._sample_rows(sampling)
+        if before_sampling is not None:
+            before_sampling()
         if not sampling:  # every chunk leaves part of its prompt for a later step
             return torch.zeros(0, dtype=torch.long, device=self.device), sampling, None
-        sampled = self._sample(logits, sampling)
+        sampled = self._sample(logits, sampling, rows)
         return sampled.tokens, sampling, sampled.logprobs
 
     def forward(self, inputs: StepInputs, previous_tokens: torch.Tensor) -> torch.Tensor:
@@ -302,7 +312,7 @@ class ModelRunner:
         """The base graph cache, then the LoRA one when the server serves adapters."""
         return [self.graphs] + ([self.lora_graphs] if self.lora_graphs is not None else [])
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+    def _sample_rows(self, seqs: list[Sequence]) -> list[SampleRow]:
         rows = []
         for seq in seqs:
             request = seq.request
@@ -314,6 +324,9 @@ class ModelRunner:
             if request.sampling.penalized:
                 self._track_history(seq)
             rows.append(SampleRow(request.sampling, counter, _slot(seq), banned))
+        return rows
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[SampleRow]) -> Sampled:
         batch = SamplingBatch.build(rows, self.device)
         constrained = [(seq.matcher, b) for b, seq in enumerate(seqs) if seq.matcher is not None]
         if constrained:
@@ -321,9 +334,9 @@ class ModelRunner:
         return sample(logits, batch, self._history)
 
     def _masks(self, constrained: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """The constrained rows and their grammar masks (on the device, copied without a wait: the
-        engine reads each step before it schedules the next while a constrained request runs, so
-        the pinned buffer is free again when it is refilled)."""
+        """The constrained rows and their grammar masks (copied to the device without a wait: the
+        engine reads step t before it samples step t + 1, so the pinned buffer that step t's masks
+        came from is free again when step t + 1's are filled)."""
         from service.engine.structured import allocate_bitmask
 
         if self._bitmask is None:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from service.engine.request import SamplingParams, TokenLogprobs
+from service.model.kernels.sampling import apply_bitmask, apply_penalties
 
 _MASK32 = 0xFFFFFFFF
 _C1 = 0x7FEB352D  # lowbias32's multipliers, the second as the int32 with the same bits
@@ -156,18 +157,15 @@ def sample(logits: Tensor, batch: SamplingBatch, history: TokenHistory | None = 
     if batch.additive is not None or batch.penalties is not None or batch.bitmask is not None:
         logits = logits.clone()
         if batch.bitmask is not None:
-            from service.engine.structured import apply_bitmask
-
-            rows, masks = batch.bitmask
-            constrained = logits[rows]
-            apply_bitmask(constrained, masks)
-            logits[rows] = constrained
+            apply_bitmask(logits, *batch.bitmask)
         if batch.additive is not None:
             rows, ids, values = batch.additive
             logits.index_put_((rows, ids), values, accumulate=True)  # -inf bans stay -inf
         if batch.penalties is not None:
             assert history is not None, "penalties need the token history"
-            _apply_penalties(logits, batch.penalties, history)
+            p = batch.penalties
+            apply_penalties(logits, p.rows, p.history_rows, history.counts, history.in_prompt, p.presence, p.frequency,
+                            p.repetition)
     tokens = _choose(logits, batch)
     if batch.penalties is not None:
         assert history is not None
@@ -215,25 +213,16 @@ def _mask_top_k_top_p(scaled: Tensor, batch: SamplingBatch) -> Tensor:
     return torch.empty_like(scaled).scatter_(1, sorted_idx, masked_sorted)
 
 
-def _apply_penalties(logits: Tensor, p: Penalties, history: TokenHistory) -> None:
-    counts = history.counts[p.history_rows]  # [P, V]
-    in_completion = counts > 0
-    rows = logits[p.rows]
-    repetition = p.repetition.unsqueeze(1)
-    seen = in_completion | history.in_prompt[p.history_rows]
-    rows = torch.where(seen, torch.where(rows > 0, rows / repetition, rows * repetition), rows)
-    rows = rows - p.frequency.unsqueeze(1) * counts - p.presence.unsqueeze(1) * in_completion
-    logits[p.rows] = rows
-
-
 def _logprobs(raw: Tensor, tokens: Tensor, spec: tuple[Tensor, int, list[int]]) -> Tensor:
     rows, k, _ = spec
-    logprobs = raw[rows].log_softmax(dim=-1)  # [L, V]
-    chosen = logprobs.gather(1, tokens[rows].unsqueeze(1))  # [L, 1]
+    # log_softmax at a few tokens only: logit - logsumexp, without a [L, V] log-probability tensor.
+    logits = raw[rows] if rows.numel() != raw.shape[0] else raw  # [L, V]
+    lse = logits.logsumexp(dim=-1, keepdim=True)  # [L, 1]
+    chosen = logits.gather(1, tokens[rows].unsqueeze(1)) - lse  # [L, 1]
     if k == 0:
         return chosen
-    top = logprobs.topk(k, dim=-1)
-    return torch.cat([chosen, top.values, top.indices.to(torch.float32)], dim=1)
+    top = logits.topk(k, dim=-1)
+    return torch.cat([chosen, top.values - lse, top.indices.to(torch.float32)], dim=1)
 
 
 def unpack_logprobs(packed: list[list[float]], ks: list[int]) -> list[TokenLogprobs]:

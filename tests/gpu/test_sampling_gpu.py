@@ -102,3 +102,26 @@ def test_the_samplers_cuda_path_equals_its_cpu_path(llms: tuple[LLM, LLM]) -> No
     apply_bitmask(on_gpu, mask)
     torch.cuda.synchronize()
     assert torch.equal(row, on_gpu.cpu())
+
+
+def test_the_sampling_kernels_equal_their_torch_paths_at_serving_size() -> None:
+    from service.model.kernels import sampling as k
+
+    device = torch.device("cuda")
+    assert k._use_triton(device), "the Triton kernels should pass their self-check on this GPU"
+    gen = torch.Generator(device=device).manual_seed(1)
+    vocab, rows = 128256, torch.arange(0, 128, 2, device=device)
+    logits = torch.randn(128, vocab, device=device, generator=gen) * 4
+    mask = torch.randint(-2**31, 2**31 - 1, (64, (vocab + 31) // 32), device=device, dtype=torch.int32, generator=gen)
+    want, got = logits.clone(), logits.clone()
+    k.apply_bitmask_torch(want, rows, mask)
+    k.apply_bitmask(got, rows, mask)
+    assert torch.equal(want, got)
+    counts = torch.randint(0, 4, (257, vocab), device=device, dtype=torch.int32, generator=gen)
+    in_prompt = torch.rand(257, vocab, device=device, generator=gen) < 0.01
+    args = (rows, torch.randperm(257, device=device)[:64], counts, in_prompt, torch.rand(64, device=device) * 2 - 1,
+            torch.rand(64, device=device), torch.rand(64, device=device) + 0.5)
+    want, got = logits.clone(), logits.clone()
+    k.apply_penalties_torch(want, *args)
+    k.apply_penalties(got, *args)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)

@@ -122,3 +122,15 @@ def test_structured_outputs_over_both_grpc_protocols(server) -> None:  # noqa: A
             call()
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "regex" in info.value.details() or "json_schema" in info.value.details()
+
+
+def test_constrained_requests_give_the_same_tokens_with_and_without_overlapped_steps(llm: LLM, model_cache_dir) -> None:  # noqa: ANN001
+    """With overlap the engine reads step t while step t + 1's forward pass runs, and fills t + 1's
+    masks after that: the tokens must be those of stepping one at a time."""
+    params = sampled(Constraint("json_schema", json.dumps(SCHEMA)), 6) + [SamplingParams(temperature=0.0, max_tokens=40,
+                                                                                         ignore_eos=True)]
+    prompts = ["Describe a user as JSON"] * 6 + ["free text"]
+    with LLM(model="builtin:tiny", model_cache_dir=model_cache_dir, max_running_seqs=16, max_seq_len=512, device="cpu",
+             dtype="float32", overlap_steps=False) as stepwise:
+        want = [o.token_ids for o in stepwise.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want

@@ -10,13 +10,13 @@ from service.engine.sampler import (
     SampleRow,
     SamplingBatch,
     TokenHistory,
-    _apply_penalties,
     _as_int32,
     _hash32,
     gumbel_noise,
     sample,
     unpack_logprobs,
 )
+from service.model.kernels.sampling import apply_penalties_torch
 
 V = 8
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, -2.0])  # distinct, unsorted
@@ -161,6 +161,11 @@ def test_cuda_draws_equal_cpu_draws() -> None:
 
 # ---- logits processing: penalties, min_p, logit bias, bans, log-probabilities -----------------
 
+def _penalize(logits: torch.Tensor, p, history: TokenHistory) -> None:  # noqa: ANN001
+    apply_penalties_torch(logits, p.rows, p.history_rows, history.counts, history.in_prompt, p.presence, p.frequency,
+                          p.repetition)
+
+
 def _history_for(rows: list[tuple[list[int], list[int]]], vocab: int) -> TokenHistory:
     history = TokenHistory(len(rows), vocab, "cpu")
     for row, (prompt, completion) in enumerate(rows):
@@ -185,8 +190,8 @@ def test_repetition_penalty_equals_transformers_processor() -> None:
         expected = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits[r:r + 1].clone())
         assert got[r].item() == expected.argmax().item()
         processed = logits[r:r + 1].clone()  # the processed logits themselves
-        _apply_penalties(processed, SamplingBatch.build([SampleRow(SamplingParams(repetition_penalty=penalty), 0, r)],
-                                                        "cpu").penalties, history)
+        _penalize(processed, SamplingBatch.build([SampleRow(SamplingParams(repetition_penalty=penalty), 0, r)],
+                                                 "cpu").penalties, history)
         torch.testing.assert_close(processed, expected)
 
 
@@ -194,7 +199,7 @@ def test_presence_and_frequency_penalties_count_completion_tokens_only() -> None
     logits = torch.zeros(1, 10)
     history = _history_for([([2, 2, 3], [3, 5, 5, 5])], 10)
     params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
-    _apply_penalties(logits, SamplingBatch.build([SampleRow(params, 0, 0)], "cpu").penalties, history)
+    _penalize(logits, SamplingBatch.build([SampleRow(params, 0, 0)], "cpu").penalties, history)
     expected = torch.zeros(1, 10)
     expected[0, 3] = -(0.5 + 0.25 * 1)
     expected[0, 5] = -(0.5 + 0.25 * 3)  # the prompt's 2 is not penalized
