@@ -65,7 +65,8 @@ def sampler_rows(args: argparse.Namespace) -> list[dict]:
         def run(step_rows: list[SampleRow] = step_rows) -> None:
             sample(logits, SamplingBatch.build(step_rows, device), history)
 
-        rows.append({"config": name, "rows": b, "vocab": vocab, "ms": round(time_ms(run, device, iters=50), 3)})
+        rows.append({"config": name, "rows": b, "vocab": vocab, "ms": round(time_ms(run, device, iters=50), 3),
+                     "busy_ms": busy_ms(run, device)})
     rows += grammar_rows(args, device, logits)
     base = rows[0]["ms"]
     for row in rows:
@@ -73,12 +74,38 @@ def sampler_rows(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def busy_ms(fn, device: torch.device, iters: int = 20) -> float | None:  # noqa: ANN001
+    """Device milliseconds of fn when its kernels queue behind a busy GPU, as in a step (the sampling
+    is launched while the forward pass runs): a 3 ms sleep kernel, then fn, minus the sleep alone.
+    Without the sleep the launch gaps of an idle GPU would count."""
+    if device.type != "cuda":
+        return None
+
+    def timed(with_fn: bool) -> float:
+        out = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(3_000_000)  # ~1.5-3 ms of cycles
+            if with_fn:
+                fn()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end))
+        return sorted(out)[len(out) // 2]
+
+    fn()
+    return round(timed(True) - timed(False), 3)
+
+
 def grammar_rows(args: argparse.Namespace, device: torch.device, logits: torch.Tensor) -> list[dict]:
     """Filling 64 rows' JSON-schema masks on the host (in a step they are filled while the engine
     prepares it), and applying them on the device."""
-    from service.engine.structured import GrammarCompiler, allocate_bitmask, apply_bitmask
-    from service.model.builtin import BUILTIN_SHAPES, write_tokenizer
     from transformers import AutoTokenizer
+
+    from service.engine.structured import GrammarCompiler, allocate_bitmask
+    from service.model.builtin import BUILTIN_SHAPES, write_tokenizer
+    from service.model.kernels.sampling import apply_bitmask
 
     tok_dir = Path(args.tokenizer_dir)
     if not (tok_dir / "tokenizer.json").is_file():
@@ -101,49 +128,83 @@ def grammar_rows(args: argparse.Namespace, device: torch.device, logits: torch.T
     fills.sort()
 
     def apply() -> None:
-        constrained = logits[rows_t]
-        apply_bitmask(constrained, masks)
-        logits[rows_t] = constrained
+        apply_bitmask(logits, rows_t, masks)
 
     return [{"config": f"JSON schema: fill {args.batch} masks (host)", "rows": args.batch, "vocab": args.vocab,
              "ms": round(fills[len(fills) // 2], 3)},
             {"config": f"JSON schema: apply {args.batch} masks (device)", "rows": args.batch, "vocab": args.vocab,
-             "ms": round(time_ms(apply, device, iters=50), 3)}]
+             "ms": round(time_ms(apply, device, iters=50), 3), "busy_ms": busy_ms(apply, device)}]
 
 
 def e2e_rows(args: argparse.Namespace) -> list[dict]:
     from service.llm import LLM, SamplingParams
 
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(100, 120000, (32,), generator=gen).tolist() for _ in range(args.streams)]
     configs = {
         "plain (greedy)": SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True),
         "top-5 logprobs + 3 penalties": SamplingParams(temperature=0.0, max_tokens=args.output_tokens,
                                                        ignore_eos=True, logprobs=5, **PENALTIES),
-        "10-field JSON schema": SamplingParams(temperature=1.0, seed=3, max_tokens=args.output_tokens,
-                                               constraint=Constraint("json_schema", json.dumps(SCHEMA))),
+        "10-field JSON schema (greedy)": SamplingParams(temperature=0.0, max_tokens=args.output_tokens,
+                                                        constraint=Constraint("json_schema", json.dumps(SCHEMA))),
+        "sampled (T 1.0)": SamplingParams(temperature=1.0, seed=3, max_tokens=args.output_tokens, ignore_eos=True),
+        "10-field JSON schema (T 1.0)": SamplingParams(temperature=1.0, seed=3, max_tokens=args.output_tokens,
+                                                       constraint=Constraint("json_schema", json.dumps(SCHEMA))),
     }
     rows = []
     with LLM(model=args.model, model_cache_dir=args.cache_dir, device=args.device, dtype=args.dtype) as llm:
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(3, llm.vocab_size, (32,), generator=gen).tolist() for _ in range(args.streams)]
         llm.generate(prompts, configs["plain (greedy)"])  # captures and warms every size
+        timers = _host_timers(llm)
         for name, params in configs.items():
             best = None
             for _ in range(args.rounds):
+                for t in timers.values():
+                    t[:] = [0.0, 0]
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, [params] * len(prompts))
                 seconds = time.perf_counter() - t0
                 tokens = sum(len(o.token_ids) for o in outs)
                 if best is None or tokens / seconds > best[0]:
-                    best = (tokens / seconds, tokens, seconds, outs)
-            tps, tokens, seconds, outs = best
+                    best = (tokens / seconds, tokens, seconds, outs, {k: list(v) for k, v in timers.items()})
+            tps, tokens, seconds, outs, spent = best
             row = {"config": name, "streams": args.streams, "tokens": tokens, "seconds": round(seconds, 3),
-                   "tokens_per_s": round(tps)}
+                   "tokens_per_s": round(tps), "steps": spent["launch"][1],
+                   "step_ms": round(seconds * 1000 / max(1, spent["launch"][1]), 2)}
+            for key, (total, _) in spent.items():  # host milliseconds per step, by part
+                row[f"{key}_ms"] = round(total * 1000 / max(1, spent["launch"][1]), 3)
             if params.constraint is not None:
                 row["valid_json"] = sum(_valid(o.text) for o in outs)
             rows.append(row)
     for row in rows:
         row["x_plain"] = round(row["tokens_per_s"] / rows[0]["tokens_per_s"], 3)
     return rows
+
+
+def _host_timers(llm) -> dict[str, list]:  # noqa: ANN001
+    """Host seconds and calls of a step's parts (the engine thread's): launch (forward, sampling and
+    what runs between), the grammar masks' fill, reading and postprocessing the tokens (the
+    matchers' accept included), waiting for the tokens."""
+    engine, runner = llm._engine, llm._engine.runner
+    timers: dict[str, list] = {}
+
+    def wrap(owner, attr: str, key: str) -> None:  # noqa: ANN001
+        inner = getattr(owner, attr)
+        timers[key] = [0.0, 0]
+
+        def timed(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                timers[key][0] += time.perf_counter() - t0
+                timers[key][1] += 1
+        setattr(owner, attr, timed)
+
+    wrap(runner, "launch", "launch")
+    wrap(runner, "_masks", "masks")
+    wrap(runner, "collect", "collect")
+    wrap(engine, "_read_tokens", "read_tokens")
+    return timers
 
 
 def _valid(text: str) -> bool:
@@ -171,12 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
     sampler = sampler_rows(args)
-    print_table(sampler, ["config", "rows", "vocab", "ms", "x_greedy"], title="the sampler alone, one step")
+    print_table(sampler, ["config", "rows", "vocab", "ms", "busy_ms", "x_greedy"],
+                title="the sampler alone, one step (ms: an idle GPU, launch gaps included; busy_ms: queued behind work)")
     payload = {"sampler": sampler}
     if args.e2e:
         payload["closed_loop"] = e2e_rows(args)
-        print_table(payload["closed_loop"], ["config", "streams", "tokens", "seconds", "tokens_per_s", "x_plain",
-                                             "valid_json"], title="closed loop through the LLM API, graphs on")
+        print_table(payload["closed_loop"], ["config", "tokens", "tokens_per_s", "x_plain", "steps", "step_ms", "launch_ms",
+                                             "masks_ms", "collect_ms", "read_tokens_ms", "valid_json"],
+                    title=f"closed loop through the LLM API, graphs on, {args.streams} streams (host ms per step)")
     print(write_result("sampling", payload, args.device))
     return 0
 
