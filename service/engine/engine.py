@@ -102,10 +102,6 @@ class Engine:
         # (stop checks, detokenizing, publishing) runs while the device computes step t+1.
         self.overlap = overlap
         self.grammars = grammars
-        # Running requests with a constraint: their next mask needs the token in flight, so while any
-        # runs, the step in flight is read after the next step's forward pass is queued and before
-        # its sampling (the host's work still overlaps the device's forward pass).
-        self._constrained = 0
         self._in_flight: _InFlight | None = None  # launched, not yet collected (overlap only)
         self._cond = threading.Condition()
         # Requests are known inside the engine by a key unique to this submit, not by the client's
@@ -243,7 +239,6 @@ class Engine:
                     if request.adapter and not self._hold_adapter(request.adapter, sink):
                         continue
                     seq = Sequence(request, key=key, matcher=matcher)
-                    self._constrained += matcher is not None
                     self._outputs[key] = (RequestOutput(seq, self.tokenizer, self.eos_token_ids), sink)
                     self.scheduler.add(seq)
                 for key in aborts:
@@ -278,10 +273,18 @@ class Engine:
         seqs = batch.sampling  # a chunk that leaves part of its prompt for later steps samples nothing
         launched = None
         if not batch.empty:
-            if self._constrained and self._in_flight is not None:  # masks need the tokens in flight
+            # A step with constrained rows: their masks need the tokens in flight, so the step in
+            # flight is read after this step's forward pass is queued and before its sampling (the
+            # host's work still overlaps the device's forward pass).
+            if self._in_flight is not None and any(s.matcher is not None for s in seqs):
                 in_flight, self._in_flight = self._in_flight, None
-                handle = self.runner.launch(batch.decodes, batch.prefills,
-                                            before_sampling=lambda: self._read_tokens(in_flight, events))
+
+                def read_in_flight() -> None:
+                    self._read_tokens(in_flight, events)
+                    if in_flight.seqs:
+                        self._tokens_read(time.monotonic())
+
+                handle = self.runner.launch(batch.decodes, batch.prefills, before_sampling=read_in_flight)
             else:
                 handle = self.runner.launch(batch.decodes, batch.prefills)
             launched = _InFlight(seqs, handle)
@@ -361,7 +364,6 @@ class Engine:
 
     def _finish(self, seq: Sequence, finish: Finish | None, now: float) -> tuple[Sink, RequestEvent]:
         output, sink = self._outputs.pop(seq.key)
-        self._constrained -= seq.matcher is not None
         if seq.request.adapter:
             assert self.scheduler.adapters is not None
             self.scheduler.adapters.unhold(seq.request.adapter)

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import structlog
+
 from service.engine.detokenizer import IncrementalDetokenizer
 from service.engine.request import Finish, FinishReason, RequestEvent, TokenDelta, TokenLogprobs
 from service.engine.sequence import Sequence
 from service.engine.stop import StopStringMatcher
+
+log = structlog.get_logger("graphserve.engine")
 
 
 class RequestOutput:
@@ -34,8 +38,8 @@ class RequestOutput:
         seq = self.seq
         if seq.first_token_at is None:
             seq.first_token_at = now
-        if seq.matcher is not None:
-            seq.matcher.accept(token)  # allowed by the mask it was sampled under
+        if seq.matcher is not None and not seq.matcher.accept(token):  # the mask allowed it: a fault
+            log.warning("grammar_rejected_token", request_id=seq.request_id, token=token, error=seq.matcher.error)
         if token in self._stop_ids:
             return [self._finish(FinishReason.STOP, now, matched=token)]
         if token in self._eos_ids:

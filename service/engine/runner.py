@@ -334,8 +334,8 @@ class ModelRunner:
 
     def _masks(self, constrained: list) -> tuple[torch.Tensor, torch.Tensor]:
         """The constrained rows and their grammar masks (copied to the device without a wait: the
-        engine reads step t before it samples step t + 1, so the pinned buffer that step t's masks
-        came from is free again when step t + 1's are filled)."""
+        engine reads the step in flight before it samples a step with constrained rows, so every
+        earlier step, and the copy from this buffer it made, is complete when it is refilled)."""
         from service.engine.structured import allocate_bitmask
 
         if self._bitmask is None:

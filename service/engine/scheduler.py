@@ -218,7 +218,10 @@ class Scheduler:
             if seq.num_pending:  # preempted with a token in flight: admitted once the engine read it
                 blocked.append(seq)
                 continue
-            if self._waits_for_shared_prefill(seq) or not self._may_pass(blocked, seq) or not self._admit_adapter(seq):
+            if self._waits_for_shared_prefill(seq):
+                self._waiting.appendleft(seq)  # FIFO: the rest waits this one step with it
+                break
+            if not self._may_pass(blocked, seq) or not self._admit_adapter(seq):
                 blocked.append(seq)
                 continue
             if not self._admit_blocks(seq, budget):
@@ -310,8 +313,9 @@ class Scheduler:
 
     def _waits_for_shared_prefill(self, seq: Sequence) -> bool:
         """A prompt whose first block a prefilling sequence computes now (admitted this step, the
-        block not yet in the prefix cache) waits a step, then takes the blocks that prefill registered
-        instead of computing them again: the n samples of one prompt, a burst with one system prompt."""
+        block not yet in the prefix cache) waits a step, with everything behind it (admission stays
+        FIFO), then takes the blocks that prefill registered instead of computing them again: the n
+        samples of one prompt, a burst with one system prompt."""
         if not self.blocks.prefix_caching or not self._prefilling or seq.num_tokens <= self.block_size:
             return False
         self._extend_hashes(seq, self.block_size)

@@ -69,7 +69,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     @answers_rejections
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         streams = self.streams
-        request_id = await streams.begin(context, request.request_id, lambda: _estimated_tokens(request))
+        request_id = await streams.begin(context, request.request_id, lambda: _estimated_tokens(request),
+                                         request.n if request.HasField("n") else 1)
 
         async def prepare(stream: Stream) -> list[GenerationRequest]:
             size = check_prompt_size(request, self.limits)

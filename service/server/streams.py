@@ -32,7 +32,7 @@ from service.engine.request import (
     RequestEvent,
     TokenDelta,
 )
-from service.server.validation import InvalidRequest, request_id_of
+from service.server.validation import MAX_SAMPLES, InvalidRequest, request_id_of
 
 log = structlog.get_logger("graphserve.server")
 
@@ -101,8 +101,8 @@ class Stream:
         self.keys: list[str] = []  # the engine's key of each sample's sequence, once submitted
         self.ended: set[int] = set()  # samples whose terminal event arrived
         self.prompt_tokens = 0
-        self.sent_tokens = 0
-        self.backlog = 0
+        self.sent: dict[int, int] = {}  # tokens delivered (taken, or queued) per sample
+        self.backlog = 0  # tokens queued, not yet written, of every sample
         self.paused = False
 
     def sink(self, index: int) -> Callable[[RequestEvent], None]:
@@ -112,6 +112,7 @@ class Stream:
         self.queue.put_nowait((index, event))
         if isinstance(event, TokenDelta):
             self.backlog += len(event.token_ids)
+            self.sent[index] = self.sent.get(index, 0) + len(event.token_ids)
             if self.backlog > self.max_backlog and not self.paused and self.keys:
                 self.paused = True
                 for key in self.keys:
@@ -119,7 +120,6 @@ class Stream:
 
     def taken(self, delta: TokenDelta) -> None:
         self.backlog -= len(delta.token_ids)
-        self.sent_tokens += len(delta.token_ids)
         if self.paused and self.queue.empty() and self.keys:
             self.paused = False
             for key in self.keys:
@@ -135,8 +135,7 @@ class Stream:
         """End the stream with finish_reason abort without the engine (it does not answer)."""
         for index in range(max(1, len(self.keys))):
             if index not in self.ended:
-                self.queue.put_nowait((index, Finish(FinishReason.ABORT, self.prompt_tokens,
-                                                     self.sent_tokens + self.backlog,
+                self.queue.put_nowait((index, Finish(FinishReason.ABORT, self.prompt_tokens, self.sent.get(index, 0),
                                                      total_seconds=max(0.0, time.monotonic() - self.arrival))))
 
 
@@ -217,28 +216,31 @@ class Streams:
             await self.reject(context, grpc.StatusCode.UNAVAILABLE, "not_serving",
                               "the engine makes no progress (health NOT_SERVING); retry on another replica")
 
-    async def admit(self, context: grpc.aio.ServicerContext, estimated_prompt_tokens: Callable[[], int]) -> None:
-        """Overload checks, before any tokenization: a rejected request costs almost nothing."""
+    async def admit(self, context: grpc.aio.ServicerContext, estimated_prompt_tokens: Callable[[], int],
+                    samples: int = 1) -> None:
+        """Overload checks, before any tokenization: a rejected request costs almost nothing. A
+        request for n samples counts as n waiting requests of its prompt."""
         a, engine = self.admission, self.engine
         if len(self.active) >= a.max_concurrent_streams:
             await self.reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "concurrent_streams",
                               f"{len(self.active)} streams are open, the limit is {a.max_concurrent_streams}: retry later")
-        if engine.num_waiting >= a.max_waiting_requests:
+        if engine.num_waiting + samples > a.max_waiting_requests:
             await self.reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_full",
                               f"{engine.num_waiting} requests are waiting, the limit is "
                               f"{a.max_waiting_requests}: retry later")
         if engine.num_waiting == 0:
             return
-        if engine.waiting_prompt_tokens + estimated_prompt_tokens() > a.max_waiting_tokens:
+        if engine.waiting_prompt_tokens + samples * estimated_prompt_tokens() > a.max_waiting_tokens:
             await self.reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_tokens",
                               f"the waiting queue holds {engine.waiting_prompt_tokens} prompt tokens, the "
                               f"limit is {a.max_waiting_tokens}: retry later")
 
-    async def begin(self, context: grpc.aio.ServicerContext, given_id: str, estimated_prompt_tokens: Callable[[], int]
-                    ) -> str:
-        """Every protocol's checks before its own: available, admitted, a valid request id (returned)."""
+    async def begin(self, context: grpc.aio.ServicerContext, given_id: str, estimated_prompt_tokens: Callable[[], int],
+                    samples: int = 1) -> str:
+        """Every protocol's checks before its own: available, admitted, a valid request id (returned).
+        samples: the request's n (clamped to the limit; the limit itself is checked with the request)."""
         await self.check_available(context)
-        await self.admit(context, estimated_prompt_tokens)
+        await self.admit(context, estimated_prompt_tokens, max(1, min(samples, MAX_SAMPLES)))
         try:
             return request_id_of(given_id)
         except InvalidRequest as exc:

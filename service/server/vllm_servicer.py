@@ -112,7 +112,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     @answers_rejections
     async def Generate(self, request: vllm_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         streams = self.streams
-        request_id = await streams.begin(context, request.request_id, lambda: _estimated_tokens(request))
+        request_id = await streams.begin(context, request.request_id, lambda: _estimated_tokens(request),
+                                         request.sampling_params.n)
 
         writer = _Writer(request.stream)
 

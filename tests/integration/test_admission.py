@@ -55,6 +55,22 @@ def test_full_queue_is_resource_exhausted_and_queued_work_completes(small_server
     _wait(lambda: engine.num_running == 0 and engine.num_free_slots == 1)
 
 
+def test_n_samples_count_as_n_waiting_requests(small_server) -> None:
+    """--max-waiting-requests 1 with one running: a request for 2 samples would queue 2 (one runs,
+    the other waits behind the running one) over an empty queue: refused; one sample is admitted."""
+    stub = small_server.stub()
+    engine = small_server.app.engine
+    long_one = threading.Thread(target=lambda: generate(small_server.stub(), **greedy("Once upon a time", 300)))
+    long_one.start()
+    _wait(lambda: engine.num_running == 1)
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stub, n=2, **greedy("two samples", 5))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in info.value.details()
+    assert generate(stub, n=1, **greedy("one sample", 5))[1].usage.completion_tokens == 5
+    long_one.join(120)
+    _wait(lambda: engine.num_running == 0 and engine.num_free_slots == 1)
+
+
 def test_prompt_over_the_byte_limit_names_the_limit(small_server) -> None:
     with pytest.raises(grpc.RpcError) as info:
         generate(small_server.stub(), **greedy("x" * 1001, 2))

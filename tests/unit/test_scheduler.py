@@ -611,7 +611,7 @@ def test_a_prefix_hit_still_computes_the_last_prompt_token() -> None:
 
 def test_prompts_arriving_together_share_the_first_ones_prefill() -> None:
     """n samples of one prompt (or a burst with one system prompt): the others wait one step for the
-    first's prefill and take its full blocks; a prompt with another first block does not wait."""
+    first's prefill and take its full blocks; what arrived after them waits that step too (FIFO)."""
     sched = Scheduler(max_running=8, max_num_batched_tokens=256)
     prompt = list(range(100, 150))  # 50 tokens: three full blocks and 2 more
     samples = [make_seq(f"s{i}", prompt=prompt) for i in range(3)]
@@ -619,10 +619,11 @@ def test_prompts_arriving_together_share_the_first_ones_prefill() -> None:
     for seq in [*samples, other]:
         sched.add(seq)
     first = sched.schedule()
-    assert chunks(first.prefills) == [("s0", 0, 50), ("other", 0, 50)]
+    assert chunks(first.prefills) == [("s0", 0, 50)]
     sample(first.sampling)
     second = sched.schedule()
-    assert chunks(second.prefills) == [("s1", 48, 50), ("s2", 48, 50)] and ids(second.decodes) == ["s0", "other"]
+    assert chunks(second.prefills) == [("s1", 48, 50), ("s2", 48, 50), ("other", 0, 50)]
+    assert ids(second.decodes) == ["s0"]
     assert [s.num_cached_tokens for s in samples] == [0, 48, 48]
     assert all(s.block_ids[:3] == samples[0].block_ids[:3] for s in samples)
     check_blocks(sched, [*samples, other])
