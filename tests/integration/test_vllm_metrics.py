@@ -118,7 +118,10 @@ def test_running_waiting_and_kv_cache_usage_follow_open_streams(model_cache_dir)
         finally:
             for call in calls:
                 call.cancel()
-        now = wait_for(port, lambda s: vllm(s, "vllm:request_success_total", finished_reason="abort") == aborts + 3)
+        # The scrape reads the engine's counts one after another while its thread runs: wait for a
+        # snapshot where all of them have settled (a held block would keep the usage above 0 for good).
+        now = wait_for(port, lambda s: vllm(s, "vllm:request_success_total", finished_reason="abort") == aborts + 3
+                       and vllm(s, "vllm:kv_cache_usage_perc") == 0)
         assert vllm(now, "vllm:request_success_total", finished_reason="abort") == aborts + 3
         assert vllm(now, "vllm:num_requests_running") == 0
         assert vllm(now, "vllm:num_requests_waiting") == 0
