@@ -32,7 +32,7 @@ from service.engine.piecewise_step import LoraPiecewiseStep, PiecewiseStep
 from service.engine.rank_memory import RankMemory, device_memory
 from service.engine.ranks import Ranks
 from service.engine.request import StepTokens
-from service.engine.sampler import Sampled, SampleRow, SamplingBatch, TokenHistory, sample, unpack_logprobs
+from service.engine.sampler import Sampled, SampleRow, SamplingBatch, TokenHistory, sample, to_device, unpack_logprobs
 from service.engine.scheduler import PrefillChunk
 from service.engine.sequence import Sequence
 from service.engine.step_channel import StepInputs
@@ -346,9 +346,7 @@ class ModelRunner:
         # 64 rows on a 2-core host; bench/sampling_bench.py), each fill being tens of microseconds.
         for i, (matcher, _) in enumerate(constrained):
             matcher.fill_bitmask(masks, i)
-        rows = torch.tensor([b for _, b in constrained], dtype=torch.int64)
-        on_cuda = self.device.type == "cuda"
-        return rows.pin_memory().to(self.device, non_blocking=True) if on_cuda else rows, masks
+        return to_device(torch.tensor([b for _, b in constrained], dtype=torch.int64), self.device), masks
 
     def _track_history(self, seq: Sequence) -> None:
         """Make the sequence's history row describe it (once per admission: a new slot, or the same

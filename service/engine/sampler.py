@@ -83,8 +83,8 @@ class SamplingBatch:
         if add_rows:
             ints += [add_rows, add_ids]
             floats.append(add_values)
-        float_t = _to_device(torch.tensor([v for f in floats for v in f], dtype=torch.float32), device)
-        int_t = _to_device(torch.tensor([v for i in ints for v in i], dtype=torch.int64), device)
+        float_t = to_device(torch.tensor([v for f in floats for v in f], dtype=torch.float32), device)
+        int_t = to_device(torch.tensor([v for i in ints for v in i], dtype=torch.int64), device)
         float_parts = iter(float_t.split([len(f) for f in floats]))
         int_parts = iter(int_t.split([len(i) for i in ints]))
         batch = cls(
@@ -132,9 +132,9 @@ class TokenHistory:
         device = self.counts.device
         self.counts[row].zero_()
         self.in_prompt[row].zero_()
-        self.in_prompt[row, _to_device(torch.tensor(prompt, dtype=torch.int64), device)] = True
+        self.in_prompt[row, to_device(torch.tensor(prompt, dtype=torch.int64), device)] = True
         if completion:
-            ids = _to_device(torch.tensor(completion, dtype=torch.int64), device)
+            ids = to_device(torch.tensor(completion, dtype=torch.int64), device)
             self.counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         self.owner[row] = owner
 
@@ -235,7 +235,7 @@ def unpack_logprobs(packed: list[list[float]], ks: list[int]) -> list[TokenLogpr
     return out
 
 
-def _to_device(t: Tensor, device: torch.device | str) -> Tensor:
+def to_device(t: Tensor, device: torch.device | str) -> Tensor:
     if torch.device(device).type == "cuda":
         # A copy from pinned memory, queued on the stream: the host does not wait for it.
         return t.pin_memory().to(device, non_blocking=True)

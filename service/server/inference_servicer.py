@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from service.chat import ChatError, chat_prompt_ids
-from service.engine.request import Constraint, Finish, FinishReason, GenerationRequest, TokenDelta
+from service.engine.request import Finish, FinishReason, GenerationRequest, TokenDelta
 from service.proto import inference_pb2, inference_pb2_grpc
 from service.server.streams import Stream, Streams, answers_rejections
 from service.server.validation import (
@@ -24,6 +24,7 @@ from service.server.validation import (
     check_adapter,
     check_constraint,
     check_prompt_ids,
+    constraint_of,
     encode_capped,
     generation_request,
     need,
@@ -79,7 +80,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 prompt = await asyncio.to_thread(prompt_ids, request, self.tokenizer, self.limits)
             else:
                 prompt = prompt_ids(request, self.tokenizer, self.limits)
-            constraint = _constraint(request.sampling)
+            constraint = constraint_of(request.sampling)
             if constraint is not None:
                 await asyncio.to_thread(check_constraint, RequestValues(constraint=constraint), self.limits,
                                         GRAPHSERVE_FIELDS)
@@ -198,19 +199,10 @@ def to_generation_request(request: inference_pb2.GenerateRequest, request_id: st
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
         min_tokens=t.min_tokens, logit_bias=tuple(s.logit_bias.items()),
         logprobs=s.logprobs if s.HasField("logprobs") else None,
-        constraint=_constraint(s),
+        constraint=constraint_of(s),
     )
     return generation_request(request_id, prompt, values, limits, GRAPHSERVE_FIELDS, adapter=request.adapter,
                               stream_interval=_stream_interval(request), arrival_time=arrival_time)
-
-
-def _constraint(s: inference_pb2.SamplingParams) -> Constraint | None:
-    kind = s.WhichOneof("constraint")
-    if kind is None or (kind == "json_object" and not s.json_object):
-        return None
-    if kind == "choice":
-        return Constraint("choice", tuple(s.choice.choices))
-    return Constraint(kind, "" if kind == "json_object" else getattr(s, kind))
 
 
 def _stream_interval(request: inference_pb2.GenerateRequest) -> int:

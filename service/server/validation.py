@@ -18,7 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.config import ServeConfig
-from service.engine.request import MAX_LOGPROBS, Constraint, GenerationRequest, SamplingParams, StoppingParams
+from service.engine.request import (
+    CONSTRAINT_KINDS,
+    MAX_LOGPROBS,
+    Constraint,
+    GenerationRequest,
+    SamplingParams,
+    StoppingParams,
+)
 
 MAX_REQUEST_ID_BYTES = 256
 MAX_STREAM_INTERVAL = 1024
@@ -191,6 +198,18 @@ def check_sampling(v: RequestValues, f: Fields) -> None:
         need(math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS_VALUE,
              f"{f.sampling}logit_bias[{token}] must be in [-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], "
              f"got {bias}")
+
+
+def constraint_of(p: Any) -> Constraint | None:
+    """The structured-output constraint of a sampling message: graphserve.v1's SamplingParams and
+    vLLM's name the oneof (`constraint`) and its fields alike. A kind graphserve does not serve
+    (vLLM's structural_tag) is refused by the caller's field checks, not mapped."""
+    kind = p.WhichOneof("constraint")
+    if kind not in CONSTRAINT_KINDS or (kind == "json_object" and not p.json_object):
+        return None
+    if kind == "choice":
+        return Constraint("choice", tuple(p.choice.choices))
+    return Constraint(kind, "" if kind == "json_object" else getattr(p, kind))
 
 
 def check_constraint(v: RequestValues, limits: Limits, f: Fields) -> None:

@@ -33,7 +33,7 @@ import grpc
 from google.protobuf.unknown_fields import UnknownFieldSet
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from service.engine.request import Constraint, Finish, FinishReason, GenerationRequest, TokenDelta, TokenLogprobs
+from service.engine.request import Finish, FinishReason, GenerationRequest, TokenDelta, TokenLogprobs
 from service.server.streams import Stream, Streams, answers_rejections
 from service.server.validation import (
     Fields,
@@ -41,6 +41,7 @@ from service.server.validation import (
     RequestValues,
     check_constraint,
     check_prompt_ids,
+    constraint_of,
     encode_capped,
     generation_request,
     need,
@@ -343,19 +344,9 @@ def request_values(p: vllm_engine_pb2.SamplingParams) -> RequestValues:
         repetition_penalty=p.repetition_penalty if p.repetition_penalty != 0 else 1.0,  # 0 is unset on the wire
         min_tokens=p.min_tokens, logit_bias=tuple(p.logit_bias.items()),
         logprobs=p.logprobs if p.HasField("logprobs") else None,
-        constraint=_constraint(p),
+        constraint=constraint_of(p),
     )
 
-
-def _constraint(p: vllm_engine_pb2.SamplingParams) -> Constraint | None:
-    kind = p.WhichOneof("constraint")
-    if kind is None or kind == "structural_tag":
-        return None
-    if kind == "json_object":
-        return Constraint("json_object") if p.json_object else None
-    if kind == "choice":
-        return Constraint("choice", tuple(p.choice.choices))
-    return Constraint(kind, getattr(p, kind))
 
 
 def tokenizer_zip(model_dir: Path) -> tuple[bytes, str]:

@@ -85,9 +85,16 @@ def running(replicas: list[ServerProcess]) -> int:
     return sum(engine_stub(r).GetLoads(v.GetLoadsRequest(), timeout=5).loads[0].num_running_reqs for r in replicas)
 
 
+def chat(conversation: list[dict[str, str]]) -> pb.ChatMessages:
+    return pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in conversation])
+
+
+def v1_stub(replica: ServerProcess) -> inference_pb2_grpc.InferenceStub:
+    return inference_pb2_grpc.InferenceStub(replica.channel)
+
+
 def graphserve_text(replica: ServerProcess, max_tokens: int, **prompt) -> tuple[str, pb.Finished]:  # noqa: ANN003
-    stub = inference_pb2_grpc.InferenceStub(replica.channel)
-    chunks, finished = generate(stub, sampling=pb.SamplingParams(temperature=0),
+    chunks, finished = generate(v1_stub(replica), sampling=pb.SamplingParams(temperature=0),
                                 stopping=pb.StoppingCriteria(max_tokens=max_tokens, stop=prompt.pop("stop", [])), **prompt)
     return "".join(c.text for c in chunks), finished
 
@@ -115,8 +122,7 @@ def test_streamed_chat_completion_equals_graphserve_v1(fleet) -> None:  # noqa: 
             for choice in chunk.choices:
                 text += choice.delta.content or ""
                 finish = choice.finish_reason or finish
-        messages = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in conversation])
-        expected, finished = graphserve_text(replicas[0], 24, messages=messages)
+        expected, finished = graphserve_text(replicas[0], 24, messages=chat(conversation))
         assert_same_text(text, expected)
         assert finish == {pb.FINISH_REASON_LENGTH: "length"}.get(finished.finish_reason, "stop")
         assert usage.prompt_tokens == finished.usage.prompt_tokens
@@ -225,7 +231,7 @@ def test_vllm_health_reports_a_draining_replica(model_cache_dir, tmp_path) -> No
     try:
         stub = engine_stub(replica)
         assert stub.HealthCheck(v.HealthCheckRequest(), timeout=5).healthy
-        call = inference_pb2_grpc.InferenceStub(replica.channel).Generate(
+        call = v1_stub(replica).Generate(
             pb.GenerateRequest(text="hold the drain", stopping=pb.StoppingCriteria(max_tokens=450, ignore_eos=True)),
             timeout=60)
         next(iter(call))
@@ -248,10 +254,8 @@ def test_logprobs_and_penalties_through_the_gateway_equal_graphserve_v1(fleet) -
     replicas, gateway = fleet
     oa = client(gateway)
     conversation = CONVERSATIONS[0]
-    messages = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in conversation])
-    stub = inference_pb2_grpc.InferenceStub(replicas[0].channel)
     sampling = dict(temperature=0, logprobs=3, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.3)
-    chunks, _ = generate(stub, messages=messages, sampling=pb.SamplingParams(**sampling),
+    chunks, _ = generate(v1_stub(replicas[0]), messages=chat(conversation), sampling=pb.SamplingParams(**sampling),
                          stopping=pb.StoppingCriteria(max_tokens=12, ignore_eos=True))
     expected = [lp for c in chunks for lp in c.logprobs]
     assert len(expected) == 12
@@ -283,10 +287,9 @@ def test_n_choices_through_the_gateway_are_the_samples_graphserve_v1_gives(fleet
     replicas, gateway = fleet
     oa = client(gateway)
     conversation = CONVERSATIONS[1]
-    messages = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in conversation])
-    stub = inference_pb2_grpc.InferenceStub(replicas[0].channel)
-    chunks, _ = generate_samples(stub, 3, messages=messages, sampling=pb.SamplingParams(temperature=1.0, seed=77),
-                         stopping=pb.StoppingCriteria(max_tokens=10, ignore_eos=True))
+    chunks, _ = generate_samples(v1_stub(replicas[0]), 3, messages=chat(conversation),
+                                 sampling=pb.SamplingParams(temperature=1.0, seed=77),
+                                 stopping=pb.StoppingCriteria(max_tokens=10, ignore_eos=True))
     expected = ["".join(c.text for c in chunks if c.index == i) for i in range(3)]
     answer = oa.chat.completions.create(model=MODEL, messages=conversation, max_tokens=10, temperature=1.0, seed=77,
                                         n=3, extra_body={"ignore_eos": True})
