@@ -191,7 +191,7 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
     scheduler = Scheduler(c.max_running_seqs, c.max_num_batched_tokens, adapters=lr.adapters,
                           blocks=lr.runner.new_block_pool(c.prefix_caching))
     grammars = Grammars(lr.loaded.tokenizer, lr.loaded.spec.vocab_size, lr.loaded.spec.eos_token_ids)
-    grammars.prepare_in_background()
+    grammars.prepare()
     engine = Engine(lr.runner, scheduler, lr.loaded.tokenizer,
                     frozenset(lr.loaded.spec.eos_token_ids), publish=publish, observer=observer,
                     between_steps=between_steps, overlap=c.overlap_steps, grammars=grammars)

@@ -269,7 +269,8 @@ class Grammars:
                 self._compiler = GrammarCompiler(*self._args)
             return self._compiler
 
-    def prepare_in_background(self) -> None:
-        """Make the compiler on a daemon thread now (about a second for a 128k vocabulary), so that
-        the first constrained request does not wait for it on the thread that submits requests."""
-        threading.Thread(target=lambda: self.compiler, name="graphserve-grammars", daemon=True).start()
+    def prepare(self) -> None:
+        """Make the compiler now, before serving: about a second for a 128k vocabulary, most of it
+        holding the GIL (586 ms at a time measured), so made later, on any thread, it would freeze
+        every stream of the process."""
+        self.compiler  # noqa: B018 - made on first access

@@ -149,7 +149,7 @@ class App:
             self.metrics.set_lora_graph_source(self.graphs.lora_snapshot)
         self.admin_server, self.admin_port = await start_admin_server(c, self.engine, self.graphs, self.metrics)
         grammars = Grammars(self.tokenizer, spec.vocab_size, spec.eos_token_ids)
-        grammars.prepare_in_background()
+        await _in_daemon_thread(grammars.prepare)
         limits = Limits.from_config(dataclasses.replace(c, max_seq_len=ready.max_seq_len), vocab_size=spec.vocab_size,
                                     grammars=grammars)
         self.streams.attach(self.engine)
