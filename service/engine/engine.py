@@ -333,6 +333,9 @@ class Engine:
     def _read_tokens(self, launched: _InFlight, events: list[tuple[Sink, RequestEvent]]) -> None:
         step = self.runner.collect(launched.launched)
         now = time.monotonic()
+        for key, start, prompt_logprobs in step.prompt_logprobs:
+            if key in self._outputs:  # not finished or aborted since
+                self._outputs[key][0].on_prompt_logprobs(start, prompt_logprobs)
         logprobs = step.logprobs if step.logprobs is not None else [None] * len(step.token_ids)
         for seq, token, token_logprobs in zip(launched.seqs, step.token_ids, logprobs, strict=True):
             seq.num_pending -= 1

@@ -31,6 +31,16 @@ class RequestOutput:
         self._pending_text = ""
         self._pending_logprobs: list[TokenLogprobs] | None = [] if seq.request.sampling.logprobs is not None else None
         self._min_tokens = seq.request.sampling.min_tokens
+        # Prompt logprobs, one per prompt token after the first, filled by position as chunks compute
+        # them (a recompute after a preemption writes the same positions again); sent with the first delta.
+        asked = seq.request.sampling.prompt_logprobs is not None
+        self._prompt_logprobs: list[TokenLogprobs | None] | None = [None] * (seq.num_prompt_tokens - 1) if asked else None
+
+    def on_prompt_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> None:
+        """The log-probabilities of prompt tokens start + 1, start + 2, ... (from a prefill chunk)."""
+        if self._prompt_logprobs is None:  # sent already (a recompute after the first token)
+            return
+        self._prompt_logprobs[start: start + len(logprobs)] = logprobs
 
     def on_token(self, token: int, now: float, logprobs: TokenLogprobs | None = None) -> list[RequestEvent]:
         """Record one sampled token (already appended to the sequence) and its log-probabilities.
@@ -71,7 +81,10 @@ class RequestOutput:
         return self._finish(FinishReason.ABORT, now)
 
     def _take_delta(self) -> TokenDelta:
-        delta = TokenDelta(self._pending_ids, self._pending_text, self._pending_logprobs)
+        prompt, self._prompt_logprobs = self._prompt_logprobs, None
+        if prompt is not None:
+            assert all(lp is not None for lp in prompt), "the first token came before its prompt's logprobs"
+        delta = TokenDelta(self._pending_ids, self._pending_text, self._pending_logprobs, prompt)
         self._pending_ids, self._pending_text = [], ""
         if self._pending_logprobs is not None:
             self._pending_logprobs = []
@@ -89,7 +102,10 @@ class RequestOutput:
         seq, request = self.seq, self.seq.request
         scheduled = seq.scheduled_at if seq.scheduled_at is not None else now
         first = seq.first_token_at if seq.first_token_at is not None else now
-        final = self._take_delta() if (self._pending_ids or self._pending_text) else None
+        # The prompt logprobs still go out when the first token ended it (not after an abort: they
+        # may not all be computed).
+        prompt_unsent = self._prompt_logprobs is not None and reason is not FinishReason.ABORT
+        final = self._take_delta() if (self._pending_ids or self._pending_text or prompt_unsent) else None
         return Finish(
             reason=reason,
             prompt_tokens=seq.num_prompt_tokens,

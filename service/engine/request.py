@@ -54,6 +54,10 @@ class SamplingParams:
     # the processing above, as vLLM reports them.
     logprobs: int | None = None
     constraint: Constraint | None = None  # the grammar the completion must follow
+    # Log-probabilities of each prompt token after the first (given the tokens before it) and of the
+    # `prompt_logprobs` most likely ones there (None: none). Such a prompt is computed whole: it takes
+    # nothing from the prefix cache (the cached part has no logits).
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -100,6 +104,8 @@ class TokenDelta:
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked for them
+    # In a request's first delta when it asked for prompt logprobs: one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,9 @@ class StepTokens:
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
+    # Prompt logprobs the step computed: (sequence key, first prompt position, one per position from
+    # there: the log-probability of the prompt token after it).
+    prompt_logprobs: list[tuple[str, int, list[TokenLogprobs]]] = ()
 
 
 RequestEvent = TokenDelta | Finish | EngineError

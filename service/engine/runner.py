@@ -31,8 +31,17 @@ from service.engine.decode_step import LoraDecodeStep, ModelDecodeStep, fed_back
 from service.engine.piecewise_step import LoraPiecewiseStep, PiecewiseStep
 from service.engine.rank_memory import RankMemory, device_memory
 from service.engine.ranks import Ranks
-from service.engine.request import StepTokens
-from service.engine.sampler import Sampled, SampleRow, SamplingBatch, TokenHistory, sample, to_device, unpack_logprobs
+from service.engine.request import MAX_LOGPROBS, StepTokens, TokenLogprobs
+from service.engine.sampler import (
+    Sampled,
+    SampleRow,
+    SamplingBatch,
+    TokenHistory,
+    sample,
+    to_device,
+    token_logprobs,
+    unpack_logprobs,
+)
 from service.engine.scheduler import PrefillChunk
 from service.engine.sequence import Sequence
 from service.engine.step_channel import StepInputs
@@ -40,7 +49,9 @@ from service.model.kv_cache import KVCache
 from service.model.loader import LoadedModel
 from service.model.lora import LoraSlots
 from service.model.pieces import PiecewiseForward
-from service.model.step_batch import ChunkSpec, build_step_batch
+from service.model.step_batch import ChunkSpec, StepBatch, build_step_batch
+
+_LOGPROB_SLICE = 256  # prompt rows per LM-head call for prompt logprobs: [256, V] float32 logits at a time
 
 
 class ModelRunner:
@@ -170,7 +181,7 @@ class ModelRunner:
         pass (the engine reads the previous step there when grammar masks need its tokens)."""
         assert decodes or prefills, "an empty step"
         try:
-            tokens, sampling, logprobs = self.mixed(decodes, prefills, before_sampling)
+            tokens, sampling, logprobs, prompt = self.mixed(decodes, prefills, before_sampling)
             if self.ranks is not None and tokens.numel():
                 self.tp.broadcast(tokens)  # the other ranks may feed them back next step
         except Exception as exc:
@@ -180,16 +191,18 @@ class ModelRunner:
         self._previous = {seq.key: row for row, seq in enumerate(sampling)}, tokens
         logprob_ks = [s.request.sampling.logprobs for s in sampling] if logprobs is not None else None
         if self._tokens_ready is None:
-            return LaunchedStep(tokens, None, None, logprobs, logprob_ks)
+            return LaunchedStep(tokens, None, None, logprobs, logprob_ks, prompt)
         # Two pinned buffers and events in turn: the host reads launch t while launch t+1 is queued.
         self._turn ^= 1
         host = self._host_tokens[self._turn, : tokens.shape[0]]
         host.copy_(tokens, non_blocking=True)
         if logprobs is not None:  # rare enough for a pinned buffer of its own per step
-            logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True).copy_(logprobs, non_blocking=True)
+            logprobs = _to_pinned(logprobs)
+        if prompt is not None:
+            prompt = dataclasses.replace(prompt, packed=_to_pinned(prompt.packed))
         ready = self._tokens_ready[self._turn]
         ready.record()
-        return LaunchedStep(tokens, host, ready, logprobs, logprob_ks)
+        return LaunchedStep(tokens, host, ready, logprobs, logprob_ks, prompt)
 
     def collect(self, launched: LaunchedStep) -> StepTokens:
         """The launched step's tokens (and log-probabilities) on the host: the step's one host sync."""
@@ -198,48 +211,58 @@ class ModelRunner:
         else:
             launched.ready.synchronize()  # releases the GIL while the device works
             ids = launched.host.tolist()
-        if launched.logprobs is None:
-            return StepTokens(ids)
-        ks = launched.logprob_ks
-        rows = iter(unpack_logprobs(launched.logprobs.tolist(), [k for k in ks if k is not None]))
-        return StepTokens(ids, [None if k is None else next(rows) for k in ks])
+        logprobs = None
+        if launched.logprobs is not None:
+            ks = launched.logprob_ks
+            rows = iter(unpack_logprobs(launched.logprobs.tolist(), [k for k in ks if k is not None]))
+            logprobs = [None if k is None else next(rows) for k in ks]
+        return StepTokens(ids, logprobs, () if launched.prompt is None else launched.prompt.unpack())
 
     def mixed(self, decodes: list[Sequence], chunks: list[PrefillChunk],
               before_sampling: Callable[[], None] | None = None
-              ) -> tuple[torch.Tensor, list[Sequence], torch.Tensor | None]:
+              ) -> tuple[torch.Tensor, list[Sequence], torch.Tensor | None, PromptLogprobs | None]:
         """Decodes and prompt chunks (or decodes alone) in one forward pass (one host->device copy of
         the step's rows); returns a token for each sampling sequence (on device), the sequences (each
-        decode, then each chunk that completes its prompt), and the packed log-probabilities of
-        those that asked for them (sampler.Sampled)."""
+        decode, then each chunk that completes its prompt), the packed log-probabilities of those
+        that asked for them (sampler.Sampled), and the prompt logprobs the chunks computed."""
         rows, previous_tokens = self._previous
         pending_rows = [rows[s.key] if s.num_pending else -1 for s in decodes]
         sampling = decodes + [c.seq for c in chunks if c.completes_prompt]
         lora_slots = None
         if any(s.lora_slot for s in decodes) or any(c.seq.lora_slot for c in chunks):
             lora_slots = [s.lora_slot for s in decodes] + [c.seq.lora_slot for c in chunks for _ in range(c.num_tokens)]
+        prompt_rows = [_prompt_logprob_rows(c) for c in chunks]
+        prompt = None
+        if any(prompt_rows):
+            asked = [(c.seq, c.start, n) for c, n in zip(chunks, prompt_rows) if n]
+            prompt = PromptLogprobs([(s.key, start, n, s.request.sampling.prompt_logprobs) for s, start, n in asked])
         inputs = StepInputs(
             [0 if s.num_pending else s.last_token_id() for s in decodes] + [t for c in chunks for t in c.token_ids()],
             [s.next_position() for s in decodes],
             [_slot(s) for s in decodes],
-            [ChunkSpec(_slot(c.seq), c.start, c.num_tokens, c.completes_prompt) for c in chunks],
+            [ChunkSpec(_slot(c.seq), c.start, c.num_tokens, c.completes_prompt, n) for c, n in zip(chunks, prompt_rows)],
             pending_rows if any(r >= 0 for r in pending_rows) else None,
             len(sampling),
             lora_slots,
+            None if prompt is None else [t for s, start, n in asked for t in s.request.prompt_token_ids[start + 1: start + 1 + n]],
             table_updates=_table_updates(decodes + [c.seq for c in chunks]),
         )
-        logits = self.forward(inputs, previous_tokens)
+        logits, packed = self.forward(inputs, previous_tokens)
+        if prompt is not None:
+            prompt.packed = packed
         # Before before_sampling: reading the step in flight may finish some of these sequences
         # (their slots then go back), whose rows still sample here (the token is surplus).
         rows = self._sample_rows(sampling)
         if before_sampling is not None:
             before_sampling()
         if not sampling:  # every chunk leaves part of its prompt for a later step
-            return torch.zeros(0, dtype=torch.long, device=self.device), sampling, None
+            return torch.zeros(0, dtype=torch.long, device=self.device), sampling, None, prompt
         sampled = self._sample(logits, sampling, rows)
-        return sampled.tokens, sampling, sampled.logprobs
+        return sampled.tokens, sampling, sampled.logprobs, prompt
 
-    def forward(self, inputs: StepInputs, previous_tokens: torch.Tensor) -> torch.Tensor:
-        """The step's forward pass -> float32 logits of its sampling rows. The dispatcher: a uniform
+    def forward(self, inputs: StepInputs, previous_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's forward pass -> float32 logits of its sampling rows, and the packed prompt logprobs
+        of the chunks' ChunkSpec.logprob_rows (rank 0; None when none are asked). The dispatcher: a uniform
         decode replays a FULL graph (the decode kernels, eagerly, without graphs); any other step,
         and a uniform decode when the mode keeps only PIECEWISE graphs, runs as pieces, replayed
         from PIECEWISE graphs when the mode has them. Rows with an adapter go to the LoRA cache.
@@ -260,7 +283,7 @@ class ModelRunner:
         if full:
             self.decode_step.write_rows(inputs.token_ids, inputs.positions, inputs.slots, inputs.pending_rows,
                                         previous_tokens, lora_slots=inputs.lora_slots)
-            return self._run_graphs(graphs, FULL, len(inputs.positions), plan, inputs)
+            return self._run_graphs(graphs, FULL, len(inputs.positions), plan, inputs), None
         batch = build_step_batch(
             inputs.positions,
             inputs.slots,
@@ -278,8 +301,27 @@ class ModelRunner:
         if kind is PIECEWISE:
             step.write(batch)
             hidden = self._run_graphs(graphs, PIECEWISE, batch.size, plan, inputs)  # or eager above the largest
-            return self.loaded.model.logits(hidden[batch.sample_rows])
-        return self.pieces.forward(batch)
+        else:
+            hidden = self.pieces.hidden(batch)
+        logits = self.loaded.model.logits(hidden[batch.sample_rows])
+        return logits, self._prompt_logprobs(hidden, batch, inputs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: StepBatch, inputs: StepInputs) -> torch.Tensor | None:
+        """The logits of the rows asked for prompt logprobs, a slice at a time (a 2,048-token chunk's
+        whole [rows, V] would take GBs); every tensor-parallel rank computes them (the LM head's
+        gather is collective), rank 0 alone reduces them to packed log-probabilities."""
+        if batch.logprob_rows is None:
+            return None
+        n = sum(c.logprob_rows for c in inputs.chunks)
+        targets = None if inputs.logprob_targets is None else to_device(
+            torch.tensor(inputs.logprob_targets, dtype=torch.long), self.device)
+        packed = []
+        for start in range(0, n, _LOGPROB_SLICE):
+            rows = batch.logprob_rows[start: start + _LOGPROB_SLICE]
+            logits = self.loaded.model.logits(hidden[rows])
+            if targets is not None:
+                packed.append(token_logprobs(logits, targets[start: start + _LOGPROB_SLICE], MAX_LOGPROBS))
+        return torch.cat(packed) if packed else None
 
     def _share(self, graphs: GraphCache, inputs: StepInputs, kind: CudaGraphMode | None) -> StepPlan | None:
         """Tensor parallelism: every rank runs the same graph operations at this point, then replays
@@ -371,6 +413,19 @@ def _table_updates(seqs: list[Sequence]) -> list[tuple[int, int, list[int]]]:
     return updates
 
 
+def _prompt_logprob_rows(chunk: PrefillChunk) -> int:
+    """The chunk's rows that give prompt logprobs: those before the prompt's last token (whose logits
+    sample the first completion token)."""
+    seq = chunk.seq
+    if not seq.needs_prompt_logits:
+        return 0
+    return max(0, min(chunk.start + chunk.num_tokens, seq.num_prompt_tokens - 1) - chunk.start)
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+
 def _slot(seq: Sequence) -> int:
     assert seq.slot is not None, f"{seq.request_id} holds no KV slot"
     return seq.slot
@@ -385,3 +440,22 @@ class LaunchedStep:
     ready: torch.cuda.Event | None
     logprobs: torch.Tensor | None = None  # packed (sampler.Sampled), pinned on CUDA
     logprob_ks: list[int | None] | None = None  # per sampling row: its top-k count, None for none
+    prompt: PromptLogprobs | None = None
+
+
+@dataclass
+class PromptLogprobs:
+    """A step's prompt logprobs: per chunk that asked, (sequence key, first position, rows, top k),
+    and their packed rows (sampler.token_logprobs, MAX_LOGPROBS wide), pinned on CUDA."""
+
+    chunks: list[tuple[str, int, int, int]]
+    packed: torch.Tensor | None = None
+
+    def unpack(self) -> tuple[tuple[str, int, list[TokenLogprobs]], ...]:
+        assert self.packed is not None
+        rows = self.packed.tolist()
+        out, at = [], 0
+        for key, start, n, k in self.chunks:
+            out.append((key, start, unpack_logprobs(rows[at: at + n], [k] * n)))
+            at += n
+        return tuple(out)

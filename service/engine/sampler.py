@@ -215,10 +215,16 @@ def _mask_top_k_top_p(scaled: Tensor, batch: SamplingBatch) -> Tensor:
 
 def _logprobs(raw: Tensor, tokens: Tensor, spec: tuple[Tensor, int, list[int]]) -> Tensor:
     rows, k, _ = spec
-    # log_softmax at a few tokens only: logit - logsumexp, without a [L, V] log-probability tensor.
     logits = raw[rows] if rows.numel() != raw.shape[0] else raw  # [L, V]
+    return token_logprobs(logits, tokens[rows], k)
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, k: int) -> Tensor:
+    """logits [L, V] float32, tokens [L] -> packed [L, 1 + 2k]: each token's log-probability, then the
+    top k log-probabilities and their token ids (unpack_logprobs reads it)."""
+    # log_softmax at a few tokens only: logit - logsumexp, without a [L, V] log-probability tensor.
     lse = logits.logsumexp(dim=-1, keepdim=True)  # [L, 1]
-    chosen = logits.gather(1, tokens[rows].unsqueeze(1)) - lse  # [L, 1]
+    chosen = logits.gather(1, tokens.unsqueeze(1)) - lse  # [L, 1]
     if k == 0:
         return chosen
     top = logits.topk(k, dim=-1)

@@ -294,7 +294,7 @@ class Scheduler:
         seq.prefill_len = seq.num_tokens  # the prompt; after a preemption the completion so far too
         self._extend_hashes(seq, seq.prefill_len)
         # At least the last token is computed: it gives the logits the next token is sampled from.
-        cached = self.blocks.lookup(seq.block_hashes, (seq.prefill_len - 1) // self.block_size)
+        cached = [] if seq.needs_prompt_logits else self.blocks.lookup(seq.block_hashes, (seq.prefill_len - 1) // self.block_size)
         start = len(cached) * self.block_size
         end = min(seq.prefill_len, start + budget)
         # A newcomer leaves a few blocks free for the running ones' next decodes (1% of the pool), or
@@ -316,7 +316,8 @@ class Scheduler:
         block not yet in the prefix cache) waits a step, with everything behind it (admission stays
         FIFO), then takes the blocks that prefill registered instead of computing them again: the n
         samples of one prompt, a burst with one system prompt."""
-        if not self.blocks.prefix_caching or not self._prefilling or seq.num_tokens <= self.block_size:
+        if (not self.blocks.prefix_caching or not self._prefilling or seq.num_tokens <= self.block_size
+                or seq.needs_prompt_logits):
             return False
         self._extend_hashes(seq, self.block_size)
         first = seq.block_hashes[0]

@@ -91,6 +91,13 @@ class Sequence:
         return (p + self.completion_token_ids)[start:end]
 
     @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs asked and not out yet (they go with the first token): every prompt token's
+        logits are computed, so the prompt takes nothing from the prefix cache (a preemption before
+        the first token recomputes them)."""
+        return self.request.sampling.prompt_logprobs is not None and self.first_token_at is None
+
+    @property
     def exhausted(self) -> bool:
         """Every token max_tokens allows is sampled (some may still be in flight): no more decodes."""
         return self.num_completion_tokens + self.num_pending >= self.request.stopping.max_tokens

@@ -40,6 +40,9 @@ class StepInputs:
     # Per token row, the LoRA adapter slot (0: base). Not sent: adapters and tensor parallelism are
     # not served together (the config refuses it), so the other ranks never see an adapter row.
     lora_slots: list[int] | None = None
+    # Rank 0 only (not sent: the other ranks compute the rows' logits and drop them): per chunk row
+    # with ChunkSpec.logprob_rows, in order, the prompt token whose log-probability it gives.
+    logprob_targets: list[int] | None = None
     # Rank 0's graph cache's decisions: the captures and releases every rank runs before the step,
     # in order, and the graph the step replays (None: eager).
     graph_ops: list[GraphOp] = field(default_factory=list)
@@ -60,9 +63,9 @@ class StepInputs:
     @staticmethod
     def capacity(max_running: int, max_num_batched_tokens: int, block_size: int = 16) -> int:
         """int64 words of a usual largest step: a header, 3 per graph op (up to MAX_OPS), 3 per decode,
-        4 per chunk, the token ids, and the new blocks of a step (one per row, and the chunks')."""
+        5 per chunk, the token ids, and the new blocks of a step (one per row, and the chunks')."""
         table = 4 * max_running + max_num_batched_tokens // block_size
-        return _HEADER + 3 * MAX_OPS + 7 * max_running + max_num_batched_tokens + table
+        return _HEADER + 3 * MAX_OPS + 8 * max_running + max_num_batched_tokens + table
 
     def encode(self, buf: torch.Tensor, ops: list[GraphOp] | None = None) -> torch.Tensor | None:
         """Into buf: the step with `ops` (default: all of graph_ops, at most MAX_OPS). Returns the words
@@ -73,7 +76,7 @@ class StepInputs:
         replay = self.replay
         table = [v for slot, first, blocks in self.table_updates for v in (slot, first, len(blocks), *blocks)]
         body = [*_op_words(ops), *self.positions, *self.slots, *(self.pending_rows or ()),
-                *(v for ch in self.chunks for v in (ch.slot, ch.start, ch.length, int(ch.sample))),
+                *(v for ch in self.chunks for v in (ch.slot, ch.start, ch.length, int(ch.sample), ch.logprob_rows)),
                 *self.token_ids, *table]
         extra = max(0, _HEADER + len(body) - buf.numel())
         words = [STEP, d, c, len(self.token_ids), int(self.pending_rows is not None), self.num_sampling, len(ops),
@@ -86,15 +89,16 @@ class StepInputs:
     def decode(cls, buf: torch.Tensor, rest: torch.Tensor | None = None) -> StepInputs:
         kind, d, c, t, pending, sampling, num_ops, replay_kind, replay_size, nt, extra = buf[:_HEADER].tolist()
         assert kind == STEP
-        n = 3 * num_ops + 2 * d + (d if pending else 0) + 4 * c + t + nt
+        n = 3 * num_ops + 2 * d + (d if pending else 0) + 5 * c + t + nt
         words = buf[_HEADER : _HEADER + n - extra].tolist() + (rest.tolist() if extra else [])
         ops, at = _ops_from(words, num_ops), 3 * num_ops
         positions, slots, at = words[at : at + d], words[at + d : at + 2 * d], at + 2 * d
         pending_rows = None
         if pending:
             pending_rows, at = words[at : at + d], at + d
-        chunks = [ChunkSpec(*words[at + 4 * i : at + 4 * i + 3], bool(words[at + 4 * i + 3])) for i in range(c)]
-        at += 4 * c
+        chunks = [ChunkSpec(*words[at + 5 * i : at + 5 * i + 3], bool(words[at + 5 * i + 3]), words[at + 5 * i + 4])
+                  for i in range(c)]
+        at += 5 * c
         replay = BatchDescriptor(_KINDS[replay_kind], replay_size) if replay_kind else None
         token_ids, at = words[at : at + t], at + t
         updates = []

@@ -76,10 +76,6 @@ class PiecewiseForward:
         x, delta = m.model.layers[-1].post_attention(state.x, attn, m.fast)
         return m.final_norm(x, delta)
 
-    def last(self, state: PieceState, attn: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
-        """Finishes the last layer -> float32 logits [R, V] of sample_rows."""
-        return self.model.logits(self.last_hidden(state, attn)[sample_rows])
-
     def attention(self, layer: int, state: PieceState, batch: StepBatch) -> torch.Tensor:
         return self.model.step_attention(layer, state.q, batch, self.kv, state.index)
 
@@ -87,6 +83,11 @@ class PiecewiseForward:
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """float32 logits [R, V] of batch.sample_rows; writes every row's K/V into its slot. Rows of a
         batch with `lora_slots` get their adapters (the pieces read the slots like the other per-token inputs)."""
+        return self.model.logits(self.hidden(batch)[batch.sample_rows])
+
+    @torch.inference_mode()
+    def hidden(self, batch: StepBatch) -> torch.Tensor:
+        """The step run eagerly -> the final normed hidden states [S, hidden] of every row."""
         if batch.lora_slots is not None:
             assert self.lora is not None, "a batch with adapter rows on a server without adapter slots"
         adapters = lora_tokens(batch.lora_slots, self.lora) if batch.lora_slots is not None else nullcontext()
@@ -94,4 +95,4 @@ class PiecewiseForward:
             state = self.first(batch.input_ids, batch.positions, batch.slot_ids)
             for layer in range(1, self.num_layers):
                 state = self.middle(layer, state, self.attention(layer - 1, state, batch))
-            return self.last(state, self.attention(self.num_layers - 1, state, batch), batch.sample_rows)
+            return self.last_hidden(state, self.attention(self.num_layers - 1, state, batch))

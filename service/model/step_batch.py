@@ -25,6 +25,9 @@ class ChunkSpec:
     start: int  # 0: the prompt starts here; > 0: the slot's KV holds [0, start) from earlier steps
     length: int
     sample: bool = True  # return the logits of its last token
+    # Prompt logprobs: the chunk's first `logprob_rows` rows' hidden states come back too
+    # (StepBatch.logprob_rows), for the log-probability of the token after each.
+    logprob_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class StepBatch:
     sample_rows: torch.Tensor  # [R] rows whose logits come back: decodes, then sampling chunks' last rows
     attention: AttentionMetadata
     pending_rows: torch.Tensor | None = None  # [num_decodes] see build_step_batch
+    logprob_rows: torch.Tensor | None = None  # [P] rows whose next-token logprobs are asked (ChunkSpec)
     lora_slots: torch.Tensor | None = None  # [S] int64, each row's LoRA adapter slot (0: none; padding 0)
 
     @property
@@ -107,6 +111,7 @@ def build_step_batch(
     contexts = [ContextChunk(r, c.length, c.slot, c.start) for r, c in zip(first_rows, chunks) if c.start > 0]
     shapes, group_parts = _prompt_groups([(r, c.length) for r, c in zip(first_rows, chunks) if c.start == 0])
 
+    logprob_rows = [r + i for r, c in zip(first_rows, chunks) for i in range(c.logprob_rows)]
     parts: list[list[int]] = [positions, slots, sample_rows, *group_parts]
     ids_on_host = not isinstance(token_ids, torch.Tensor)
     if ids_on_host:
@@ -117,6 +122,8 @@ def build_step_batch(
     if lora_slots is not None:
         assert len(lora_slots) == n
         parts.append([*lora_slots, *[0] * pad])
+    if logprob_rows:
+        parts.append(logprob_rows)
     host = torch.tensor([x for part in parts for x in part], dtype=torch.long, pin_memory=device.type == "cuda")
     views = list(host.to(device, non_blocking=True).split([len(part) for part in parts]))
     positions_t, slots_t, sample_t = views[:3]
@@ -132,8 +139,9 @@ def build_step_batch(
         ids_t = token_ids if not pad else torch.cat([token_ids, token_ids.new_zeros(pad)])
     pending_t = rest.pop(0) if pending_rows is not None else None
     lora_t = rest.pop(0) if lora_slots is not None else None
+    logprob_t = rest.pop(0) if logprob_rows else None
     meta = AttentionMetadata(num_decodes, prompts, contexts, n)
-    return StepBatch(ids_t, positions_t, slots_t, sample_t, meta, pending_t, lora_t)
+    return StepBatch(ids_t, positions_t, slots_t, sample_t, meta, pending_t, logprob_t, lora_t)
 
 
 def _prompt_groups(
@@ -177,6 +185,8 @@ def _check(
     for j, c in enumerate(chunks):
         if c.length < 1:
             raise ValueError(f"chunk {j} is empty ({c.length} tokens)")
+        if not 0 <= c.logprob_rows <= c.length:
+            raise ValueError(f"chunk {j} asks for {c.logprob_rows} logprob rows of its {c.length}")
         if c.start < 0 or c.start + c.length > max_seq_len:
             raise ValueError(f"chunk {j} at positions [{c.start}, {c.start + c.length}) exceeds the KV cache "
                              f"length {max_seq_len}")

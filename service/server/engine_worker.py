@@ -148,7 +148,7 @@ class _Worker:
         events = []
         for sink, event in pairs:
             if isinstance(event, TokenDelta):
-                events.append((DELTA, sink.key, (event.token_ids, event.text, event.logprobs)))
+                events.append((DELTA, sink.key, (event.token_ids, event.text, event.logprobs, event.prompt_logprobs)))
             elif isinstance(event, Finish):
                 events.append((FINISH, sink.key, event))
             else:  # the EngineError itself: its type (AdapterGone) decides the status code

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from service.chat import ChatError, chat_prompt_ids
-from service.engine.request import Finish, FinishReason, GenerationRequest, TokenDelta
+from service.engine.request import Finish, FinishReason, GenerationRequest, TokenDelta, TokenLogprobs
 from service.proto import inference_pb2, inference_pb2_grpc
 from service.server.streams import Stream, Streams, answers_rejections
 from service.server.validation import (
@@ -90,6 +90,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         await streams.serve(context, (context.peer(), request_id), prepare, _Writer(request_id))
 
 
+def _token_logprob(lp: TokenLogprobs) -> inference_pb2.TokenLogprob:
+    return inference_pb2.TokenLogprob(logprob=lp.logprob,
+                                      top=[inference_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
 class _Writer:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -97,9 +102,9 @@ class _Writer:
     def chunk(self, delta: TokenDelta, index: int) -> inference_pb2.GenerateResponse:
         chunk = inference_pb2.Chunk(token_ids=delta.token_ids, text=delta.text, index=index)
         if delta.logprobs is not None:
-            chunk.logprobs.extend(inference_pb2.TokenLogprob(
-                logprob=lp.logprob, top=[inference_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
-                for lp in delta.logprobs)
+            chunk.logprobs.extend(map(_token_logprob, delta.logprobs))
+        if delta.prompt_logprobs is not None:
+            chunk.prompt_logprobs.extend(map(_token_logprob, delta.prompt_logprobs))
         return inference_pb2.GenerateResponse(request_id=self.request_id, chunk=chunk)
 
     def finished(self, f: Finish, index: int) -> list[inference_pb2.GenerateResponse]:
@@ -200,6 +205,7 @@ def to_generation_request(request: inference_pb2.GenerateRequest, request_id: st
         min_tokens=t.min_tokens, logit_bias=tuple(s.logit_bias.items()),
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         constraint=constraint_of(s),
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
     )
     return generation_request(request_id, prompt, values, limits, GRAPHSERVE_FIELDS, adapter=request.adapter,
                               stream_interval=_stream_interval(request), arrival_time=arrival_time)

@@ -347,4 +347,4 @@ def _merge_ready(first: TokenDelta, index: int, queue: asyncio.Queue[tuple[int, 
         text += nxt.text
         if logprobs is not None:
             logprobs += nxt.logprobs or ()
-    return TokenDelta(ids, text, logprobs)
+    return TokenDelta(ids, text, logprobs, first.prompt_logprobs)  # only a sample's first delta has them

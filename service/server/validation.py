@@ -110,6 +110,7 @@ class RequestValues:
     logit_bias: Sequence[tuple[int, float]] = ()
     logprobs: int | None = None
     constraint: Constraint | None = None
+    prompt_logprobs: int | None = None
 
 
 def need(ok: bool, message: str) -> None:
@@ -192,6 +193,9 @@ def check_sampling(v: RequestValues, f: Fields) -> None:
     need(v.logprobs is None or 0 <= v.logprobs <= MAX_LOGPROBS,
          f"{f.sampling}logprobs must be in [0, {MAX_LOGPROBS}] (the top tokens reported per position), "
          f"got {v.logprobs}")
+    need(v.prompt_logprobs is None or 0 <= v.prompt_logprobs <= MAX_LOGPROBS,
+         f"{f.sampling}prompt_logprobs must be in [0, {MAX_LOGPROBS}] (the top tokens reported per prompt "
+         f"position; the whole vocabulary, -1, is not served), got {v.prompt_logprobs}")
     need(len(v.logit_bias) <= MAX_LOGIT_BIAS,
          f"{f.sampling}logit_bias has {len(v.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
     for token, bias in v.logit_bias:
@@ -243,7 +247,8 @@ def sampling_params(v: RequestValues, f: Fields) -> SamplingParams:
                           frequency_penalty=float(v.frequency_penalty),
                           repetition_penalty=float(v.repetition_penalty), min_tokens=int(v.min_tokens),
                           logit_bias=tuple(sorted((int(t), float(b)) for t, b in v.logit_bias)),
-                          logprobs=None if v.logprobs is None else int(v.logprobs), constraint=v.constraint)
+                          logprobs=None if v.logprobs is None else int(v.logprobs), constraint=v.constraint,
+                          prompt_logprobs=None if v.prompt_logprobs is None else int(v.prompt_logprobs))
 
 
 def stopping_params(v: RequestValues, prompt_len: int, limits: Limits, f: Fields) -> StoppingParams:

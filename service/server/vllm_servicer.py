@@ -8,9 +8,9 @@ and the Python API); the stream's life is streams.py's.
 Semantics follow vLLM's servicer: chunks carry the new token ids (a delta) and their count; the
 complete message carries every output id, the finish reason as vLLM names it ("stop" for EOS, a stop
 string or a stop token; "length"; "abort") and the matched stop, and each token's logprobs when
-asked, n samples (each message tagged with its index) and structured outputs. What graphserve does not
-do yet (prompt logprobs, structural tags, LoRA by name)
-is refused with INVALID_ARGUMENT naming the field; what it will not do (embeddings,
+asked, the prompt logprobs (in the first chunk, or in complete when not streaming), n samples (each
+message tagged with its index) and structured outputs. What graphserve does not do yet (structural
+tags, LoRA by name) is refused with INVALID_ARGUMENT naming the field; what it will not do (embeddings,
 multimodal inputs, prefill/decode disaggregation, the profiler) with UNIMPLEMENTED or INVALID_ARGUMENT.
 """
 
@@ -121,7 +121,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         async def prepare(stream: Stream) -> list[GenerationRequest]:
             check_supported(request)
             prompt = await self._prompt_ids(request)
-            writer.prompt_tokens = len(prompt)
+            writer.prompt = prompt
             values = request_values(request.sampling_params)
             if values.constraint is not None:
                 await asyncio.to_thread(check_constraint, values, self.limits, FIELDS)
@@ -255,19 +255,26 @@ class _Writer:
         self.stream = stream
         self.output_ids: dict[int, list[int]] = {}
         self.logprobs: dict[int, list[TokenLogprobs]] = {}  # a whole completion's, for its complete message
-        self.prompt_tokens = 0
+        self.prompt: list[int] = []
+        # Per sample, prompt logprobs not sent in a chunk (not streaming, or a first delta without
+        # tokens): they go in its complete message.
+        self.prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
 
     def chunk(self, delta: TokenDelta, index: int) -> vllm_engine_pb2.GenerateResponse | None:
         self.output_ids.setdefault(index, []).extend(delta.token_ids)
         if not self.stream:
             self.logprobs.setdefault(index, []).extend(delta.logprobs or ())
         if not self.stream or not delta.token_ids:
+            if delta.prompt_logprobs is not None:
+                self.prompt_logprobs[index] = delta.prompt_logprobs
             return None
         chunk = vllm_engine_pb2.GenerateStreamChunk(
-            token_ids=delta.token_ids, prompt_tokens=self.prompt_tokens, completion_tokens=len(delta.token_ids),
+            token_ids=delta.token_ids, prompt_tokens=len(self.prompt), completion_tokens=len(delta.token_ids),
             index=index)
         if delta.logprobs is not None:
             chunk.output_logprobs.CopyFrom(_output_logprobs(delta.token_ids, delta.logprobs))
+        if delta.prompt_logprobs is not None:
+            chunk.input_logprobs.CopyFrom(_input_logprobs(self.prompt, delta.prompt_logprobs))
         return vllm_engine_pb2.GenerateResponse(chunk=chunk)
 
     def finished(self, f: Finish, index: int) -> list[vllm_engine_pb2.GenerateResponse]:
@@ -278,6 +285,8 @@ class _Writer:
             completion_tokens=f.completion_tokens, cached_tokens=f.cached_tokens, index=index)
         if self.logprobs.get(index):  # streamed ones went out with their chunks
             complete.output_logprobs.CopyFrom(_output_logprobs(output_ids, self.logprobs[index]))
+        if index in self.prompt_logprobs:
+            complete.input_logprobs.CopyFrom(_input_logprobs(self.prompt, self.prompt_logprobs.pop(index)))
         if isinstance(f.matched_stop, str):
             complete.matched_stop_str = f.matched_stop
         elif isinstance(f.matched_stop, int):
@@ -285,11 +294,22 @@ class _Writer:
         return [*([last] if last is not None else []), vllm_engine_pb2.GenerateResponse(complete=complete)]
 
 
+def _input_logprobs(prompt: list[int], logprobs: list[TokenLogprobs]) -> vllm_engine_pb2.InputLogProbs:
+    """vLLM's prompt logprobs: one entry per prompt token, the first without a value."""
+    values = [vllm_engine_pb2.InputTokenLogProb()] + [vllm_engine_pb2.InputTokenLogProb(value=lp.logprob)
+                                                      for lp in logprobs]
+    top = [vllm_engine_pb2.TopLogProbs()] + [_top(lp) for lp in logprobs]
+    return vllm_engine_pb2.InputLogProbs(token_logprobs=values, token_ids=prompt, top_logprobs=top)
+
+
+def _top(lp: TokenLogprobs) -> vllm_engine_pb2.TopLogProbs:
+    return vllm_engine_pb2.TopLogProbs(values=[v for _, v in lp.top], token_ids=[t for t, _ in lp.top])
+
+
 def _output_logprobs(ids: list[int], logprobs: list[TokenLogprobs]) -> vllm_engine_pb2.OutputLogProbs:
     return vllm_engine_pb2.OutputLogProbs(
         token_logprobs=[lp.logprob for lp in logprobs], token_ids=ids,
-        top_logprobs=[vllm_engine_pb2.TopLogProbs(values=[v for _, v in lp.top], token_ids=[t for t, _ in lp.top])
-                      for lp in logprobs])
+        top_logprobs=[_top(lp) for lp in logprobs])
 
 
 # ---- vllm.grpc.engine request -> checked values -------------------------------------------------
@@ -319,7 +339,6 @@ def check_supported(request: vllm_engine_pb2.GenerateRequest) -> None:
          f"data_parallel_rank is {request.data_parallel_rank}: this worker has one data-parallel rank (0)")
     p = request.sampling_params
     unsupported = {
-        "prompt_logprobs": p.HasField("prompt_logprobs"),
         "truncate_prompt_tokens": p.HasField("truncate_prompt_tokens"),
         "include_stop_str_in_output": p.include_stop_str_in_output,
     }
@@ -327,7 +346,7 @@ def check_supported(request: vllm_engine_pb2.GenerateRequest) -> None:
     named = [name for name, used in unsupported.items() if used]
     need(not named, f"sampling_params.{named[0] if named else ''} is not supported by graphserve yet: leave it unset "
                     "(supported: temperature, top_p, top_k, min_p, seed, max_tokens, min_tokens, stop, stop_token_ids, "
-                    "ignore_eos, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, logprobs, n, "
+                    "ignore_eos, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, logprobs, prompt_logprobs, n, "
                     "json_schema, json_object, regex, grammar, choice)")
 
 
@@ -345,6 +364,7 @@ def request_values(p: vllm_engine_pb2.SamplingParams) -> RequestValues:
         min_tokens=p.min_tokens, logit_bias=tuple(p.logit_bias.items()),
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         constraint=constraint_of(p),
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 

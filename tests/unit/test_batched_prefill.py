@@ -165,8 +165,8 @@ def test_runner_prefills_all_prompts_in_one_packed_call(model, monkeypatch):
         seq.block_ids = pool.allocate(-(-seq.num_prompt_tokens // runner.kv.block_size))
     expected, kv_ref = one_by_one(model, ps, SLOTS)
     calls = []
-    real = runner.pieces.forward
-    monkeypatch.setattr(runner.pieces, "forward", lambda batch: calls.append(batch.size) or real(batch))
+    real = runner.pieces.hidden
+    monkeypatch.setattr(runner.pieces, "hidden", lambda batch: calls.append(batch.size) or real(batch))
     monkeypatch.setattr(model, "prefill", lambda *a: pytest.fail("per-prompt prefill called"))
 
     tokens = runner.step([], [PrefillChunk(seq, 0, seq.num_prompt_tokens) for seq in seqs])

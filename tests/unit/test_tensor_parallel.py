@@ -4,6 +4,7 @@ its graph operations)."""
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import types
 
@@ -90,6 +91,11 @@ def test_a_step_crosses_the_channel_unchanged() -> None:
     buf = torch.zeros(StepInputs.capacity(4, 16), dtype=torch.long)
     step.encode(buf)
     assert StepInputs.decode(buf) == step
+    # Prompt logprobs: the rows travel (every rank computes their logits); the targets stay on rank 0.
+    asking = StepInputs([1, 2, 3, 4], [], [], [ChunkSpec(2, 0, 2, False, 2), ChunkSpec(3, 8, 2, True, 1)], None, 1,
+                        logprob_targets=[2, 9, 4])
+    asking.encode(buf)
+    assert StepInputs.decode(buf) == dataclasses.replace(asking, logprob_targets=None)
     plain = StepInputs([7], [4], [0], [], None, 1)
     plain.encode(buf)
     assert StepInputs.decode(buf) == plain
