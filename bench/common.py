@@ -208,3 +208,32 @@ def add_model_arguments(p: Any, device: str = "cuda") -> None:
     p.add_argument("--device", default=device, choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--random-init", action="store_true", help="built-in shape, random weights made on the device")
+
+
+class HostTimers:
+    """Host seconds and calls of named callables, wrapped in place (an attribute of an object, or a
+    method of a class): what a bench reads about where the engine thread's time goes."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, list] = {}
+
+    def wrap(self, owner: Any, attr: str, key: str) -> None:
+        inner = getattr(owner, attr)
+        spent = self.spent.setdefault(key, [0.0, 0])
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                spent[0] += time.perf_counter() - t0
+                spent[1] += 1
+        setattr(owner, attr, timed)
+
+    def reset(self) -> None:
+        for t in self.spent.values():
+            t[:] = [0.0, 0]
+
+    def snapshot(self) -> dict[str, list]:
+        return {k: list(v) for k, v in self.spent.items()}
+

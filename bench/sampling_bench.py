@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import print_table, time_ms, write_result  # noqa: E402
+from bench.common import HostTimers, print_table, time_ms, write_result  # noqa: E402
 from service.engine.request import Constraint  # noqa: E402
 from service.engine.request import SamplingParams as EngineParams  # noqa: E402
 from service.engine.sampler import SampleRow, SamplingBatch, TokenHistory, sample  # noqa: E402
@@ -166,14 +166,13 @@ def e2e_rows(args: argparse.Namespace) -> list[dict]:
         for name, params in configs.items():
             best = None
             for _ in range(args.rounds):
-                for t in timers.values():
-                    t[:] = [0.0, 0]
+                timers.reset()
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, [params] * len(prompts))
                 seconds = time.perf_counter() - t0
                 tokens = sum(len(o.token_ids) for o in outs)
                 if best is None or tokens / seconds > best[0]:
-                    best = (tokens / seconds, tokens, seconds, outs, {k: list(v) for k, v in timers.items()})
+                    best = (tokens / seconds, tokens, seconds, outs, timers.snapshot())
             tps, tokens, seconds, outs, spent = best
             row = {"config": name, "streams": args.streams, "tokens": tokens, "seconds": round(seconds, 3),
                    "tokens_per_s": round(tps), "steps": spent["launch"][1],
@@ -188,30 +187,16 @@ def e2e_rows(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _host_timers(llm) -> dict[str, list]:  # noqa: ANN001
+def _host_timers(llm) -> HostTimers:  # noqa: ANN001
     """Host seconds and calls of a step's parts (the engine thread's): launch (forward, sampling and
     what runs between), the grammar masks' fill, reading and postprocessing the tokens (the
     matchers' accept included), waiting for the tokens."""
     engine, runner = llm._engine, llm._engine.runner
-    timers: dict[str, list] = {}
-
-    def wrap(owner, attr: str, key: str) -> None:  # noqa: ANN001
-        inner = getattr(owner, attr)
-        timers[key] = [0.0, 0]
-
-        def timed(*a, **kw):  # noqa: ANN002, ANN003, ANN202
-            t0 = time.perf_counter()
-            try:
-                return inner(*a, **kw)
-            finally:
-                timers[key][0] += time.perf_counter() - t0
-                timers[key][1] += 1
-        setattr(owner, attr, timed)
-
-    wrap(runner, "launch", "launch")
-    wrap(runner, "_masks", "masks")
-    wrap(runner, "collect", "collect")
-    wrap(engine, "_read_tokens", "read_tokens")
+    timers = HostTimers()
+    timers.wrap(runner, "launch", "launch")
+    timers.wrap(runner, "_masks", "masks")
+    timers.wrap(runner, "collect", "collect")
+    timers.wrap(engine, "_read_tokens", "read_tokens")
     return timers
 
 

@@ -64,6 +64,17 @@ def test_serving_load(tmp_path: pathlib.Path) -> None:
         assert row["itl_max_ms"] >= row["itl_p99_ms"] and row["step_gap_max_ms"] > 0  # from the server's /metrics
 
 
+def test_host_budget(tmp_path: pathlib.Path) -> None:
+    record = _run("host_budget.py", [
+        "--device", "cpu", "--dtype", "float32", "--model", "builtin:tiny", "--cache-dir", str(tmp_path / "models"),
+        "--streams", "2,4", "--output-tokens", "6"], tmp_path)
+    assert [r["streams"] for r in record["rows"]] == [2, 4]
+    for row in record["rows"]:
+        assert row["steps"] >= 6 and row["tokens_per_s"] > 0 and row["forward"] > 0
+        parts = ("schedule", "inputs", "forward", "sample", "read", "outputs", "publish", "other")
+        assert row["host_ms"] == pytest.approx(sum(row[p] for p in parts), abs=0.01)
+
+
 def test_gateway_bench(tmp_path: pathlib.Path) -> None:
     pytest.importorskip("openai")
     pytest.importorskip("smg")

@@ -1,0 +1,187 @@
+"""Where the engine thread's time goes per step, at 64 / 128 / 256 closed-loop streams: the host
+milliseconds of scheduling, input preparation, the forward's launch, sampling, the wait for the
+tokens, output processing and publishing, beside the step's wall time.
+
+The engine runs as the server's engine process runs it (the same builder, its metrics observer,
+tokens streamed one at a time), with a publisher that pickles each step's events as the engine
+process does before its pipe write; the gRPC process is not in it (bench/serve_bench.py measures
+the whole path). A step whose `wait_ms` is near 0 is host-bound: the device idles for the rest.
+
+    python3 bench/host_budget.py --model builtin:llama-1b --device cuda --random-init --streams 64,128,256
+    python3 bench/host_budget.py --device cpu --streams 4 --output-tokens 16    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pickle
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import HostTimers, print_table, write_result  # noqa: E402
+
+# Parts in the order a step runs them; nested ones are shown as their own share, the rest derived.
+PARTS = ["schedule", "inputs", "forward", "sample", "wait", "read", "outputs", "publish", "other"]
+
+
+class _TimedEvent:
+    """A step's ready event whose synchronize() (the host waiting for the device) is timed."""
+
+    def __init__(self, event: torch.cuda.Event, spent: list) -> None:
+        self.event, self.spent = event, spent
+
+    def synchronize(self) -> None:
+        t0 = time.perf_counter()
+        self.event.synchronize()
+        self.spent[0] += time.perf_counter() - t0
+        self.spent[1] += 1
+
+
+def _pickling_publisher() -> tuple[Any, list]:
+    """engine_worker.publish's work before its pipe write: events to tuples, pickled."""
+    from service.engine.request import Finish, TokenDelta
+
+    sent = [0]
+
+    def publish(pairs: list[tuple[Any, Any]]) -> None:
+        events = []
+        for sink, event in pairs:
+            if isinstance(event, TokenDelta):
+                events.append((0, sink.key, (event.token_ids, event.text, event.logprobs, event.prompt_logprobs)))
+            else:
+                events.append((1 if isinstance(event, Finish) else 2, sink.key, event))
+            if isinstance(event, Finish):
+                sent[0] += 1
+        pickle.dumps(events, protocol=pickle.HIGHEST_PROTOCOL)
+
+    return publish, sent
+
+
+class _Sink:
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _instrument(engine: Any) -> HostTimers:
+    from service.engine import output
+
+    runner = engine.runner
+    timers = HostTimers()
+    timers.wrap(engine, "step", "step")
+    timers.wrap(engine.scheduler, "schedule", "schedule")
+    timers.wrap(runner, "launch", "launch")
+    timers.wrap(runner, "forward", "forward")
+    timers.wrap(runner, "_sample_rows", "sample_rows")
+    timers.wrap(runner, "_sample", "sample")
+    timers.wrap(runner, "collect", "read")
+    timers.wrap(engine, "_read_tokens", "read_tokens")
+    timers.wrap(engine, "publish", "publish")
+    timers.wrap(output.RequestOutput, "on_token", "on_token")
+    wait = timers.spent.setdefault("wait", [0.0, 0])
+    launch = runner.launch
+
+    def launch_timed_wait(*a: Any, **kw: Any) -> Any:
+        step = launch(*a, **kw)
+        return step if step.ready is None else dataclasses.replace(step, ready=_TimedEvent(step.ready, wait))
+
+    runner.launch = launch_timed_wait
+    return timers
+
+
+def _budget(spent: dict[str, list], seconds: float) -> dict[str, float]:
+    """Host ms per step by part: nested timers subtracted from their parents."""
+    steps = max(1, spent["launch"][1])
+    ms = {k: v[0] * 1000 / steps for k, v in spent.items()}
+    part = {
+        "schedule": ms["schedule"],
+        "inputs": ms["launch"] - ms["forward"] - ms["sample"] - ms["sample_rows"],
+        "forward": ms["forward"],
+        "sample": ms["sample"] + ms["sample_rows"],
+        "wait": ms["wait"],
+        "read": ms["read"] - ms["wait"],
+        "outputs": ms["read_tokens"] - ms["read"],
+        "publish": ms["publish"],
+    }
+    part["other"] = ms["step"] - ms["schedule"] - ms["launch"] - ms["read_tokens"] - ms["publish"]
+    row = {k: round(v, 3) for k, v in part.items()}
+    row["on_token_us"] = round(spent["on_token"][0] * 1e6 / max(1, spent["on_token"][1]), 2)
+    row["step_ms"] = round(seconds * 1000 / steps, 3)
+    row["host_ms"] = round(sum(v for k, v in part.items() if k != "wait"), 3)
+    row["steps"] = steps
+    return row
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    from service.config import load_config
+    from service.engine.builder import load_runner, new_engine
+    from service.engine.request import GenerationRequest, SamplingParams, StoppingParams
+    from service.telemetry.engine_metrics import EngineMetrics
+
+    argv = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
+            "--max-running-seqs", str(max(*args.streams, 8)), "--max-seq-len", str(args.prompt_tokens + args.output_tokens + 16)]
+    if args.cache_dir:
+        argv += ["--model-cache-dir", args.cache_dir]
+    if args.random_init:
+        argv += ["--random-init"]
+    config = load_config(argv + args.server_args.split(), {})
+    lr = load_runner(config)
+    publish, finished = _pickling_publisher()
+    engine = new_engine(config, lr, publish=publish, observer=EngineMetrics(model_name=config.model_name))
+    engine.start()
+    vocab = lr.loaded.spec.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    timers = _instrument(engine)
+    rows = []
+    try:
+        for n, streams in enumerate(s for s in args.streams for _ in range(2)):  # each first pass captures: not reported
+            prompts = [torch.randint(3, vocab, (args.prompt_tokens,), generator=gen).tolist() for _ in range(streams)]
+            timers.reset()
+            finished[0] = 0
+            t0 = time.perf_counter()
+            for i, prompt in enumerate(prompts):
+                request = GenerationRequest(f"s{n}-{i}", prompt, SamplingParams(temperature=0.0),
+                                            StoppingParams(max_tokens=args.output_tokens, ignore_eos=True),
+                                            arrival_time=time.monotonic())
+                engine.submit(request, _Sink(request.request_id))
+            while finished[0] < streams:
+                time.sleep(0.002)
+                if not engine.thread_alive:
+                    raise RuntimeError(f"the engine stopped: {engine.error!r}")
+            seconds = time.perf_counter() - t0
+            if n % 2:
+                rows.append({"streams": streams, "tokens_per_s": round(streams * args.output_tokens / seconds),
+                             **_budget(timers.snapshot(), seconds)})
+    finally:
+        engine.stop()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="builtin:llama-1b")
+    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--random-init", action="store_true")
+    p.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128, 256])
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--output-tokens", type=int, default=256)
+    p.add_argument("--server-args", default="", help="more server flags, e.g. '--no-overlap-steps'")
+    args = p.parse_args(argv)
+    rows = run(args)
+    print_table(rows, ["streams", "tokens_per_s", "step_ms", "host_ms", *PARTS, "on_token_us"],
+                title="host ms per engine step, by part (wait: the host waiting for the device)")
+    print(write_result("host-budget", {"rows": rows, "args": vars(args)}, args.device))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
