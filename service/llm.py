@@ -86,7 +86,9 @@ class SamplingParams:
     multiplies the negative ones of every token in the prompt or the completion; min_tokens keeps EOS,
     the stop token ids and the stop strings from ending the completion earlier; logit_bias adds a
     value in [-100, 100] to a token's logit. logprobs: the log-probability of each completion token and
-    of the `logprobs` most likely ones (0 to 20), the model's own (before the processing above).
+    of the `logprobs` most likely ones (0 to 20), the model's own (before the processing above);
+    prompt_logprobs: the same for each prompt token after the first (such a prompt takes nothing
+    from the prefix cache).
     constraint: the completion follows a JSON schema, any JSON object, a regex, an EBNF grammar or one
     of a list of choices (Constraint, exported here), and ends when the grammar is complete.
     """
@@ -106,6 +108,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     # Structured output, e.g. Constraint("json_schema", schema_text), Constraint("choice", ("yes", "no"))
     constraint: engine_request.Constraint | None = None
 
@@ -129,8 +132,9 @@ class SamplingParams:
             _need(isinstance(value, int | float) and not isinstance(value, bool),
                   f"SamplingParams.{name} must be a number, got {value!r}")
         _need(_is_int(self.min_tokens), f"SamplingParams.min_tokens must be an int >= 0, got {self.min_tokens!r}")
-        _need(self.logprobs is None or _is_int(self.logprobs),
-              f"SamplingParams.logprobs must be None or an int in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _need(value is None or _is_int(value), f"SamplingParams.{name} must be None or an int in [0, 20], got {value!r}")
         bias = dict(self.logit_bias or {})
         _need(all(_is_int(t) and isinstance(b, int | float) and not isinstance(b, bool) for t, b in bias.items()),
               f"SamplingParams.logit_bias must map token ids to numbers, got {self.logit_bias!r}")
@@ -148,7 +152,7 @@ class SamplingParams:
                              ignore_eos=self.ignore_eos, min_p=self.min_p, presence_penalty=self.presence_penalty,
                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                              min_tokens=self.min_tokens, logit_bias=tuple(self.logit_bias.items()),
-                             logprobs=self.logprobs, constraint=self.constraint)
+                             logprobs=self.logprobs, constraint=self.constraint, prompt_logprobs=self.prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,9 @@ class GenerationOutput:
     # Per completion token, when SamplingParams.logprobs asked: its log-probability and the top ones.
     logprobs: list[engine_request.TokenLogprobs] | None = None
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    # Per prompt token, when SamplingParams.prompt_logprobs asked: None for the first, then its
+    # log-probability given the tokens before it and the top ones there (as vLLM returns them).
+    prompt_logprobs: list[engine_request.TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -310,13 +317,14 @@ class _Collector:
     """The engine's sink for one prompt (called on the engine thread): gathers its tokens and text,
     and reports the prompt's index to `done` when it ends."""
 
-    __slots__ = ("index", "done", "token_ids", "text", "logprobs", "finish", "error")
+    __slots__ = ("index", "done", "token_ids", "text", "logprobs", "prompt_logprobs", "finish", "error")
 
     def __init__(self, index: int, done: queue.SimpleQueue) -> None:
         self.index, self.done = index, done
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list[engine_request.TokenLogprobs] | None = None
+        self.prompt_logprobs: list[engine_request.TokenLogprobs | None] | None = None
         self.finish: engine_request.Finish | None = None
         self.error: str | None = None
 
@@ -337,6 +345,8 @@ class _Collector:
         self.text += delta.text
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = [None, *delta.prompt_logprobs]
 
 
 _open_lock = threading.Lock()
@@ -543,6 +553,7 @@ class LLM:
             timings=Timings(f.queue_seconds, f.time_to_first_token_seconds, f.total_seconds),
             logprobs=c.logprobs if c.logprobs is not None or params.logprobs is None else [],
             cached_tokens=f.cached_tokens,
+            prompt_logprobs=c.prompt_logprobs,
         )
 
     # ---- graph cache and lifetime -------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The sampling fields on the GPU with CUDA graphs on: logprobs, penalties, bias, min_tokens and
-structured outputs give what the eager run gives (float32), the sampler's CUDA path equals its CPU
+"""The sampling fields on the GPU with CUDA graphs on: logprobs, prompt logprobs, penalties, bias,
+min_tokens and structured outputs give what the eager run gives (float32), the sampler's CUDA path equals its CPU
 path, and a step with constrained rows still replays its graph."""
 
 from __future__ import annotations
@@ -51,6 +51,23 @@ def test_logprobs_and_penalties_with_graphs_equal_eager(llms: tuple[LLM, LLM]) -
             assert [lp.logprob for lp in g.logprobs] == pytest.approx([lp.logprob for lp in w.logprobs], abs=1e-4)
             assert [t for lp in g.logprobs for t, _ in lp.top] == [t for lp in w.logprobs for t, _ in lp.top]
     assert len(got[2].token_ids) == 6 and got[2].finish_reason == "eos"
+
+
+def test_prompt_logprobs_with_graphs_equal_eager(llms: tuple[LLM, LLM]) -> None:
+    graphed, eager = llms
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, graphed.vocab_size, (n,), generator=gen).tolist() for n in (300, 37, 2, 120)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=5)
+    graphed.generate(prompts, params)  # the prompt-sized pieces are captured lazily: the second run replays them
+    before = replays(graphed)
+    got, want = graphed.generate(prompts, params), eager.generate(prompts, params)
+    assert replays(graphed) > before
+    for g, w, prompt in zip(got, want, prompts):
+        assert len(g.prompt_logprobs) == len(prompt) and g.prompt_logprobs[0] is None
+        assert [lp.logprob for lp in g.prompt_logprobs[1:]] == pytest.approx([lp.logprob for lp in w.prompt_logprobs[1:]],
+                                                                             abs=1e-4)
+        assert [lp.top[0][0] for lp in g.prompt_logprobs[1:]] == [lp.top[0][0] for lp in w.prompt_logprobs[1:]]
+        assert g.token_ids == w.token_ids
 
 
 def test_structured_outputs_with_graphs_are_valid_and_replay(llms: tuple[LLM, LLM]) -> None:

@@ -10,6 +10,7 @@ import torch
 from smg_grpc_proto.generated import vllm_engine_pb2 as v
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
+from service.llm import LLM, SamplingParams
 from service.model.builtin import ensure_builtin
 from service.proto import inference_pb2 as pb
 from tests.support.lora import hf_model
@@ -122,3 +123,18 @@ def test_too_many_prompt_logprobs_is_invalid_argument(server, value: int) -> Non
         generate(server.stub(), **request([5, 6, 7], prompt_logprobs=value))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompt_logprobs" in err.value.details() and "20" in err.value.details()
+
+
+def test_the_python_api_returns_prompt_logprobs_as_vllm_does(model_cache_dir, reference) -> None:  # noqa: ANN001
+    prompts = [prompt_of(40, 5), prompt_of(7, 6)]
+    with LLM(model="builtin:tiny", model_cache_dir=model_cache_dir, max_running_seqs=4, max_seq_len=256,
+             max_num_batched_tokens=16, device="cpu", dtype="float32") as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=TOP))
+        plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        with pytest.raises(ValueError, match=r"SamplingParams\.prompt_logprobs must be in \[0, 20\]"):
+            llm.generate(prompts[:1], SamplingParams(prompt_logprobs=21))
+    for prompt, out, ref in zip(prompts, outs, plain):
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        check_against_reference(reference, prompt, [(lp.logprob, list(lp.top)) for lp in out.prompt_logprobs[1:]])
+        assert out.token_ids == ref.token_ids and ref.prompt_logprobs is None
+

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -44,14 +45,25 @@ def test_llm_greedy_with_two_ranks_equals_one_rank(model_cache_dir) -> None:  # 
     length: every step shape the engine builds runs on both ranks."""
     prompts = [*PROMPTS, LONG_PROMPT]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    # Prompt logprobs: every rank runs the LM head on the prompt rows (its gather is collective).
+    scored = [params, dataclasses.replace(params, prompt_logprobs=2)] * 2 + [dataclasses.replace(params, prompt_logprobs=2)]
     options = dict(model_cache_dir=model_cache_dir, max_running_seqs=8, max_num_batched_tokens=24, max_seq_len=256)
     with LLM("builtin:tiny", **options) as llm:
         one = [o.token_ids for o in llm.generate(prompts, params)]
+        one_scored = llm.generate(prompts, scored)
     with LLM("builtin:tiny", tensor_parallel_size=2, **options) as llm:
         two = [o.token_ids for o in llm.generate(prompts, params)]
         again = [o.token_ids for o in llm.generate(prompts[::-1], params)][::-1]  # the KV slots reused
+        two_scored = llm.generate(prompts, scored)
     assert two == one
     assert again == one
+    for a, b in zip(one_scored, two_scored):
+        assert b.token_ids == a.token_ids
+        assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
+        if a.prompt_logprobs is not None:
+            assert [lp.logprob for lp in b.prompt_logprobs[1:]] == pytest.approx([lp.logprob for lp in a.prompt_logprobs[1:]],
+                                                                                 abs=1e-4)
+            assert [lp.top[0][0] for lp in b.prompt_logprobs[1:]] == [lp.top[0][0] for lp in a.prompt_logprobs[1:]]
 
 
 @needs_float32
