@@ -7,7 +7,7 @@ tokens streamed one at a time), with a publisher that pickles each step's events
 process does before its pipe write; the gRPC process is not in it (bench/serve_bench.py measures
 the whole path). A step whose `wait_ms` is near 0 is host-bound: the device idles for the rest.
 
-    python3 bench/host_budget.py --model builtin:llama-1b --device cuda --random-init --streams 64,128,256
+    python3 bench/host_budget.py --model builtin:llama-1b --device cuda --cache-dir .cache/models --streams 64,128,256
     python3 bench/host_budget.py --device cpu --streams 4 --output-tokens 16    # a smoke run
 """
 
@@ -129,8 +129,6 @@ def run(args: argparse.Namespace) -> list[dict]:
             "--max-running-seqs", str(max(*args.streams, 8)), "--max-seq-len", str(args.prompt_tokens + args.output_tokens + 16)]
     if args.cache_dir:
         argv += ["--model-cache-dir", args.cache_dir]
-    if args.random_init:
-        argv += ["--random-init"]
     config = load_config(argv + args.server_args.split(), {})
     lr = load_runner(config)
     publish, finished = _pickling_publisher()
@@ -170,7 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--cache-dir", default=None)
-    p.add_argument("--random-init", action="store_true")
     p.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128, 256])
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=256)

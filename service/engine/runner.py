@@ -38,13 +38,13 @@ from service.engine.sampler import (
     SamplingBatch,
     TokenHistory,
     sample,
-    to_device,
     token_logprobs,
     unpack_logprobs,
 )
 from service.engine.scheduler import PrefillChunk
 from service.engine.sequence import Sequence
 from service.engine.step_channel import StepInputs
+from service.model.device_copy import to_device
 from service.model.kv_cache import KVCache
 from service.model.loader import LoadedModel
 from service.model.lora import LoraSlots

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from service.engine.request import SamplingParams, TokenLogprobs
+from service.model.device_copy import copy_parts, to_device
 from service.model.kernels.sampling import apply_bitmask, apply_penalties
 
 _MASK32 = 0xFFFFFFFF
@@ -83,10 +84,8 @@ class SamplingBatch:
         if add_rows:
             ints += [add_rows, add_ids]
             floats.append(add_values)
-        float_t = to_device(torch.tensor([v for f in floats for v in f], dtype=torch.float32), device)
-        int_t = to_device(torch.tensor([v for i in ints for v in i], dtype=torch.int64), device)
-        float_parts = iter(float_t.split([len(f) for f in floats]))
-        int_parts = iter(int_t.split([len(i) for i in ints]))
+        float_parts = iter(copy_parts(floats, torch.float32, device))
+        int_parts = iter(copy_parts(ints, torch.int64, device))
         batch = cls(
             temperature=next(float_parts), top_p=next(float_parts),
             top_k=next(int_parts), seed=next(int_parts), counter=next(int_parts),
@@ -239,13 +238,6 @@ def unpack_logprobs(packed: list[list[float]], ks: list[int]) -> list[TokenLogpr
         top = tuple((int(row[1 + width + i]), row[1 + i]) for i in range(k))
         out.append(TokenLogprobs(row[0], top))
     return out
-
-
-def to_device(t: Tensor, device: torch.device | str) -> Tensor:
-    if torch.device(device).type == "cuda":
-        # A copy from pinned memory, queued on the stream: the host does not wait for it.
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def gumbel_noise(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:

@@ -6,7 +6,7 @@ and chunks with the same (padded) token count: they are what the non-attention p
 forward read. `AttentionMetadata` holds the real per-sequence lengths that only attention reads.
 Padding rows (past `num_tokens`) read token 0 at position 0 and write only the scratch KV slot.
 
-Built on the host and copied to the device at once (pinned, non-blocking on CUDA): no host sync.
+Built on the host and copied to the device at once (service.model.device_copy): no host sync.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+
+from service.model.device_copy import copy_parts
 
 
 @dataclass(frozen=True)
@@ -124,8 +126,7 @@ def build_step_batch(
         parts.append([*lora_slots, *[0] * pad])
     if logprob_rows:
         parts.append(logprob_rows)
-    host = torch.tensor([x for part in parts for x in part], dtype=torch.long, pin_memory=device.type == "cuda")
-    views = list(host.to(device, non_blocking=True).split([len(part) for part in parts]))
+    views = copy_parts(parts, torch.long, device)
     positions_t, slots_t, sample_t = views[:3]
     prompts = [
         PromptGroup(batch, length, first) if rows is None
