@@ -8,6 +8,8 @@ bytes after emptying its cache, relative to a baseline taken before any capture.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import structlog
 import torch
@@ -112,7 +114,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def graph_bytes(baseline: int) -> int:
-    """Memory the allocator holds beyond the baseline once its free cached blocks are returned."""
+    """Memory the allocator holds beyond the baseline once its free cached blocks are returned.
+    Garbage first: a capture collects (torch.cuda.graph does), so tensors in an earlier test's
+    reference cycles would otherwise be freed between the baseline and the reading."""
+    gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return torch.cuda.memory_reserved() - baseline
