@@ -6,7 +6,7 @@ command-line tools that do not need torch (graphctl) still start fast.
 
 from typing import Any
 
-__all__ = ["LLM", "GenerationOutput", "SamplingParams"]
+__all__ = ["LLM", "Completion", "GenerationOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:

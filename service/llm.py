@@ -9,7 +9,8 @@
 The keywords are checked by the server's config validation (service/config.py); the model, runner,
 graph cache and engine are built by the same builder as the server's engine process
 (service/engine/builder.py), and the engine runs on its own thread. `generate` hands every prompt
-to the engine at once (continuous batching) and returns when all are done, in prompt order.
+(each of its n samples) to the engine at once (continuous batching) and returns when all are done,
+in prompt order.
 """
 
 from __future__ import annotations
@@ -36,13 +37,16 @@ from service.config import ConfigError, ServeConfig, default_max_running_seqs
 from service.engine import request as engine_request
 from service.engine.request import Constraint  # noqa: F401 - exported: SamplingParams(constraint=Constraint(...))
 from service.server.validation import (
+    MAX_SAMPLES,
     Fields,
     Limits,
     RequestValues,
     check_constraint,
     check_prompt_ids,
+    check_samples,
     check_sampling,
     generation_request,
+    samples,
 )
 
 log = structlog.get_logger("graphserve.llm")
@@ -72,7 +76,7 @@ def _check_not_bytes(prompt: object, name: str) -> None:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one completion and when to stop it.
+    """How to sample the completions of a prompt and when to stop each.
 
     temperature 0 is greedy. top_k 0 (or -1) and top_p 1 disable those filters. The same seed, prompt
     and parameters give the same tokens whatever else shares the batch; seed None draws one (or
@@ -91,6 +95,8 @@ class SamplingParams:
     from the prefix cache).
     constraint: the completion follows a JSON schema, any JSON object, a regex, an EBNF grammar or one
     of a list of choices (Constraint, exported here), and ends when the grammar is complete.
+    n: independent completions of the prompt (1 to 16), completion i sampled with seed + i; they share
+    the prompt's prefill through the prefix cache.
     """
 
     temperature: float = 1.0
@@ -111,6 +117,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Structured output, e.g. Constraint("json_schema", schema_text), Constraint("choice", ("yes", "no"))
     constraint: engine_request.Constraint | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Python types here; the values are checked by the server's own checks (validation.py).
@@ -144,7 +151,9 @@ class SamplingParams:
         object.__setattr__(self, "top_k", max(0, self.top_k))
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", ids)
+        _need(_is_int(self.n), f"SamplingParams.n must be an int in [1, {MAX_SAMPLES}], got {self.n!r}")
         check_sampling(self.values(), LLM_FIELDS)
+        check_samples(self.n, "SamplingParams.n")
 
     def values(self) -> RequestValues:
         return RequestValues(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
@@ -163,20 +172,36 @@ class Timings:
 
 
 @dataclass(frozen=True)
-class GenerationOutput:
-    """One prompt's completion."""
+class Completion:
+    """One of a prompt's n completions (SamplingParams.n)."""
 
-    prompt: str | None  # the text (for chat: as the template rendered it); None for token ids
-    prompt_token_ids: list[int]
+    index: int  # 0 to n - 1
     text: str
     token_ids: list[int]  # the completion's tokens; a stop token or EOS that ended it is not included
     finish_reason: str  # "length", "eos", "stop" or "abort"
     stop_reason: str | int | None  # the stop string or stop token id that ended it
-    seed: int  # the seed that drove sampling
+    seed: int  # the seed that drove sampling: the first completion's + index
     timings: Timings
     # Per completion token, when SamplingParams.logprobs asked: its log-probability and the top ones.
     logprobs: list[engine_request.TokenLogprobs] | None = None
-    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """One prompt's completions. text, token_ids, finish_reason, stop_reason, seed, timings and
+    logprobs are those of completions[0] (the only one when n is 1)."""
+
+    prompt: str | None  # the text (for chat: as the template rendered it); None for token ids
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stop_reason: str | int | None
+    seed: int
+    timings: Timings
+    logprobs: list[engine_request.TokenLogprobs] | None = None
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (by the first completion)
+    completions: list[Completion] = dataclasses.field(default_factory=list)  # all n, in index order
     # Per prompt token, when SamplingParams.prompt_logprobs asked: None for the first, then its
     # log-probability given the tokens before it and the top ones there (as vLLM returns them).
     prompt_logprobs: list[engine_request.TokenLogprobs | None] | None = None
@@ -314,8 +339,8 @@ def _lora_modules(weights: str | Path | Sequence[str | Path] | None) -> str | No
 
 
 class _Collector:
-    """The engine's sink for one prompt (called on the engine thread): gathers its tokens and text,
-    and reports the prompt's index to `done` when it ends."""
+    """The engine's sink for one sample of a prompt (called on the engine thread): gathers its tokens
+    and text, and reports the prompt's index to `done` when it ends."""
 
     __slots__ = ("index", "done", "token_ids", "text", "logprobs", "prompt_logprobs", "finish", "error")
 
@@ -493,67 +518,83 @@ class LLM:
             params = list(sampling_params)
             _need(len(params) == len(encoded),
                   f"{len(params)} SamplingParams for {len(encoded)} prompts: give one, or one per prompt")
+        adapters = adapters or [""] * len(encoded)
         # Every prompt is checked before any is submitted: a bad one must not leave the others running.
-        requests = [self._request(i, ids, p) for i, ((_, ids), p) in enumerate(zip(encoded, params))]
-        for request, adapter in zip(requests, adapters or []):
-            request.adapter = adapter
+        requests = [self._samples(i, ids, p, adapter)
+                    for i, ((_, ids), p, adapter) in enumerate(zip(encoded, params, adapters))]
         engine = self._engine  # held here: close() from another thread may run while we wait
         done: queue.SimpleQueue = queue.SimpleQueue()
-        collectors = [_Collector(i, done) for i in range(len(requests))]
+        collectors = [[_Collector(i, done) for _ in prompt_samples] for i, prompt_samples in enumerate(requests)]
+        sequences = [(r, c) for rs, cs in zip(requests, collectors) for r, c in zip(rs, cs)]
         show = len(requests) >= TQDM_MIN_PROMPTS if use_tqdm is None else use_tqdm
         keys: list[str] = []
         try:
-            for request, collector in zip(requests, collectors):
+            for request, collector in sequences:
                 keys.append(engine.submit(request, collector))
-            self._wait(engine, done, len(requests), show)
+            self._wait(engine, done, [len(rs) for rs in requests], show)
         except BaseException:  # KeyboardInterrupt, a failed engine: nothing keeps running for us
-            for key, collector in zip(keys, collectors):
+            for key, (_, collector) in zip(keys, sequences):
                 if collector.finish is None:
                     engine.abort(key)
             raise
-        return [self._output(prompt, ids, c, p) for (prompt, ids), c, p in zip(encoded, collectors, params)]
+        return [self._output(prompt, ids, cs, p) for (prompt, ids), cs, p in zip(encoded, collectors, params)]
 
-    def _request(self, index: int, ids: list[int], p: SamplingParams) -> engine_request.GenerationRequest:
-        """The engine's request, checked by the server's checks (validation.py): ValueError naming the field."""
+    def _samples(self, index: int, ids: list[int], p: SamplingParams,
+                 adapter: str) -> list[engine_request.GenerationRequest]:
+        """The engine's requests of one prompt, one per sample (seed, seed + 1, ...), checked by the
+        server's checks (validation.py): ValueError naming the field."""
         fields = dataclasses.replace(LLM_FIELDS, prompt_ids=f"prompt {index}")
         values = p.values()
         if values.seed is None and self._seeds is not None:
             values = dataclasses.replace(values, seed=self._seeds.getrandbits(63))
         check_constraint(values, self._limits, fields)
         request = generation_request(f"llm-{next(self._ids)}", check_prompt_ids(ids, self._limits, fields), values,
-                                     self._limits, fields)
+                                     self._limits, fields, adapter=adapter)
         # Nothing streams: the text arrives in one piece with the finish.
-        return dataclasses.replace(request, stream_interval=request.stopping.max_tokens)
+        request = dataclasses.replace(request, stream_interval=request.stopping.max_tokens)
+        return samples(request, p.n, "SamplingParams.n")
 
     @staticmethod
-    def _wait(engine: Any, done: queue.SimpleQueue, count: int, show: bool) -> None:
+    def _wait(engine: Any, done: queue.SimpleQueue, samples_per_prompt: list[int], show: bool) -> None:
+        """Until every sample ended; the bar counts the prompts whose samples all ended."""
         from tqdm.auto import tqdm
 
-        with tqdm(total=count, desc="Generating", unit="prompt", disable=not show) as bar:
-            finished = 0
-            while finished < count:
+        left = list(samples_per_prompt)
+        with tqdm(total=len(left), desc="Generating", unit="prompt", disable=not show) as bar:
+            running = sum(left)
+            while running:
                 try:
-                    done.get(timeout=1.0)
+                    index = done.get(timeout=1.0)
                 except queue.Empty:
                     if not engine.thread_alive:
                         raise RuntimeError(f"the engine stopped: {engine.error!r}") from None
                     continue
-                finished += 1
-                bar.update(1)
+                running -= 1
+                left[index] -= 1
+                if not left[index]:
+                    bar.update(1)
 
-    def _output(self, prompt: str | None, ids: list[int], c: _Collector, params: SamplingParams) -> GenerationOutput:
+    def _output(self, prompt: str | None, ids: list[int], collectors: list[_Collector],
+                params: SamplingParams) -> GenerationOutput:
+        completions = [self._completion(i, c, params) for i, c in enumerate(collectors)]
+        first = completions[0]
+        return GenerationOutput(
+            prompt=prompt, prompt_token_ids=ids, text=first.text, token_ids=first.token_ids,
+            finish_reason=first.finish_reason, stop_reason=first.stop_reason, seed=first.seed, timings=first.timings,
+            logprobs=first.logprobs, cached_tokens=collectors[0].finish.cached_tokens, completions=completions,
+            prompt_logprobs=collectors[0].prompt_logprobs,
+        )
+
+    def _completion(self, index: int, c: _Collector, params: SamplingParams) -> Completion:
         if c.finish is None and not self._finalizer.alive:
             raise RuntimeError("this LLM was closed (close(), or the interpreter exiting) while generate() ran")
         if c.finish is None:
             raise RuntimeError(c.error or "the engine ended the request without a result")
         f = c.finish
-        return GenerationOutput(
-            prompt=prompt, prompt_token_ids=ids, text=c.text, token_ids=c.token_ids, finish_reason=f.reason.value,
-            stop_reason=f.matched_stop, seed=f.seed,
-            timings=Timings(f.queue_seconds, f.time_to_first_token_seconds, f.total_seconds),
+        return Completion(
+            index=index, text=c.text, token_ids=c.token_ids, finish_reason=f.reason.value, stop_reason=f.matched_stop,
+            seed=f.seed, timings=Timings(f.queue_seconds, f.time_to_first_token_seconds, f.total_seconds),
             logprobs=c.logprobs if c.logprobs is not None or params.logprobs is None else [],
-            cached_tokens=f.cached_tokens,
-            prompt_logprobs=c.prompt_logprobs,
         )
 
     # ---- graph cache and lifetime -------------------------------------------------------------

@@ -298,10 +298,15 @@ def generation_request(request_id: str, prompt: list[int], v: RequestValues, lim
     )
 
 
+def check_samples(n: int, field: str = "n") -> None:
+    """n, the number of samples of one prompt (the Python API checks it when SamplingParams is made)."""
+    need(1 <= n <= MAX_SAMPLES, f"{field} must be in [1, {MAX_SAMPLES}], got {n}")
+
+
 def samples(gen: GenerationRequest, n: int, field: str = "n") -> list[GenerationRequest]:
     """The n samples of one request: the same prompt (they share its KV blocks through the prefix
     cache: the scheduler runs the first's prefill, then the others take its blocks), seeds seed,
     seed + 1, ... so that each is reproducible and they differ."""
-    need(1 <= n <= MAX_SAMPLES, f"{field} must be in [1, {MAX_SAMPLES}], got {n}")
+    check_samples(n, field)
     return [gen] + [dataclasses.replace(gen, sampling=dataclasses.replace(
         gen.sampling, seed=(gen.sampling.seed + i) % 2**64)) for i in range(1, n)]

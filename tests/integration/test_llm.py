@@ -6,6 +6,7 @@ gRPC server produces.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
@@ -94,6 +95,52 @@ def test_stop_string_ends_the_text_before_it(llm: LLM) -> None:
     assert out.text == full.text[: full.text.index(stop)]
 
 
+def test_n_samples_are_the_generations_with_seeds_seed_plus_i(llm: LLM) -> None:
+    params = SamplingParams(temperature=0.9, seed=11, max_tokens=6, ignore_eos=True, n=3)
+    outputs = llm.generate(["Once upon a time", "The quick brown fox"], params)
+    assert len(outputs) == 2  # one output per prompt, its samples in completions
+    for prompt, out in zip(["Once upon a time", "The quick brown fox"], outputs):
+        assert [c.index for c in out.completions] == [0, 1, 2] and [c.seed for c in out.completions] == [11, 12, 13]
+        for c in out.completions:
+            [alone] = llm.generate(prompt, dataclasses.replace(params, seed=c.seed, n=1))
+            assert (c.token_ids, c.text, c.finish_reason) == (alone.token_ids, alone.text, alone.finish_reason)
+        assert len({tuple(c.token_ids) for c in out.completions}) == 3
+        assert (out.text, out.token_ids, out.seed) == (out.completions[0].text, out.completions[0].token_ids, 11)
+    again = llm.generate("Once upon a time", params)[0]
+    assert [c.token_ids for c in again.completions] == [c.token_ids for c in outputs[0].completions]
+
+
+def test_one_sample_is_the_output_itself(llm: LLM) -> None:
+    [out] = llm.chat(CONVERSATION, SamplingParams(temperature=0.7, seed=4, max_tokens=5, stop_token_ids=[3]))
+    [only] = out.completions
+    assert only.index == 0
+    assert (only.text, only.token_ids, only.finish_reason, only.stop_reason, only.seed, only.timings, only.logprobs) == (
+        out.text, out.token_ids, out.finish_reason, out.stop_reason, out.seed, out.timings, out.logprobs)
+
+
+def test_greedy_samples_are_identical_and_each_has_its_own_logprobs(llm: LLM) -> None:
+    [greedy_out] = llm.generate("graphs replay kernels", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                                         n=2))
+    first, second = greedy_out.completions
+    assert first.token_ids == second.token_ids and first.text == second.text and len(first.token_ids) == 4
+    [out] = llm.generate("graphs replay kernels", SamplingParams(temperature=1.0, seed=21, max_tokens=4,
+                                                                 ignore_eos=True, logprobs=2, n=2))
+    for c in out.completions:
+        [alone] = llm.generate("graphs replay kernels", SamplingParams(temperature=1.0, seed=c.seed, max_tokens=4,
+                                                                       ignore_eos=True, logprobs=2))
+        assert c.token_ids == alone.token_ids  # logprobs to float32 rounding: the batch of two rows sums otherwise
+        assert [lp.logprob for lp in c.logprobs] == pytest.approx([lp.logprob for lp in alone.logprobs], abs=1e-4)
+        assert [[t for t, _ in lp.top] for lp in c.logprobs] == [[t for t, _ in lp.top] for lp in alone.logprobs]
+        assert len(c.logprobs) == 4 and all(len(lp.top) == 2 for lp in c.logprobs)
+    assert out.logprobs == out.completions[0].logprobs != out.completions[1].logprobs
+
+
+@pytest.mark.parametrize(("n", "shown"), [(17, "17"), (0, "0"), ("2", "'2'"), (2.0, "2.0"), (True, "True")])
+def test_n_outside_one_to_sixteen_is_refused(llm: LLM, n: object, shown: str) -> None:
+    with pytest.raises(ValueError, match=rf"^SamplingParams\.n must be (an int )?in \[1, 16\], got {re.escape(shown)}$"):
+        SamplingParams(n=n)
+
+
 def test_many_prompts_show_a_progress_bar(llm: LLM, capsys) -> None:
     outputs = llm.generate(["a b c"] * 10, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     assert len(outputs) == 10 and len({tuple(o.token_ids) for o in outputs}) == 1
@@ -116,6 +163,10 @@ def test_bad_prompts_and_params_are_clear_errors(llm: LLM) -> None:
         llm.generate("hello", SamplingParams(max_tokens=600))
     with pytest.raises(ValueError, match=r"token id 5000 is outside the vocabulary \[0, 768\)"):
         llm.generate([[1, 5000]])
+    # Next to a prompt with samples: refused before any sample is submitted.
+    with pytest.raises(ValueError, match=r"prompt 1: token id 5000 is outside the vocabulary"):
+        llm.generate([[1, 2], [1, 5000]], SamplingParams(max_tokens=2, n=4))
+    assert llm._engine.num_running == llm._engine.num_waiting == 0
     with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
         llm.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()])
     with pytest.raises(ValueError, match="SamplingParams.temperature must be a finite number >= 0"):

@@ -85,11 +85,11 @@ def test_ctrl_c_aborts_generate_and_raises_keyboard_interrupt(model_cache_dir: P
         llm = open_llm(max_running_seqs=4, max_seq_len=2048)
         try:
             print("ready", flush=True)
-            llm.generate(["a", "b"], {LONG})
+            llm.generate(["a", "b"], SamplingParams(max_tokens=2000, ignore_eos=True, n=3))  # 6 sequences, 4 running
         except KeyboardInterrupt:
             print("interrupted", flush=True)
         out = llm.generate("c", SamplingParams(max_tokens=3, ignore_eos=True))[0]
-        print("after", len(out.token_ids), llm._engine.num_running, flush=True)
+        print("after", len(out.token_ids), llm._engine.num_running, llm._engine.num_waiting, flush=True)
         print("ready", flush=True)
         llm.generate(["d", "e"], {LONG})  # not caught: the traceback and exit of a Ctrl-C
     """), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -105,7 +105,7 @@ def test_ctrl_c_aborts_generate_and_raises_keyboard_interrupt(model_cache_dir: P
     finally:
         proc.kill()
     lines += out.split("\n")
-    assert "interrupted" in lines and "after 3 0" in lines  # the aborted requests left nothing running
+    assert "interrupted" in lines and "after 3 0 0" in lines  # the aborted samples left nothing running or waiting
     assert proc.returncode in (-signal.SIGINT, 130), err[-3000:]
     assert err.rstrip().endswith("KeyboardInterrupt"), err[-3000:]
     assert_clean(err)
