@@ -75,6 +75,14 @@ def test_host_budget(tmp_path: pathlib.Path) -> None:
         assert row["host_ms"] == pytest.approx(sum(row[p] for p in parts), abs=0.01)
 
 
+def test_graph_parity(tmp_path: pathlib.Path) -> None:
+    record = _run("graph_parity.py", [
+        "--model", "builtin:tiny", "--device", "cpu", "--dtype", "float32", "--cache-dir", str(tmp_path / "models"),
+        "--prompts", "2", "--prompt-tokens", "8", "--tokens", "4"], tmp_path)
+    assert [r["prompt"] for r in record["rows"]] == [0, 1]
+    assert record["identical"] == 2  # on the CPU both modes run the same eager kernels
+
+
 def test_gateway_bench(tmp_path: pathlib.Path) -> None:
     pytest.importorskip("openai")
     pytest.importorskip("smg")
