@@ -64,7 +64,8 @@ class EngineObserver(Protocol):
     """Receives what the engine did, for metrics. Called on the engine thread."""
 
     def on_step(self, num_running: int, num_waiting: int, num_decode: int, num_prefill: int) -> None: ...
-    def on_tokens(self, seq: Sequence, count: int, now: float) -> None: ...
+    def on_tokens(self, seqs: list[Sequence], now: float) -> None:
+        """One new completion token of each of seqs: a step's, read at `now`."""
     def on_finish(self, seq: Sequence, finish: Finish) -> None: ...
     def on_step_gap(self, seconds: float) -> None:
         """Time since the previous step that delivered tokens, while streams were running: the gap
@@ -337,12 +338,14 @@ class Engine:
             if key in self._outputs:  # not finished or aborted since
                 self._outputs[key][0].on_prompt_logprobs(start, prompt_logprobs)
         logprobs = step.logprobs if step.logprobs is not None else [None] * len(step.token_ids)
+        read = []
         for seq, token, token_logprobs in zip(launched.seqs, step.token_ids, logprobs, strict=True):
             seq.num_pending -= 1
             if seq.status is SequenceStatus.FINISHED or seq.aborted:
                 continue  # finished or aborted after this step was launched: the token is surplus
             # (A preempted sequence, waiting again, keeps its token: its recompute starts from it.)
             seq.completion_token_ids.append(token)
+            read.append(seq)
             output, sink = self._outputs[seq.key]
             for event in output.on_token(token, now, token_logprobs):
                 if isinstance(event, Finish):
@@ -350,8 +353,8 @@ class Engine:
                     events.append(self._finish(seq, event, now))
                 else:
                     events.append((sink, event))
-            if self.observer is not None:
-                self.observer.on_tokens(seq, 1, now)
+        if self.observer is not None and read:
+            self.observer.on_tokens(read, now)
 
     def _hold_adapter(self, name: str, sink: Sink) -> bool:
         """Count a new stream of adapter `name` (unload waits for it); an unknown one ends the stream."""

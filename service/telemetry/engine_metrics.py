@@ -12,6 +12,7 @@ dict that only the engine thread uses, so `families` may be called from any thre
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable, Iterable
 
@@ -148,28 +149,32 @@ class EngineMetrics:
             self._gap_max[capturing] = seconds
             maximum.set(seconds)
 
-    def on_tokens(self, seq: Sequence, count: int, now: float) -> None:
-        """`count` new completion tokens of `seq` (already appended), sampled at `now`."""
-        self.generated_tokens.inc(count)
-        label = self.adapter_label(seq.request.adapter)
-        counter = self._adapter_token_counters.get(label)
-        if counter is None:
-            counter = self._adapter_token_counters[label] = self.adapter_tokens.labels(label)
-        counter.inc(count)
-        seen = seq.num_completion_tokens
-        previous = self._last_token.pop(seq.key, None)
-        if seen == count:  # the prefill's tokens: the request's first
-            arrival = seq.request.arrival_time
-            self.prompt_tokens.inc(seq.num_prompt_tokens)
-            self.ttft.observe(max(0.0, now - arrival))
-            if seq.scheduled_at is not None:
-                self.queue_time.observe(max(0.0, seq.scheduled_at - arrival))
-        elif previous is not None:
-            gap = max(0.0, now - previous[0]) / count
-            for _ in range(count):
-                self.itl.observe(gap)
-        if seq.status is not SequenceStatus.FINISHED:
-            self._last_token[seq.key] = (now, seen)
+    def on_tokens(self, seqs: list[Sequence], now: float) -> None:
+        """One new completion token of each of `seqs` (already appended), read at `now`: one step's.
+        The counters move once per step and adapter, not once per sequence (this runs for every
+        token of every stream on the engine thread)."""
+        self.generated_tokens.inc(len(seqs))
+        adapters = collections.Counter(seq.request.adapter for seq in seqs)
+        for name, n in adapters.items():
+            label = self.adapter_label(name)
+            counter = self._adapter_token_counters.get(label)
+            if counter is None:
+                counter = self._adapter_token_counters[label] = self.adapter_tokens.labels(label)
+            counter.inc(n)
+        last = self._last_token
+        for seq in seqs:
+            seen = seq.num_completion_tokens
+            previous = last.pop(seq.key, None)
+            if seen == 1:  # the prefill's token: the request's first
+                arrival = seq.request.arrival_time
+                self.prompt_tokens.inc(seq.num_prompt_tokens)
+                self.ttft.observe(max(0.0, now - arrival))
+                if seq.scheduled_at is not None:
+                    self.queue_time.observe(max(0.0, seq.scheduled_at - arrival))
+            elif previous is not None:
+                self.itl.observe(max(0.0, now - previous[0]))
+            if seq.status is not SequenceStatus.FINISHED:
+                last[seq.key] = (now, seen)
 
     def on_finish(self, seq: Sequence, finish: Finish) -> None:
         self.requests.labels(finish.reason.value).inc()

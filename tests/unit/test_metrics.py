@@ -71,7 +71,7 @@ def run_to_length(m: EngineMetrics, seq: Sequence, token_times: list[float], sch
         if i == len(token_times) - 1:
             seq.status = SequenceStatus.FINISHED
             m.on_finish(seq, finish_of(seq, FinishReason.LENGTH, now))
-        m.on_tokens(seq, 1, now)
+        m.on_tokens([seq], now)
 
 
 def test_a_finished_request_counts_tokens_and_latencies() -> None:
@@ -185,7 +185,7 @@ def test_aborts_in_the_queue_and_mid_stream_count_as_abort_and_leave_nothing_tra
     running.status, running.scheduled_at = SequenceStatus.RUNNING, 10.1
     for i, now in enumerate([10.2, 10.3]):
         running.completion_token_ids.append(i)
-        m.on_tokens(running, 1, now)
+        m.on_tokens([running], now)
     assert m.tracked_requests == 1
     running.status = SequenceStatus.FINISHED
     m.on_finish(running, finish_of(running, FinishReason.ABORT, 10.4))
@@ -198,18 +198,20 @@ def test_aborts_in_the_queue_and_mid_stream_count_as_abort_and_leave_nothing_tra
     assert m.tracked_requests == 0
 
 
-def test_several_tokens_at_once_split_the_gap() -> None:
+def test_one_step_s_tokens_count_once_per_step_and_time_each_stream() -> None:
     m = EngineMetrics()
-    seq = make_seq("r1", 2, 10)
-    seq.status, seq.scheduled_at = SequenceStatus.RUNNING, 10.0
-    seq.completion_token_ids.append(1)
-    m.on_tokens(seq, 1, 10.1)
-    seq.completion_token_ids += [2, 3, 4]
-    m.on_tokens(seq, 3, 10.13)
+    seqs = [make_seq(f"r{i}", 2, 10) for i in range(3)]
+    for seq in seqs:
+        seq.status, seq.scheduled_at = SequenceStatus.RUNNING, 10.0
+    for i, now in enumerate([10.1, 10.13, 10.2]):
+        for seq in seqs:
+            seq.completion_token_ids.append(i)
+        m.on_tokens(seqs, now)
     s = scrape(m)
-    assert value(s, "graphserve_generated_tokens_total") == 4
-    assert value(s, "graphserve_inter_token_latency_seconds_count") == 3
-    assert value(s, "graphserve_inter_token_latency_seconds_sum") == pytest.approx(0.03)
+    assert value(s, "graphserve_generated_tokens_total") == 9
+    assert value(s, "graphserve_time_to_first_token_seconds_count") == 3
+    assert value(s, "graphserve_inter_token_latency_seconds_count") == 6
+    assert value(s, "graphserve_inter_token_latency_seconds_sum") == pytest.approx(3 * 0.1)
 
 
 def test_step_sets_running_and_waiting_and_rejections_count_by_reason() -> None:
