@@ -44,21 +44,15 @@ class _TimedEvent:
 
 
 def _pickling_publisher() -> tuple[Any, list]:
-    """engine_worker.publish's work before its pipe write: events to tuples, pickled."""
-    from service.engine.request import Finish, TokenDelta
+    """engine_worker.publish's work before its pipe write: the events encoded, pickled."""
+    from service.engine.request import Finish
+    from service.server.engine_worker import encode_events
 
     sent = [0]
 
     def publish(pairs: list[tuple[Any, Any]]) -> None:
-        events = []
-        for sink, event in pairs:
-            if isinstance(event, TokenDelta):
-                events.append((0, sink.key, (event.token_ids, event.text, event.logprobs, event.prompt_logprobs)))
-            else:
-                events.append((1 if isinstance(event, Finish) else 2, sink.key, event))
-            if isinstance(event, Finish):
-                sent[0] += 1
-        pickle.dumps(events, protocol=pickle.HIGHEST_PROTOCOL)
+        sent[0] += sum(isinstance(event, Finish) for _, event in pairs)
+        pickle.dumps(encode_events(pairs), protocol=pickle.HIGHEST_PROTOCOL)
 
     return publish, sent
 

@@ -147,7 +147,7 @@ class StepTokens:
     logprobs: list[TokenLogprobs | None] | None = None
     # Prompt logprobs the step computed: (sequence key, first prompt position, one per position from
     # there: the log-probability of the prompt token after it).
-    prompt_logprobs: list[tuple[str, int, list[TokenLogprobs]]] = ()
+    prompt_logprobs: tuple[tuple[str, int, list[TokenLogprobs]], ...] = ()
 
 
 RequestEvent = TokenDelta | Finish | EngineError

@@ -24,7 +24,7 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 def copy_parts(parts: list[list[int]] | list[list[float]], dtype: torch.dtype,
                device: torch.device | str) -> list[torch.Tensor]:
     """The lists as views of one device tensor, in order, each 16-byte aligned."""
-    per = max(1, _ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
+    per = max(1, _ALIGN_BYTES // dtype.itemsize)
     padded = [-(-len(p) // per) * per for p in parts]
     flat = [v for p, n in zip(parts, padded) for v in (*p, *[0] * (n - len(p)))]
     on_cuda = torch.device(device).type == "cuda"

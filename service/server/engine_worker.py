@@ -143,17 +143,7 @@ class _Worker:
     # ---- engine thread ------------------------------------------------------------------------
 
     def publish(self, pairs: list[tuple[Any, Any]]) -> None:
-        from service.engine.request import Finish, TokenDelta
-
-        events = []
-        for sink, event in pairs:
-            if isinstance(event, TokenDelta):
-                events.append((DELTA, sink.key, (event.token_ids, event.text, event.logprobs, event.prompt_logprobs)))
-            elif isinstance(event, Finish):
-                events.append((FINISH, sink.key, event))
-            else:  # the EngineError itself: its type (AdapterGone) decides the status code
-                events.append((ERROR, sink.key, event))
-        self.send((EVENTS, events), with_status=True)
+        self.send((EVENTS, encode_events(pairs)), with_status=True)
 
     # ---- start --------------------------------------------------------------------------------
 
@@ -432,3 +422,16 @@ def worker_main(conn: Any, spec: WorkerSpec) -> None:
         worker.replies.shutdown(wait=False)
         conn.close()
 
+
+def encode_events(pairs: list[tuple[Any, Any]]) -> list[tuple[str, str, Any]]:
+    """A step's (sink, event) pairs as the pipe carries them: a delta as a plain tuple, a finish or
+    an error as itself (an error's type, e.g. AdapterGone, decides the gRPC status)."""
+    from service.engine.request import Finish, TokenDelta
+
+    events = []
+    for sink, event in pairs:
+        if isinstance(event, TokenDelta):
+            events.append((DELTA, sink.key, (event.token_ids, event.text, event.logprobs, event.prompt_logprobs)))
+        else:
+            events.append((FINISH if isinstance(event, Finish) else ERROR, sink.key, event))
+    return events
