@@ -17,6 +17,8 @@
 #   bash bench/h200_session.sh gen-1b parity  # greedy bf16 text with graphs against eager, 8 prompts one at a time
 #   bash bench/h200_session.sh gen-1b host-budget  # the engine thread's host ms per step by part at 64 / 128 / 256 streams
 #   bash bench/h200_session.sh gen-1b prefix-load  # a shared 1,024-token prefix at 20 req/s, prefix cache on and off
+#   bash bench/h200_session.sh chunk-attention  # prompt-chunk attention of one layer: the Triton kernel against torch / flash
+#   bash bench/h200_session.sh gen-1b concurrency  # 1,024 chat-like requests at once in 8 GiB of KV: the most running at once
 #   bash bench/h200_session.sh gen-1b startup load  # the 1B checkpoint once; start-up GPU tests; the serving load
 #     (TAG=before LOAD_ARGS='--server-args "--startup-graph-timeout 0"' for the start-up captures off)
 set -uo pipefail
@@ -87,6 +89,13 @@ for part in "$@"; do
       eval "run prefix-load${TAG:+-$TAG} 570 python3 bench/serving_load.py $M --cache-dir .cache/models \
         --rates ${RATES:-20} --starts ${STARTS:-warm} --requests ${REQUESTS:-200} --shared-prefix 1024 --prefix-caching on,off \
         --log-dir $OUT/prefix-load${TAG:+-$TAG} ${LOAD_ARGS:-}" ;;
+    chunk-attention)
+      TAIL=12 run chunk-attention 120 python3 bench/chunk_attention_bench.py --device cuda
+      TAIL=12 run chunk-attention-8b 120 python3 bench/chunk_attention_bench.py --device cuda --heads 32,8,128 ;;
+    concurrency)  # 8 GiB of KV held 8 GiB / (2,048 x 32 KiB) = 128 static slots of 2,048 tokens at the 1B shape
+      run concurrency 400 python3 bench/serving_load.py $M --cache-dir .cache/models --rates 1000 --starts cold \
+        --requests ${REQUESTS:-1024} --max-prompt 1024 --max-output 1016 --max-running-seqs 1024 \
+        --server-args "--kv-cache-memory 8GiB" --log-dir $OUT/concurrency ;;
     tp-serve) tp_serve "" --requests 192 --output-tokens 64 ;;  # run gen-8b first: the 16 GB checkpoint is made once
     tp-serve-long) tp_serve "long-" --requests 128 --output-tokens 256 ;;  # decode-dominated
     invariant)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import math
@@ -36,6 +37,7 @@ import shlex
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from typing import Any
@@ -225,10 +227,35 @@ def run_once(args: argparse.Namespace, label: str, stats: pathlib.Path, log_dir:
              **extra: Any) -> dict[str, Any]:
     server = Server(args, stats, log_dir / (label.replace(" ", "-").replace("/", "per") + ".log"), prefix_caching)
     try:
-        traces, wall = drive(server.proc.address, items, offsets)
-        return measure(label, server, traces, wall, **extra)
+        with RunningPeak(server) as peak:
+            traces, wall = drive(server.proc.address, items, offsets)
+        return measure(label, server, traces, wall, running_peak=peak.value, **extra)
     finally:
         server.stop()
+
+
+class RunningPeak:
+    """The most requests the server ran at once during a run: its `vllm:num_requests_running`
+    gauge, scraped every 0.2 s on a thread of its own."""
+
+    def __init__(self, server: Server) -> None:
+        self.server, self.value = server, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> RunningPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.2):
+            with contextlib.suppress(OSError):
+                running = sum(v for (name, _), v in self.server.scrape().items() if name == "vllm:num_requests_running")
+                self.value = max(self.value, running)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, ["run", "ok", "errors", "start_to_serving_s", "graphs_before_serving", "captures_while_serving",
                        "ttft_p50_ms", "ttft_p99_ms", "ttft_max_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms",
                        "step_gap_max_ms", "step_gap_max_capturing_ms", "out_tok_per_s", "prefix_hit_rate",
-                       "preemptions"],
+                       "preemptions", "running_peak"],
                 title=f"\n{args.model} {args.dtype} on {args.device}: Poisson, "
                       f"{f'a shared prefix of {args.shared_prefix} + ' if args.shared_prefix else ''}prompts ~{args.prompt_median} "
                       f"and outputs ~{args.output_median} tokens (log-normal, sigma {args.sigma})")

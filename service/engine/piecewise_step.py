@@ -85,7 +85,7 @@ class PiecewiseStep:
     def run_scratch(self, size: int) -> torch.Tensor:
         """Like `run`, on private inputs that write only the scratch slot (the capture warm-up)."""
         ids, positions, slots, out = (t[:size] for t in self._scratch)
-        meta = AttentionMetadata(num_decodes=size, prompts=[], contexts=[], num_tokens=size)
+        meta = AttentionMetadata(num_decodes=size, chunks=[], num_tokens=size)
         batch = StepBatch(ids, positions, slots, torch.arange(size, device=self.device), meta)
         return self._segments(size, *self._scratch[:3], self._scratch[3], batch).run()
 
@@ -126,7 +126,7 @@ class PiecewiseStep:
             def run() -> None:
                 step = batch if batch is not None else self.batch
                 piece = states[layer]
-                p.model.step_attention(layer, piece.q, step, self.kv, piece.index, out=out)
+                p.model.step_attention(layer, piece.q, step, self.kv, out=out)
             return run
 
         pieces = [first, *(middle(layer) for layer in range(1, p.num_layers)), last]

@@ -2,11 +2,11 @@
 
 The step's K/V are already in the cache when this runs (the piece before it writes them, at the
 rows' (block, offset) write index), so attention is a function of the rotated queries, the cache
-and the step's AttentionMetadata:
-decode rows through the decode kernel (Triton on CUDA, torch otherwise), chunks that start a
-prompt through batched causal attention by length bucket, chunks that continue a prompt against
-their sequence's earlier KV (gathered through its block table) plus causally within the chunk. It runs eagerly, between the pieces that
-CUDA graphs may capture, on the real lengths; padding rows of the output stay zero.
+and the step's AttentionMetadata: decode rows through the decode kernel, prompt chunks (whether
+they start a prompt or continue one against the KV its earlier chunks or a prefix-cache hit left)
+through the chunk kernel, all chunks of the step in one call (service.model.kernels: Triton on
+CUDA, torch otherwise). It runs eagerly, between the pieces that CUDA graphs may capture, on the
+real lengths; padding rows of the output stay zero.
 
 `rowwise_step_attention` is the batch-invariant mode's: every row, prompt token or decode, goes
 through the decode kernel (a token attends to its slot's positions up to its own), so a token's
@@ -20,50 +20,40 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
+from service.model.kernels.prefill_attention import prefill_attention_torch, prefill_attention_triton
 from service.model.kv_cache import KVCache
-from service.model.step_batch import StepBatch
-
-# Prompt attention never uses cuDNN's SDPA (PyTorch's first choice on Hopper): it builds a plan per
-# new shape, and every prompt length is one, 73 ms per new length (960 ms the first) on an H200,
-# on the engine thread while every stream waited; flash / memory-efficient take 0.16 ms
-# (bench/attention_shapes.py). The math kernel is the fallback (the CPU, odd shapes).
-_PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+from service.model.step_batch import AttentionMetadata, StepBatch
 
 # (q [B, H, D], k_cache, v_cache, block_table, slot_ids [B], positions [B]) -> [B, H * D]
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                            torch.Tensor]
-# The step's rows' KV entries: (block [S], offset [S]), KVCache.write_index
-WriteIndex = tuple[torch.Tensor, torch.Tensor]
+# (q [S, H, D], k_cache, v_cache, block_table, the step's metadata, out [S, H * D]): writes the
+# chunks' rows of out
+ChunkAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor],
+                          None]
+
+
+def chunk_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                          meta: AttentionMetadata, out: torch.Tensor) -> None:
+    prefill_attention_torch(q, k_cache, v_cache, block_table,
+                            [(c.row, c.length, c.start, c.slot) for c in meta.chunks], out)
+
+
+def chunk_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                           meta: AttentionMetadata, out: torch.Tensor) -> None:
+    assert meta.chunk_table is not None and meta.chunk_tiles is not None
+    prefill_attention_triton(q, k_cache, v_cache, block_table, meta.chunk_table, meta.chunk_tiles, out)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    # q: [L, H, D], k, v: [L, KVH, D] -> [L, H * D]
-    return batched_causal_attention(q[None], k[None], v[None])[0]
-
-
-def batched_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    # q: [B, L, H, D], k, v: [B, L, KVH, D] -> [B, L, H * D]; each of the B sequences on its own
-    batch, length, heads, _ = q.shape
-    groups = heads // k.shape[2]
-    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
-    kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
-    with sdpa_kernel(_PROMPT_BACKENDS):
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)  # [B, H, L, D]
-    return out.transpose(1, 2).reshape(batch, length, -1)
-
-
-def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q: [L, H, D], the last L of the E positions whose keys and values are k, v: [KVH, E, D]
-    -> [L, H * D]: query i attends to positions [0, E - L + i]."""
+    """q: [L, H, D], k, v: [L, KVH, D] -> [L, H * D], causal (the cache-free reference forward)."""
     length, heads, _ = q.shape
-    groups = heads // k.shape[0]
-    kh, vh = k.repeat_interleave(groups, dim=0)[None], v.repeat_interleave(groups, dim=0)[None]
-    with sdpa_kernel(_PROMPT_BACKENDS):
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], kh, vh, attn_mask=causal_lower_right(length, k.shape[1])
-        )  # [1, H, L, D]
+    groups = heads // k.shape[1]
+    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))
+    kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)  # [1, H, L, D]
     return out[0].transpose(0, 1).reshape(length, -1)
 
 
@@ -81,38 +71,20 @@ def step_attention(
     kv: KVCache,
     layer: int,
     batch: StepBatch,
-    index: WriteIndex,
     decode_attention: DecodeAttention,
+    chunk_attention: ChunkAttention,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [S, H, D] rotated queries of every row; the layer's cache already holding this step's K/V
-    at `index` -> [S, H * D] (written into `out` when given, e.g. a buffer a captured piece reads)."""
+    -> [S, H * D] (written into `out` when given, e.g. a buffer a captured piece reads)."""
     meta = batch.attention
     out = _output(q, out, meta.num_tokens)
     k_cache, v_cache = kv.k[layer], kv.v[layer]
-    blocks, offsets = index
     d = meta.num_decodes
     if d:
         out[:d] = decode_attention(q[:d], k_cache, v_cache, kv.block_table, batch.slot_ids[:d], batch.positions[:d])
-    for g in meta.prompts:
-        if g.rows is None:
-            rows = slice(g.first_row, g.first_row + g.batch * g.length)
-            qg, bg, off = q[rows], blocks[rows], offsets[rows]
-        else:
-            qg, bg, off = (x.index_select(0, g.rows) for x in (q, blocks, offsets))
-        kg, vg = k_cache[bg, :, off], v_cache[bg, :, off]  # [batch * length, KVH, D]
-        shaped = (x.view(g.batch, g.length, *x.shape[1:]) for x in (qg, kg, vg))
-        og = batched_causal_attention(*shaped).view(g.batch * g.length, -1)
-        if g.rows is None:
-            out[rows] = og
-        else:
-            assert g.real is not None and g.dest is not None
-            out.index_copy_(0, g.dest, og.index_select(0, g.real))
-    for c in meta.contexts:
-        end = c.start + c.length
-        out[c.row: c.row + c.length] = context_attention(
-            q[c.row: c.row + c.length], kv.gather(k_cache, c.slot, end), kv.gather(v_cache, c.slot, end)
-        )
+    if meta.chunks:
+        chunk_attention(q, k_cache, v_cache, kv.block_table, meta, out)
     return out
 
 

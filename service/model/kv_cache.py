@@ -22,6 +22,9 @@ from service.model.spec import ModelSpec
 
 NULL_BLOCK = 0
 
+# The step's rows' KV entries: (block [S], offset [S]) long, KVCache.write_index
+WriteIndex = tuple[torch.Tensor, torch.Tensor]
+
 
 class KVCache:
     def __init__(
@@ -100,18 +103,11 @@ class KVCache:
 
     # ---- addressing ----------------------------------------------------------------------
 
-    def write_index(self, slot_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_index(self, slot_ids: torch.Tensor, positions: torch.Tensor) -> WriteIndex:
         """(block, offset) [N] long of each row's KV entry at (slot, position). Graph-safe (a device gather)."""
         bs = self.block_size
         blocks = self.block_table[slot_ids, torch.div(positions, bs, rounding_mode="floor")].long()
         return blocks, positions % bs
-
-    def gather(self, cache: torch.Tensor, slot: int | torch.Tensor, end: int) -> torch.Tensor:
-        """Positions [0, end) of one row as [KVH, end, D] (a copy): context attention's keys or values."""
-        nb = -(-end // self.block_size)
-        table = self.block_table[slot, :nb].long()
-        out = cache.index_select(0, table)  # [nb, KVH, bs, D]
-        return out.permute(1, 0, 2, 3).reshape(cache.shape[1], nb * self.block_size, cache.shape[3])[:, :end]
 
     def slot_view(self, cache: torch.Tensor) -> torch.Tensor:
         """Every row's positions [0, blocks_per_seq * block_size) as [num_slots + 1, KVH, T, D] (a copy,

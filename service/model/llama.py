@@ -21,9 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from service.model.attention import (
+    ChunkAttention,
     DecodeAttention,
-    WriteIndex,
     causal_attention,
+    chunk_attention_torch,
+    chunk_attention_triton,
     rowwise_step_attention,
     step_attention,
 )
@@ -34,7 +36,7 @@ from service.model.kernels.gemv import linear as gemv_linear
 from service.model.kernels.invariant import InvariantKernels, Matmul
 from service.model.kernels.norm import add_rmsnorm_torch, add_rmsnorm_triton
 from service.model.kernels.rope import apply_rope, rope_kv_write_torch, rope_kv_write_triton, split_qkv
-from service.model.kv_cache import KVCache
+from service.model.kv_cache import KVCache, WriteIndex
 from service.model.parallel import TensorParallel, VocabParallelEmbedding, shard_spec
 from service.model.spec import ModelLoadError, ModelSpec
 from service.model.step_batch import ChunkSpec, StepBatch, build_step_batch
@@ -360,6 +362,10 @@ class LlamaForCausalLM(nn.Module):
             return self.invariant.attention
         return decode_attention_triton if self.fast.attention else decode_attention_torch
 
+    def chunk_attention(self) -> ChunkAttention:
+        """The prompt chunks' attention: Triton when the fast path has it."""
+        return chunk_attention_triton if self.fast.prefill_attention else chunk_attention_torch
+
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         # input_ids, positions: [N] -> final hidden states [N, hidden]
         x, cos, sin = self.embed(input_ids, positions)
@@ -388,14 +394,13 @@ class LlamaForCausalLM(nn.Module):
         return write(qkv, cos, sin, kv.k[layer], kv.v[layer], blocks, offsets, s.num_heads, s.num_kv_heads)
 
     def step_attention(
-        self, layer: int, q: torch.Tensor, batch: StepBatch, kv: KVCache, index: WriteIndex,
-        out: torch.Tensor | None = None,
+        self, layer: int, q: torch.Tensor, batch: StepBatch, kv: KVCache, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of a step's rows (their K/V already in the cache at `index`) -> [S, H * D]. Eager."""
         if self.invariant is not None:
             return rowwise_step_attention(q, kv, layer, batch, self.invariant.attention, out,
                                           self.invariant.rows_per_call)
-        return step_attention(q, kv, layer, batch, index, self.row_attention(), out)
+        return step_attention(q, kv, layer, batch, self.row_attention(), self.chunk_attention(), out)
 
     def _rope(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -442,7 +447,7 @@ class LlamaForCausalLM(nn.Module):
 
         def attend(i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             q = self.rope_kv_write(i, qkv, cos, sin, index, kv)
-            return self.step_attention(i, q, batch, kv, index)
+            return self.step_attention(i, q, batch, kv)
 
         return self.logits(self._run(batch.input_ids, batch.positions, attend)[batch.sample_rows])
 

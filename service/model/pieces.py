@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from service.model.attention import WriteIndex
-from service.model.kv_cache import KVCache
+from service.model.kv_cache import KVCache, WriteIndex
 from service.model.llama import LlamaForCausalLM
 from service.model.lora import LoraSlots, lora_tokens
 from service.model.step_batch import StepBatch
@@ -77,7 +76,7 @@ class PiecewiseForward:
         return m.final_norm(x, delta)
 
     def attention(self, layer: int, state: PieceState, batch: StepBatch) -> torch.Tensor:
-        return self.model.step_attention(layer, state.q, batch, self.kv, state.index)
+        return self.model.step_attention(layer, state.q, batch, self.kv)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:

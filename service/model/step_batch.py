@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from service.model.device_copy import copy_parts
+from service.model.kernels.prefill_attention import CHUNK_FIELDS, chunk_tiles
 
 
 @dataclass(frozen=True)
@@ -33,24 +34,10 @@ class ChunkSpec:
 
 
 @dataclass(frozen=True)
-class PromptGroup:
-    """Chunks that start a prompt (position 0), of similar length, right-padded to the longest: one
-    batched causal attention call. Causal masking keeps every real query away from the padding keys
-    after it, so padding changes no real row. Without `rows` the group is rows
-    [first_row, first_row + batch * length) in order, with no padding."""
-
-    batch: int
-    length: int
-    first_row: int = 0
-    rows: torch.Tensor | None = None  # [batch * length] the token row read into each padded position
-    real: torch.Tensor | None = None  # [n] padded positions that hold real tokens
-    dest: torch.Tensor | None = None  # [n] their token rows
-
-
-@dataclass(frozen=True)
-class ContextChunk:
-    """A chunk that continues a prompt: rows [row, row + length) attend to the slot's KV [0, start)
-    and causally among themselves."""
+class PromptChunk:
+    """Rows [row, row + length) hold a prompt's tokens at KV positions [start, start + length) of
+    `slot`: they attend to the slot's KV [0, start) (earlier chunks, or a prefix-cache hit) and
+    causally among themselves."""
 
     row: int
     length: int
@@ -61,9 +48,12 @@ class ContextChunk:
 @dataclass(frozen=True)
 class AttentionMetadata:
     num_decodes: int  # rows [0, num_decodes): one token at `position`, attending to KV [0, position]
-    prompts: list[PromptGroup]
-    contexts: list[ContextChunk]
+    chunks: list[PromptChunk]
     num_tokens: int  # real rows; the rest is padding that attention leaves zero
+    # The chunks on the device (service.model.kernels.prefill_attention): [C, 4] (row, length,
+    # start, slot) and the [T, 2] (chunk, first query) of every query tile; None without chunks.
+    chunk_table: torch.Tensor | None = None
+    chunk_tiles: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -110,11 +100,13 @@ def build_step_batch(
     positions = [*decode_positions, *(p for c in chunks for p in range(c.start, c.start + c.length)), *[0] * pad]
     slots = [*decode_slots, *(c.slot for c in chunks for _ in range(c.length)), *[scratch_slot] * pad]
     sample_rows = [*range(num_decodes), *(r + c.length - 1 for r, c in zip(first_rows, chunks) if c.sample)]
-    contexts = [ContextChunk(r, c.length, c.slot, c.start) for r, c in zip(first_rows, chunks) if c.start > 0]
-    shapes, group_parts = _prompt_groups([(r, c.length) for r, c in zip(first_rows, chunks) if c.start == 0])
+    prompt_chunks = [PromptChunk(r, c.length, c.slot, c.start) for r, c in zip(first_rows, chunks)]
 
     logprob_rows = [r + i for r, c in zip(first_rows, chunks) for i in range(c.logprob_rows)]
-    parts: list[list[int]] = [positions, slots, sample_rows, *group_parts]
+    parts: list[list[int]] = [positions, slots, sample_rows]
+    if chunks:
+        parts.append([x for c in prompt_chunks for x in (c.row, c.length, c.start, c.slot)])
+        parts.append(chunk_tiles([c.length for c in chunks]))
     ids_on_host = not isinstance(token_ids, torch.Tensor)
     if ids_on_host:
         parts.append([*token_ids, *[0] * pad])
@@ -128,12 +120,9 @@ def build_step_batch(
         parts.append(logprob_rows)
     views = copy_parts(parts, torch.long, device)
     positions_t, slots_t, sample_t = views[:3]
-    prompts = [
-        PromptGroup(batch, length, first) if rows is None
-        else PromptGroup(batch, length, first, *views[3 + 3 * rows: 6 + 3 * rows])
-        for batch, length, first, rows in shapes
-    ]
-    rest = views[3 + len(group_parts):]
+    rest = views[3:]
+    chunk_t = rest.pop(0).view(-1, CHUNK_FIELDS) if chunks else None
+    tiles_t = rest.pop(0).view(-1, 2) if chunks else None
     if ids_on_host:
         ids_t = rest.pop(0)
     else:
@@ -141,37 +130,8 @@ def build_step_batch(
     pending_t = rest.pop(0) if pending_rows is not None else None
     lora_t = rest.pop(0) if lora_slots is not None else None
     logprob_t = rest.pop(0) if logprob_rows else None
-    meta = AttentionMetadata(num_decodes, prompts, contexts, n)
+    meta = AttentionMetadata(num_decodes, prompt_chunks, n, chunk_t, tiles_t)
     return StepBatch(ids_t, positions_t, slots_t, sample_t, meta, pending_t, logprob_t, lora_t)
-
-
-def _prompt_groups(
-    chunks: list[tuple[int, int]],
-) -> tuple[list[tuple[int, int, int, int | None]], list[list[int]]]:
-    """(first row, length) of each prompt-starting chunk -> per group (batch, length, first row, index
-    of its three index lists or None) and the index lists: chunks whose lengths share a power-of-two
-    bucket go together, so padding at most doubles a chunk."""
-    if not chunks:
-        return [], []
-    lengths = [length for _, length in chunks]
-    contiguous = all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(chunks))
-    if len(set(lengths)) == 1 and contiguous:  # the common case: one group, in order, nothing padded
-        return [(len(chunks), lengths[0], chunks[0][0], None)], []
-    buckets: dict[int, list[tuple[int, int]]] = {}
-    for first, length in chunks:
-        buckets.setdefault((length - 1).bit_length(), []).append((first, length))
-    shapes: list[tuple[int, int, int, int | None]] = []
-    parts: list[list[int]] = []
-    for members in buckets.values():
-        longest = max(length for _, length in members)
-        rows, real, dest = [], [], []
-        for b, (first, length) in enumerate(members):
-            rows += [*range(first, first + length), *[first] * (longest - length)]
-            real += range(b * longest, b * longest + length)
-            dest += range(first, first + length)
-        shapes.append((len(members), longest, members[0][0], len(shapes)))
-        parts += [rows, real, dest]
-    return shapes, parts
 
 
 def _check(

@@ -1,5 +1,5 @@
-"""The paged KV cache on a real GPU: the Triton decode kernel over block tables against the torch
-reference (block sizes, lengths, shuffled and shared layouts), a captured decode graph replayed with
+"""The paged KV cache on a real GPU: the Triton decode and prompt-chunk kernels over block tables
+against the torch reference (block sizes, lengths, shuffled and shared layouts), a captured decode graph replayed with
 other block tables equal to eager, prefix-cache hits under graphs giving a miss's tokens, and the
 batch-invariant mode identical with and without a prefix hit.
 
@@ -24,6 +24,26 @@ def test_paged_decode_kernel_matches_the_torch_reference(block_size, batch, max_
     for seed in range(2):
         check_attention(DEVICE, torch.bfloat16, 32, 8, 64, batch=batch, max_seq_len=max_seq_len, num_splits=splits,
                         seed=seed, block_size=block_size)
+
+
+CHUNK_SETS = [
+    ((0, 1),),  # a one-token prompt
+    ((0, 2048),),  # one long prompt: 32 query tiles
+    ((1024, 270), (1024, 300), (0, 9)),  # prefix-cache hits beside a miss
+    ((0, 63), (0, 64), (0, 65), (500, 129), (4000, 96)),  # tile edges, a late chunk
+]
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+@pytest.mark.parametrize("chunks", CHUNK_SETS, ids=lambda c: f"{len(c)}chunks")
+@pytest.mark.parametrize("heads", [(32, 8, 64), (32, 8, 128), (8, 8, 64)], ids=lambda h: "x".join(map(str, h)))
+def test_prompt_chunk_kernel_matches_the_torch_reference(block_size, chunks, heads):
+    from service.model.kernels.fast_path import check_prefill_attention
+
+    longest = max(start + n for start, n in chunks)
+    for seed in range(2):
+        check_prefill_attention(DEVICE, torch.bfloat16, *heads, chunks=chunks, seed=seed, block_size=block_size,
+                                max_seq_len=longest + 17)
 
 
 def _model():

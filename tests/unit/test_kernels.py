@@ -285,6 +285,9 @@ fp.check_attention(cpu, dt, 8, 2, 64, batch=4, max_seq_len=150, num_splits=1)
 fp.check_attention(cpu, dt, 8, 2, 64, batch=4, max_seq_len=150, num_splits=3, seed=1)
 fp.check_attention(cpu, dt, 4, 4, 32, batch=2, max_seq_len=70, num_splits=2)   # MHA
 fp.check_attention(cpu, dt, 6, 1, 24, batch=1, max_seq_len=64, num_splits=1)   # head_dim not a power of two
+fp.check_prefill_attention(cpu, dt, 4, 2, 16)               # prompt chunks: fresh, continued, several tiles
+fp.check_prefill_attention(cpu, dt, 4, 4, 32, block_size=8, chunks=((0, 3), (5, 65)), seed=2)  # MHA
+fp.check_prefill_attention(cpu, dt, 6, 1, 24, chunks=((0, 17), (100, 1)), seed=3)  # head_dim not a power of two
 # NaN in a slot past a row's position (a stale earlier sequence) never reaches the row.
 from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton
 g = torch.Generator().manual_seed(5)

@@ -14,7 +14,9 @@ except Exception:  # noqa: BLE001  (ImportError, or a broken install that fails 
     triton = None
     tl = None
 
-__all__ = ["cdiv", "interpreting", "next_pow2", "pdl", "pdl_launch", "sm_count", "tl", "triton"]
+__all__ = ["LOG2E", "cdiv", "interpreting", "next_pow2", "pdl", "pdl_launch", "sm_count", "tl", "triton"]
+
+LOG2E = 1.4426950408889634  # attention kernels scale scores by it and take the softmax in exp2
 
 _num_sms: dict[int, int] = {}
 _pdl: dict[int, bool] = {}
@@ -81,3 +83,16 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def online_softmax(s, v, m_i, l_i, acc):
+        """One tile of flash attention's online softmax: s [M, N] float32 scores already scaled by
+        LOG2E (masked ones -inf), v [N, D]; the running max m_i and sum l_i [M] and acc [M, D]
+        rescaled and accumulated. A row with no visible key yet keeps m = -inf and adds nothing."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # must not give inf - inf
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc

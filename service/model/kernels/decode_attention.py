@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from service.model.kernels._triton import cdiv, interpreting, next_pow2, pdl, pdl_launch, sm_count, tl, triton
+from service.model.kernels._triton import LOG2E, cdiv, interpreting, next_pow2, pdl, pdl_launch, sm_count, tl, triton
 
 if triton is not None:
-    from service.model.kernels._triton import pdl_wait
+    from service.model.kernels._triton import online_softmax, pdl_wait
 
 BLOCK_N = 64  # KV positions per inner step
 
@@ -120,7 +120,7 @@ def decode_attention_triton(
     on = pdl(q.device, b)
     _decode_attn_kernel[(b, kvh, num_splits)](
         q, k_cache, v_cache, block_table, slot_ids, positions, out, part, lse,
-        d**-0.5,
+        d**-0.5 * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
@@ -154,16 +154,10 @@ if triton is not None:
         tile = kv_off + rows[:, None] + offs_d[None, :]
         tile_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + tile, mask=tile_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_G, BLOCK_N] float32
+        s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_G, BLOCK_N] float32, times LOG2E
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked tile must not give inf - inf
-        alpha = tl.exp(m_i - m_ref)
-        p = tl.exp(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + tile, mask=tile_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        return m_new, l_i, acc
+        return online_softmax(s, v, m_i, l_i, acc)
 
     @triton.jit
     def _decode_attn_kernel(
@@ -228,7 +222,7 @@ if triton is not None:
             # part: [B, H, NUM_SPLITS, HEAD_DIM] float32, lse: [B, H, NUM_SPLITS], both contiguous
             part_row = (row * (GROUPS * tl.num_programs(1)) + heads) * NUM_SPLITS + split
             tl.store(part_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=o_mask)
-            lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
+            lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # base 2, as the scores
             tl.store(lse_ptr + part_row, lse, mask=g_mask)
 
     @triton.jit
@@ -249,7 +243,7 @@ if triton is not None:
         d_mask = offs_d < HEAD_DIM
         lse = tl.load(lse_ptr + row * stride_lb + head * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
         m = tl.max(lse, 0)  # finite: split 0 always holds position 0
-        w = tl.exp(lse - m)  # [BLOCK_S], 0 for empty splits
+        w = tl.exp2(lse - m)  # [BLOCK_S], 0 for empty splits
         parts = tl.load(
             part_ptr + row * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
             mask=s_mask[:, None] & d_mask[None, :],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import structlog
@@ -18,7 +19,8 @@ FAST_DTYPES = (torch.float16, torch.bfloat16)
 class FastPath:
     """Flags per fused kernel; all False is the torch path (CPU, float32, no Triton, or a failed check)."""
 
-    attention: bool = False
+    attention: bool = False  # decode rows
+    prefill_attention: bool = False  # prompt chunks
     norm: bool = False
     rope_kv: bool = False
     silu_mul: bool = False
@@ -42,6 +44,7 @@ class FastPath:
         shape = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
         checks = {
             "attention": lambda: check_attention(device, dtype, **shape),
+            "prefill_attention": lambda: check_prefill_attention(device, dtype, **shape),
             "norm": lambda: check_norm(device, dtype, hidden_size),
             "rope_kv": lambda: check_rope_kv(device, dtype, **shape),
             "silu_mul": lambda: check_silu_mul(device, dtype, intermediate_size),
@@ -101,6 +104,40 @@ def check_attention(
                                             positions[row: row + 1], split_len=split_len)
             if not torch.equal(alone, ours[row: row + 1]):
                 raise AssertionError(f"decode_attention row {row} alone differs from the same row in a batch")
+
+
+def check_prefill_attention(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+    chunks: tuple[tuple[int, int], ...] = ((0, 1), (0, 70), (37, 5), (16, 64), (130, 66)), seed: int = 0,
+    block_size: int = 16, max_seq_len: int = 208,
+) -> None:
+    """The Triton chunk kernel against the torch one: chunks (start, length) that start a prompt or
+    continue one, over more than one query tile and across block boundaries, each on its own slot
+    whose blocks lie shuffled over the pool (two slots sharing a prefix block, as prefix caching
+    makes them), rows of the step that are not chunks' left untouched."""
+    from service.model.kernels.prefill_attention import chunk_tiles, prefill_attention_torch, prefill_attention_triton
+
+    gen = torch.Generator(device).manual_seed(seed)
+    per_seq = -(-max_seq_len // block_size)
+    slots = len(chunks)
+    num_blocks = 1 + slots * per_seq
+    k = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(k.shape, device=device, dtype=dtype, generator=gen)
+    table = (1 + torch.randperm(num_blocks - 1, device=device, generator=gen)).view(slots, per_seq)
+    if slots > 1:
+        table[1, 0] = table[0, 0]
+    table = torch.cat([table, torch.zeros(1, per_seq, dtype=table.dtype, device=device)]).to(torch.int32)
+    decodes = 3  # rows before the chunks, as a step's decode rows are
+    rows = list(itertools.accumulate((n for _, n in chunks), initial=decodes))
+    spec = [(row, n, start, slot) for slot, (row, (start, n)) in enumerate(zip(rows, chunks))]
+    q = torch.randn(rows[-1] + 2, num_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    ref = torch.full((q.shape[0], num_heads * head_dim), 7.0, device=device)
+    prefill_attention_torch(q.float(), k.float(), v.float(), table, spec, ref)
+    ours = torch.full(ref.shape, 7.0, device=device, dtype=dtype)
+    chunk_table = torch.tensor([x for c in spec for x in c], device=device).view(-1, 4)
+    tiles = torch.tensor(chunk_tiles([n for _, n in chunks]), device=device).view(-1, 2)
+    prefill_attention_triton(q, k, v, table, chunk_table, tiles, ours)
+    _close(ours, ref.to(dtype), "prefill_attention", atol=2e-2, rtol=2e-2)
 
 
 def check_norm(device: torch.device, dtype: torch.dtype, hidden: int, rows: int = 3, seed: int = 0) -> None:
