@@ -428,7 +428,7 @@ class LlamaForCausalLM(nn.Module):
         each prompt's last token. Writes KV positions [0, len) of each prompt's slot.
 
         One forward pass over all N tokens: positions restart at 0 per prompt, attention is causal
-        within each prompt only (prompts of similar length batched, padded), and the lm head runs on
+        within each prompt only (all prompts in one chunk-attention call), and the lm head runs on
         the P last rows only. No host syncs."""
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids must be 1-D [N], got shape {tuple(input_ids.shape)}")
