@@ -73,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--anchor-new-tokens", type=int, default=64)
     p.add_argument("--anchor-prompt", type=int, default=128, help="prompt tokens of the generate() anchor")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                   help="fp8: the decoder's projections in FP8 (service.model.fp8)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="the model's batch-invariant mode (invariant matmul and attention); compare with a run without")
     p.add_argument("--without", default="",
@@ -123,10 +125,12 @@ def load(args: argparse.Namespace) -> Setup:
             raise SystemExit("--random-init needs a builtin:<name> model")
         model, config = _random_init(args.model[len(BUILTIN_PREFIX):], args.device, args.dtype,
                                      batch_invariant=invariant)
+        if getattr(args, "quantization", "none") == "fp8":
+            model.use_fp8()
         path = None
     else:
         loaded = load_model(args.model, args.device, args.dtype, args.cache_dir or default_cache_dir(),
-                            batch_invariant=invariant)
+                            batch_invariant=invariant, quantization=getattr(args, "quantization", "none"))
         model, path = loaded.model, loaded.path
         import json
 
@@ -398,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = {
         "model": args.model, "random_init": args.random_init, "dtype": str(s.dtype).removeprefix("torch."),
-        "batch_invariant": args.batch_invariant, "fast_path": vars(s.model.fast), "pdl": pdl(s.device),
+        "batch_invariant": args.batch_invariant, "quantization": args.quantization, "fast_path": vars(s.model.fast),
+        "pdl": pdl(s.device),
         "device_name": device_name, "context": args.context, "max_seq_len": args.context + 64,
         "buckets": args.buckets, "weight_bytes": wbytes, "copy_rate_gbps": rate / 1e9,
         "copy_rate_note": "device-to-device copy, read + write bytes", "floor_ms": wbytes / rate * 1000.0,
@@ -413,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                                          gpt_fast=args.model == "builtin:llama-1b")
     name = "decode" if args.buckets == "list" else "decode-buckets"
     name += "-invariant" if args.batch_invariant else ""
+    name += "-fp8" if args.quantization == "fp8" else ""
     name += "".join(f"-without-{k}" for k in args.without.split(",") if k.strip())
     name += "" if pdl(s.device) or s.device.type != "cuda" else "-nopdl"
     path = write_result(name,

@@ -17,6 +17,7 @@
 #   bash bench/h200_session.sh gen-1b parity  # greedy bf16 text with graphs against eager, 8 prompts one at a time
 #   bash bench/h200_session.sh gen-1b host-budget  # the engine thread's host ms per step by part at 64 / 128 / 256 streams
 #   bash bench/h200_session.sh gen-1b prefix-load  # a shared 1,024-token prefix at 20 req/s, prefix cache on and off
+#   bash bench/h200_session.sh fp8      # FP8 weights: GPU tests, decode steps in bf16 and FP8 at the 1B and 8B shapes
 #   bash bench/h200_session.sh chunk-attention  # prompt-chunk attention of one layer: the Triton kernel against torch / flash
 #   bash bench/h200_session.sh gen-1b concurrency  # 1,024 chat-like requests at once in 8 GiB of KV: the most running at once
 #   bash bench/h200_session.sh gen-1b startup load  # the 1B checkpoint once; start-up GPU tests; the serving load
@@ -89,6 +90,13 @@ for part in "$@"; do
       eval "run prefix-load${TAG:+-$TAG} 570 python3 bench/serving_load.py $M --cache-dir .cache/models \
         --rates ${RATES:-20} --starts ${STARTS:-warm} --requests ${REQUESTS:-200} --shared-prefix 1024 --prefix-caching on,off \
         --log-dir $OUT/prefix-load${TAG:+-$TAG} ${LOAD_ARGS:-}" ;;
+    fp8)
+      TAIL=8 run fp8-gpu-tests 240 python3 -m pytest -q -m gpu tests/gpu/test_fp8_gpu.py -p no:cacheprovider --timeout 200
+      for q in none fp8; do
+        run decode-1b-$q 100 python3 bench/decode_bench.py $M --random-init --batches 1,64 --no-anchors --no-plot --quantization $q
+        run decode-8b-$q 150 python3 bench/decode_bench.py --model builtin:llama-8b --device cuda --random-init \
+          --batches 1,64 --no-anchors --no-plot --quantization $q
+      done ;;
     chunk-attention)
       TAIL=12 run chunk-attention 120 python3 bench/chunk_attention_bench.py --device cuda
       TAIL=12 run chunk-attention-8b 120 python3 bench/chunk_attention_bench.py --device cuda --heads 32,8,128 ;;

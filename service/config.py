@@ -47,6 +47,8 @@ class ServeConfig:
     # Every request's tokens independent of the other requests in its step and of chunking
     # (batch-invariant matmul, attention and norms; service.model.kernels.invariant)
     batch_invariant: bool = False
+    # none | fp8: the decoder's projections in FP8 E4M3 with per-channel scales (service.model.fp8)
+    quantization: str = "none"
     # LoRA adapters: "NAME=PATH[,NAME=PATH...]" loaded at start; device slots; the largest rank served
     lora_modules: str | None = None
     max_loras: int = 0  # 0: 4 slots when --lora-modules is given, else no adapter support
@@ -175,6 +177,13 @@ class ServeConfig:
         need(not self.batch_invariant or not (self.max_loras or self.lora_modules),
              "--batch-invariant is not served with LoRA adapters (their products are not batch-invariant "
              "yet): drop --lora-modules and --max-loras, or drop --batch-invariant")
+        need(self.quantization in ("none", "fp8"), f"--quantization must be none or fp8, not {self.quantization!r}")
+        need(self.quantization == "none" or not self.batch_invariant,
+             "--batch-invariant is not served with --quantization fp8 (the FP8 products are not batch-invariant): "
+             "drop one of them")
+        need(self.quantization == "none" or self.device != "cpu",
+             "--quantization fp8 needs an NVIDIA GPU of compute capability 8.9+ (Ada, Hopper): use --device cuda, "
+             "or drop --quantization")
         need(self.max_lora_rank >= 1, f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
         need(self.lora_kernel in ("stacked", "gather"), f"--lora-kernel must be stacked or gather, not {self.lora_kernel!r}")
         modules = self.lora_module_paths()
@@ -303,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every request's results independent of the other requests in its batch and of chunked "
                         "prefill (batch-invariant matmul, attention and norms); slower, see README")
     g.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false")
+    g.add_argument("--quantization", choices=["none", "fp8"], default=d.quantization,
+                   help="fp8: the decoder's projection weights in FP8 E4M3 with one scale per output channel, "
+                        "quantized at load (half their memory; NVIDIA compute capability 8.9+); see README")
     g = p.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (a power of two)")
     g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,

@@ -126,7 +126,8 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
     """This rank's model (its shards with `tp`), runner and graph cache, warmed up. A follower rank
     (tensor parallelism, rank > 0) keeps no stats and decides nothing: its graphs mirror rank 0's."""
     dtype = resolve_dtype(c.dtype, device)
-    loaded = load_model(c.model, device, dtype, c.model_cache_dir, tp=tp, batch_invariant=c.batch_invariant)
+    loaded = load_model(c.model, device, dtype, c.model_cache_dir, tp=tp, batch_invariant=c.batch_invariant,
+                        quantization=c.quantization)
     if c.batch_invariant:
         log.info("batch_invariant_mode", device=str(device), dtype=str(dtype).removeprefix("torch."),
                  backend=loaded.model.invariant.backend)

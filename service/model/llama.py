@@ -13,6 +13,7 @@ ModelSpec.sliding_window tells the engine where to cap max_seq_len.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from service.model import fp8
 from service.model.attention import (
     ChunkAttention,
     DecodeAttention,
@@ -316,6 +318,7 @@ class LlamaForCausalLM(nn.Module):
             else FastPath()
         )
         self.invariant: InvariantKernels | None = None
+        self.fp8 = False  # use_fp8
         self.matmul: Matmul = F.linear  # the LM head's
         self.set_fast(self.fast)
         if batch_invariant:
@@ -342,7 +345,8 @@ class LlamaForCausalLM(nn.Module):
             return
         self.matmul = gemv_linear if fast.gemv else F.linear
         for m in self._linears():
-            m.matmul = self.matmul
+            if not hasattr(m, "weight_scale"):  # an FP8 weight keeps its own product (use_fp8)
+                m.matmul = self.matmul
 
     def use_invariant(self, kernels: InvariantKernels) -> None:
         """The batch-invariant mode: every linear layer and the LM head through kernels.matmul, the
@@ -351,6 +355,36 @@ class LlamaForCausalLM(nn.Module):
         self.matmul = kernels.matmul
         for m in self._linears():
             m.matmul = kernels.matmul
+
+    def use_fp8(self) -> int:
+        """`--quantization fp8`, after load_weights: every decoder projection's weight to E4M3 with
+        one scale per output channel, its products through service.model.fp8.fp8_linear; the
+        embeddings and the LM head stay. Returns the bytes the weights no longer take."""
+        if self.invariant is not None:
+            raise ModelLoadError("the batch-invariant mode is not served with FP8 weights (--quantization fp8)")
+        reason = fp8.unsupported_reason(self.model.embed_tokens.weight.device)
+        if reason is not None:
+            raise ModelLoadError(f"--quantization fp8: {reason}")
+        saved = 0
+        for m in self._linears():
+            if m is self.lm_head:
+                continue
+            q, scale = fp8.quantize_rows(m.weight)
+            saved += m.weight.numel() * (m.weight.element_size() - 1) - scale.numel() * 4
+            if isinstance(m, FusedLinear):
+                m.weight = q  # a buffer; the parts become views of the E4M3 rows
+                start = 0
+                for part in m.parts:
+                    rows = part.weight.shape[0]
+                    part.weight = nn.Parameter(q[start: start + rows], requires_grad=False)
+                    start += rows
+            else:
+                m.weight = nn.Parameter(q, requires_grad=False)
+            m.register_buffer("weight_scale", scale, persistent=False)
+            m.matmul = functools.partial(fp8.fp8_linear, scale=scale)
+        self.fp8 = True
+        torch.cuda.empty_cache()
+        return saved
 
     @property
     def batch_invariant(self) -> bool:

@@ -12,9 +12,11 @@ import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import structlog
 import torch
 from safetensors import safe_open
 
+from service.model import fp8
 from service.model.builtin import BUILTIN_PREFIX, ensure_builtin
 from service.model.llama import LlamaForCausalLM
 from service.model.parallel import TensorParallel, read_shard
@@ -24,6 +26,8 @@ if TYPE_CHECKING:
     import transformers
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+log = structlog.get_logger("graphserve.model")
 
 
 @dataclass
@@ -133,12 +137,13 @@ def read_model_spec(model: str, cache_dir: pathlib.Path | None = None) -> ModelS
 
 def load_model(
     model: str, device: torch.device, dtype: torch.dtype, cache_dir: pathlib.Path | None = None,
-    tp: TensorParallel | None = None, batch_invariant: bool = False,
+    tp: TensorParallel | None = None, batch_invariant: bool = False, quantization: str = "none",
 ) -> LoadedModel:
     """ "builtin:<name>" (generated once into cache_dir) or a local HF directory -> LoadedModel.
     With `tp` of world size N this rank's model holds (and reads) only its 1/N shards; the
     LoadedModel's spec stays the whole model's (the model's own spec is the rank's share).
-    `batch_invariant`: the model's batch-invariant mode (LlamaForCausalLM)."""
+    `batch_invariant`: the model's batch-invariant mode (LlamaForCausalLM). `quantization` "fp8":
+    the decoder's projections in FP8 (service.model.fp8); a checkpoint in FP8 is read either way."""
     device = torch.device(device)
     path = _model_dir(model, cache_dir)
     spec = _read_spec(path)
@@ -146,8 +151,15 @@ def load_model(
     tokenizer = read_tokenizer(path)
     sharded = tp is not None and tp.world_size > 1
     net = LlamaForCausalLM(spec, device, dtype, tp=tp, batch_invariant=batch_invariant)
-    net.load_weights(_read_weights(files, device, tp if sharded else None))
+    try:
+        state = fp8.dequantize_checkpoint(_read_weights(files, device, tp if sharded else None))
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    net.load_weights(state)
     net.eval()
+    if quantization == "fp8":
+        saved = net.use_fp8()
+        log.info("fp8_weights", saved_gib=round(saved / 2**30, 3))
     return LoadedModel(
         name=model, path=path, spec=spec, model=net, tokenizer=tokenizer, device=device, dtype=dtype
     )

@@ -48,12 +48,14 @@ LAUNCHES = ("plain", "pdl-wait", "pdl-early")
 
 def gemv_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-    launch: str | None = None,
+    launch: str | None = None, scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [1, K], weight [N, K] (rows contiguous) -> [1, N] in x's dtype. `config` overrides the
-    weight's own, `launch` (one of LAUNCHES) the served launch (bench/pdl_chain.py compares them)."""
+    weight's own, `launch` (one of LAUNCHES) the served launch (bench/pdl_chain.py compares them).
+    `scale` [N] float32: the weight is FP8 and row n's products are scaled by scale[n] (service.model.fp8)."""
     assert x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
-    assert x.dtype == weight.dtype and weight.stride(1) == 1, (x.dtype, weight.dtype, weight.stride())
+    assert weight.stride(1) == 1, weight.stride()
+    assert x.dtype == weight.dtype if scale is None else scale.dtype == torch.float32, (x.dtype, weight.dtype)
     if x.stride(1) != 1:
         x = x.contiguous()
     n, k = weight.shape
@@ -63,8 +65,8 @@ def gemv_triton(
     assert launch in LAUNCHES, launch
     on = launch != "plain"
     _gemv_kernel[(cdiv(n, c.block_n),)](
-        x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, PDL=on, EARLY=launch == "pdl-early",
+        x, weight, bias if bias is not None else weight, scale if scale is not None else weight, y, n, k,
+        weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, PDL=on, EARLY=launch == "pdl-early",
         BLOCK_N=c.block_n, BLOCK_K=min(c.block_k, max(16, next_pow2(k))),
         num_warps=c.num_warps, num_stages=c.num_stages, **pdl_launch(on),
     )
@@ -82,8 +84,8 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(
-        x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
-        HAS_BIAS: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, BLOCK_N: tl.constexpr,
+        x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, stride_w,
+        HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,6 +104,8 @@ if triton is not None:
             acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
             next_k = k0 + BLOCK_K  # the next tile (none past K: the mask loads nothing)
             w = tl.load(w_ptrs + next_k, mask=n_mask[:, None] & (offs_k[None, :] < K - next_k), other=0.0)
+        if HAS_SCALE:  # an FP8 weight's row scales
+            acc *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)

@@ -1,0 +1,104 @@
+"""FP8 weights (`--quantization fp8`): the decoder layers' projections in FP8 E4M3, one scale per
+output channel; embeddings, norms and the LM head stay in the model's dtype.
+
+A bf16 / float32 checkpoint is quantized at load: each weight row (output channel) is scaled so
+its largest magnitude maps to E4M3's largest finite value (448), then rounded to E4M3. A
+checkpoint already in FP8 (the layout vLLM and llm-compressor write: `<name>.weight` in
+float8_e4m3fn beside `<name>.weight_scale`, one scale per output channel ([N] or [N, 1]) or one
+per tensor) is taken as it is, its scales broadcast to one per channel.
+
+The product `fp8_linear`: a one-row input (the batch-1 decode step) through the GEMV of
+service.model.kernels.gemv, which reads the FP8 weight (half the bytes of bf16), dequantizes it in
+registers and applies the row scales at the end (the activation stays in bf16); more rows through
+the FP8 tensor cores (`torch._scaled_mm`), the activation quantized per token on the fly (one
+scale per row, no calibration). Both are graph-safe. FP8 needs an NVIDIA GPU of compute capability
+8.9 or newer (Ada, Hopper): `unsupported_reason` says why a device cannot, for a start-up error.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+_MIN_SCALE = 1e-12  # an all-zero row keeps a positive scale (its values stay 0)
+
+
+def unsupported_reason(device: torch.device) -> str | None:
+    """None when `device` runs FP8 products, else what it lacks."""
+    if device.type != "cuda":
+        return f"FP8 needs an NVIDIA GPU of compute capability 8.9+ (Ada, Hopper); this is {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (f"FP8 needs compute capability 8.9+ (Ada, Hopper); {torch.cuda.get_device_name(device)} has "
+                f"{major}.{minor}")
+    return None
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (E4M3 [N, K], float32 scales [N]) with weight ~= q * scale[:, None]."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=_MIN_SCALE)
+    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(E4M3 [N, K], scales [N]) -> float32 [N, K]."""
+    return q.float() * scale.float()[:, None]
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [M, K] -> (E4M3 [M, K], float32 scales [M, 1]): one dynamic scale per token."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def checkpoint_scales(weight_scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """A checkpoint's `weight_scale` (per channel [N] / [N, 1], or per tensor [] / [1]) -> float32 [rows]."""
+    s = weight_scale.float().reshape(-1)
+    if s.numel() == 1:
+        return s.expand(rows).contiguous()
+    if s.numel() != rows:
+        raise ValueError(f"weight_scale holds {s.numel()} scales for a weight of {rows} rows: expected one per "
+                         "output channel or one per tensor")
+    return s.contiguous()
+
+
+def dequantize_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors with every FP8 weight (one with a `<name>.weight_scale` beside it)
+    dequantized to float32 and its scales dropped (and static `input_scale`s: activations are
+    quantized per token); other tensors as they are. The model casts them to its dtype, and
+    `--quantization fp8` quantizes them again with the same per-channel scales."""
+    scales = [k for k in state if k.endswith(".weight_scale")]
+    if not scales:
+        return state
+    out = dict(state)
+    for key in scales:
+        name = key.removesuffix("_scale")
+        if name not in out:
+            raise ValueError(f"{key} has no weight {name} beside it")
+        w = out[name]
+        try:
+            out[name] = dequantize_rows(w, checkpoint_scales(out.pop(key), w.shape[0]))
+        except ValueError as e:
+            raise ValueError(f"{key}: {e}") from None
+        out.pop(key.removesuffix("weight_scale") + "input_scale", None)
+    return out
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] in bf16 / fp16, weight [N, K] E4M3 (rows contiguous), scale [N] float32 -> [..., N] in x's dtype."""
+    from service.model.kernels.gemv import gemv_triton
+
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.shape[0] == 1:
+        y = gemv_triton(x2, weight, bias, scale=scale)
+    else:
+        xq, xs = quantize_tokens(x2)
+        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+        if bias is not None:
+            y = y + bias
+    return y.view(*shape[:-1], weight.shape[0])

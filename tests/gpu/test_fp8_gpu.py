@@ -1,0 +1,98 @@
+"""FP8 weights on a real GPU (compute capability 8.9+): the FP8 GEMV and the FP8 GEMM against a
+float32 product of the dequantized weights, a whole FP8 model's logits against bf16's, and a
+captured FP8 decode step against eager.
+
+Run: python -m pytest tests/gpu/test_fp8_gpu.py -q -rs
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.test_kernels_gpu import _model, _rel, _spec
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def _needs_fp8() -> None:
+    from service.model.fp8 import unsupported_reason
+
+    reason = unsupported_reason(DEVICE)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+# the 1B shape's projections (fused q/k/v, o, gate/up, down), and a bias
+SHAPES = [(3072, 2048, False), (2048, 2048, False), (16384, 2048, False), (2048, 8192, False), (520, 512, True)]
+
+
+@pytest.mark.parametrize("n, k, bias", SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("rows", [1, 3, 64, 300])
+def test_fp8_products_match_float32_of_the_dequantized_weights(n, k, bias, rows):
+    from service.model.fp8 import dequantize_rows, fp8_linear, quantize_rows, quantize_tokens
+
+    gen = torch.Generator(DEVICE).manual_seed(n + k + rows)
+    w = torch.randn(n, k, device=DEVICE, generator=gen) / k**0.5 * torch.logspace(-1, 1, n, device=DEVICE)[:, None]
+    b = torch.randn(n, device=DEVICE, generator=gen).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+    q, scale = quantize_rows(w)
+    ours = fp8_linear(x, q, b, scale)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (rows, n)
+    if rows == 1:  # the GEMV: bf16 activation times the dequantized weight
+        xr = x.float()
+    else:  # the GEMM: the activation quantized per token too
+        xq, xs = quantize_tokens(x)
+        xr = xq.float() * xs
+    ref = xr @ dequantize_rows(q, scale).t() + (b.float() if bias else 0)
+    assert _rel(ours.float(), ref) < 5e-3  # bf16 output rounding and the accumulation order only
+    bf16 = torch.nn.functional.linear(x, w.to(torch.bfloat16), b)
+    assert _rel(ours.float(), bf16.float()) < 0.08  # what FP8 costs against bf16 weights
+
+
+def test_an_fp8_model_decodes_close_to_bf16_and_its_graph_replay_equals_eager():
+    from service.model.kv_cache import KVCache
+
+    spec = _spec()
+    ref, model = _model(spec, fast=True), _model(spec, fast=True)
+    saved = model.use_fp8()
+    assert model.fp8 and saved > 0
+    for m in model._linears():
+        if m is not model.lm_head:
+            assert m.weight.dtype == torch.float8_e4m3fn, m
+    batch = 8
+    kvs = [KVCache(spec, num_slots=batch, max_seq_len=256, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
+    gen = torch.Generator(DEVICE).manual_seed(3)
+    prompts = [torch.randint(0, spec.vocab_size, (n,), device=DEVICE, generator=gen) for n in range(20, 20 + batch)]
+    for kv, net in zip(kvs, (ref, model)):
+        for slot, p in enumerate(prompts):
+            net.prefill(p, slot, kv)
+    ids = torch.randint(0, spec.vocab_size, (batch,), device=DEVICE, generator=gen)
+    positions = torch.tensor([len(p) for p in prompts], device=DEVICE)
+    slots = torch.arange(batch, device=DEVICE)
+    agree = 0
+    for _ in range(8):
+        a, b = ref.decode(ids, positions, slots, kvs[0]), model.decode(ids, positions, slots, kvs[1])
+        assert _rel(b, a) < 0.1, _rel(b, a)
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        ids, positions = a.argmax(-1), positions + 1
+    assert agree >= 0.9 * 8 * batch, agree
+
+    for rows in (1, batch):  # the GEMV step and the GEMM step, captured
+        r_ids, r_pos, r_slots = ids[:rows].clone(), positions[:rows].clone(), slots[:rows].clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                model.decode(r_ids, r_pos, r_slots, kvs[1])
+        torch.cuda.current_stream().wait_stream(stream)
+        eager = model.decode(r_ids, r_pos, r_slots, kvs[1]).clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model.decode(r_ids, r_pos, r_slots, kvs[1])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), rows
