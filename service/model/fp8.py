@@ -21,7 +21,7 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
-_MIN_SCALE = 1e-12  # an all-zero row keeps a positive scale (its values stay 0)
+_MIN_SCALE = 1e-12  # an all-zero row keeps a positive scale (its values stay 0); kernels.quant's too
 
 
 def unsupported_reason(device: torch.device) -> str | None:
@@ -53,6 +53,15 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def _quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_tokens in one Triton kernel where there is Triton (the GPUs that run FP8 products)."""
+    from service.model.kernels import quant
+
+    if quant.triton is None:
+        return quantize_tokens(x)
+    return quant.quantize_tokens_triton(x if x.stride(1) == 1 else x.contiguous(), FP8_MAX)
 
 
 def checkpoint_scales(weight_scale: torch.Tensor, rows: int) -> torch.Tensor:
@@ -97,7 +106,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if x2.shape[0] == 1:
         y = gemv_triton(x2, weight, bias, scale=scale)
     else:
-        xq, xs = quantize_tokens(x2)
+        xq, xs = _quantize_tokens(x2)
         y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
         if bias is not None:
             y = y + bias

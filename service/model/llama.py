@@ -359,7 +359,8 @@ class LlamaForCausalLM(nn.Module):
     def use_fp8(self) -> int:
         """`--quantization fp8`, after load_weights: every decoder projection's weight to E4M3 with
         one scale per output channel, its products through service.model.fp8.fp8_linear; the
-        embeddings and the LM head stay. Returns the bytes the weights no longer take."""
+        embeddings, the LM head and any weight with a dimension not a multiple of 16 (the FP8
+        GEMM's granule) stay. Returns the bytes the weights no longer take."""
         if self.invariant is not None:
             raise ModelLoadError("the batch-invariant mode is not served with FP8 weights (--quantization fp8)")
         reason = fp8.unsupported_reason(self.model.embed_tokens.weight.device)
@@ -367,7 +368,7 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"--quantization fp8: {reason}")
         saved = 0
         for m in self._linears():
-            if m is self.lm_head:
+            if m is self.lm_head or any(d % 16 for d in m.weight.shape):  # FP8 GEMMs take multiples of 16
                 continue
             q, scale = fp8.quantize_rows(m.weight)
             saved += m.weight.numel() * (m.weight.element_size() - 1) - scale.numel() * 4
