@@ -67,8 +67,9 @@ def gemv_triton(
     _gemv_kernel[(cdiv(n, c.block_n),)](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, y, n, k,
         weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, PDL=on, EARLY=launch == "pdl-early",
-        # an FP8 row is half the bytes: twice the elements per load keep as many bytes in flight
-        BLOCK_N=c.block_n, BLOCK_K=min(c.block_k * (2 if scale is not None else 1), max(16, next_pow2(k))),
+        # (an FP8 weight with the same tiles: twice the elements per load measured slower on the 8B
+        # shape, batch-1 step 3.54 -> 4.12 ms on an H200)
+        BLOCK_N=c.block_n, BLOCK_K=min(c.block_k, max(16, next_pow2(k))),
         num_warps=c.num_warps, num_stages=c.num_stages, **pdl_launch(on),
     )
     return y
