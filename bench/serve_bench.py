@@ -284,8 +284,8 @@ class EngineAlone:
 
     def __init__(self, args: argparse.Namespace) -> None:
         from service.config import ServeConfig
+        from service.server.engine_messages import WorkerSpec
         from service.server.engine_process import EngineProcess
-        from service.server.engine_worker import WorkerSpec
         from service.server.faults import Faults
         from service.server.gil import shorten_switch_interval
 

@@ -81,7 +81,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def load_runner(c: ServeConfig) -> LoadedRunner:
     """Load the model, build its runner and graph cache, and run one eager step: a broken model
     fails here, not on the first request. With --tensor-parallel-size N > 1 this is rank 0: it
-    starts the other N - 1 ranks (service.engine.ranks), which load their shards beside it."""
+    starts the other N - 1 ranks (service/engine/rank_main.py), which load their shards beside it."""
     lr = _load_runner(c)
     prepare_graphs(lr, c.startup_graph_timeout)
     return lr
@@ -117,7 +117,7 @@ def _load_runner(c: ServeConfig) -> LoadedRunner:
         if error is exc:
             raise
         raise error from exc
-    lr.runner.attach_ranks(ranks)
+    lr.runner.lead(ranks)
     return lr
 
 
@@ -134,7 +134,7 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
     max_seq_len = min(c.max_seq_len, loaded.spec.max_position_embeddings)
     mode = CudaGraphMode.parse(c.cudagraph_mode) if device.type == "cuda" else CudaGraphMode.NONE
     # Tensor parallelism: every rank captures, replays and releases the same graphs in the same
-    # order, as rank 0 decides; captures run on the engine thread (service/engine/ranks.py).
+    # order, as rank 0 decides; captures run on the engine thread (service/engine/roles.py).
     inline = tp is not None and tp.world_size > 1
     if inline and mode is not CudaGraphMode.NONE and not follower:
         log.info("tensor_parallel_graphs", world_size=tp.world_size, mode=mode.value, capture="inline",
@@ -161,7 +161,7 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
                          block_size=kv.block_size, num_blocks=kv.num_blocks)
     runner.warmup()
     if follower:
-        runner.follow_graphs()
+        runner.follow()
     adapters = AdapterRegistry(c.lora_slots, runner.lora, c.max_cpu_loras) if runner.lora is not None else None
     lr = LoadedRunner(loaded, runner, max_seq_len, mode, adapters, c.lora_root)
     for name, path in c.lora_module_paths():  # a bad adapter fails the start, naming its file

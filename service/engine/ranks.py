@@ -1,8 +1,12 @@
 """Tensor parallelism across processes: rank 0 runs the engine, ranks 1..N-1 follow its steps.
 
+This module is the group (joining it, its store) and rank 0's side of it (starting the other
+ranks, watching them); a follower rank's process is service/engine/rank_main.py, and what each
+rank's runner does beside the step is its role (service/engine/roles.py).
+
 Rank 0 is the process that builds the engine (the engine process, or the caller of service.llm.LLM):
 it schedules, samples and publishes. It starts one process per other rank (`python -m
-service.engine.ranks`, the config on stdin), and every rank joins one torch.distributed group:
+service.engine.rank_main`, the config on stdin), and every rank joins one torch.distributed group:
 NCCL on CUDA (rank r on cuda:r), gloo on the CPU. Per step rank 0 sends the step's inputs (token
 ids, positions, KV slots, prompt chunks, the rows to feed back from the previous step) to the
 others with one broadcast of a fixed-size int64 buffer over a gloo group of its own (host memory,
@@ -39,12 +43,10 @@ otherwise. The ranks share one host.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import os
 import pathlib
 import pickle
-import signal
 import socket
 import subprocess
 import sys
@@ -56,7 +58,7 @@ from typing import Any
 import structlog
 import torch
 
-from service.engine.rank_memory import MemoryPublisher, RankMemory, read_memory
+from service.engine.rank_memory import RankMemory, read_memory
 from service.engine.step_channel import StepChannel, StepInputs
 from service.model.parallel import TensorParallel
 
@@ -68,8 +70,6 @@ _COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 # The step channel waits for the next step however long the server is idle.
 _IDLE_TIMEOUT = datetime.timedelta(days=3650)
 _WATCH_INTERVAL_S = 0.2
-_BEAT_INTERVAL_S = 1.0
-_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class RankDied(RuntimeError):
@@ -111,6 +111,13 @@ def group_store(rank: int, world_size: int, port: int) -> Any:
     return store
 
 
+def store_connection(port: int) -> Any:
+    """A connection of its own to the group's store (rank 0 hosts it on `port`)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_COLLECTIVE_TIMEOUT)
+
+
 def bind_gloo_to_loopback() -> None:
     """Gloo listens on the interface of the host name unless told otherwise: every rank is on this
     host, so it listens on loopback (an operator's GLOO_SOCKET_IFNAME wins)."""
@@ -139,8 +146,6 @@ class Ranks:
 
     def __init__(self, procs: list[subprocess.Popen], channel: StepChannel, store: Any,
                  hang_timeout_s: float) -> None:
-        import torch.distributed as dist
-
         self.procs = procs
         self.channel = channel
         self.store = store  # rank 0 hosts the group's store: it lives as long as the group
@@ -149,7 +154,7 @@ class Ranks:
         self.on_death: Callable[[], None] | None = None  # e.g. wake the engine so it fails now
         self._closing = False
         # The watch reads heartbeats on a connection of its own: the store's is the engine thread's.
-        self._beats = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=_COLLECTIVE_TIMEOUT)
+        self._beats = store_connection(store.port)
         self._watch = threading.Thread(target=self._watch_loop, name="graphserve-ranks-watch", daemon=True)
         self._watch.start()
 
@@ -182,7 +187,7 @@ class Ranks:
             time.sleep(0.02)
 
     def _watch_loop(self) -> None:
-        keys = [_beat_key(rank) for rank in range(1, len(self.procs) + 1)]
+        keys = [beat_key(rank) for rank in range(1, len(self.procs) + 1)]
         seen = [b""] * len(self.procs)
         changed = [time.monotonic()] * len(self.procs)
         while not self._closing:
@@ -262,7 +267,7 @@ def start_ranks(c: Any, device: torch.device) -> tuple[Ranks, TensorParallel, to
     pdeathsig = int(threading.current_thread() is threading.main_thread())
     procs = []
     for rank in range(1, n):
-        p = subprocess.Popen([sys.executable, "-m", "service.engine.ranks", str(rank), str(n), str(store.port),
+        p = subprocess.Popen([sys.executable, "-m", "service.engine.rank_main", str(rank), str(n), str(store.port),
                               str(os.getpid()), str(pdeathsig)], stdin=subprocess.PIPE, env=env, cwd=root)
         assert p.stdin is not None
         with contextlib.suppress(BrokenPipeError):  # it exited already: _wait_for_ranks says so
@@ -305,90 +310,6 @@ def _exit_reason(rank: int, process: subprocess.Popen) -> str:
     return f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.returncode}"
 
 
-def _beat_key(rank: int) -> str:
+def beat_key(rank: int) -> str:
+    """Where rank > 0 sets its heartbeat (service/engine/rank_main.py) and rank 0's watch reads it."""
     return f"graphserve/rank{rank}/beat"
-
-
-def _exit_when_orphaned(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(0.5)
-    os._exit(1)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: SIGKILL from the kernel when the parent's thread that started this process ends."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # it ended before the signal was armed
-        os._exit(1)
-
-
-def _beat(rank: int, port: int) -> None:
-    """Sets this rank's heartbeat each second, on a store connection of its own."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_COLLECTIVE_TIMEOUT)
-    count = 0
-    while True:
-        count += 1
-        store.set(_beat_key(rank), str(count))
-        time.sleep(_BEAT_INTERVAL_S)
-
-
-def follow(rank: int, world_size: int, port: int, c: Any, device_type: str) -> None:
-    """Ranks > 0: join the group, load this rank's shards, then run rank 0's steps until it stops."""
-    from service.engine.builder import build_runner
-
-    device = rank_device(torch.device(device_type), rank)
-    store = group_store(rank, world_size, port)
-    tp, channel_group = join_group(rank, world_size, port, device, store=store)
-    lr = build_runner(c, device, tp, follower=True)
-    channel = StepChannel(channel_group, StepInputs.capacity(c.max_running_seqs, c.max_num_batched_tokens, c.block_size))
-    log.info("rank_ready", rank=rank, device=str(device))
-    follow_steps(lr.runner, channel, tp, MemoryPublisher(store, rank, device))
-    log.info("rank_stopped", rank=rank)
-
-
-def follow_steps(runner: Any, channel: StepChannel, tp: TensorParallel,
-                 memory: MemoryPublisher | None = None) -> None:
-    """Ranks > 0: run rank 0's steps (and graph operations) with `runner` until it stops; `memory`
-    publishes the mirror's bytes at the start and after each message with graph operations."""
-    assert runner.mirror is not None, "a follower's runner mirrors rank 0's graphs (follow_graphs)"
-    publish = memory.publish if memory is not None else lambda graph_bytes: None
-    publish(runner.mirror.held_bytes)
-    previous = torch.zeros(0, dtype=torch.long, device=runner.device)
-    with torch.inference_mode():
-        while (inputs := channel.recv()) is not None:
-            if not inputs.runs_forward:  # graph operations decided between steps
-                runner.mirror.apply(inputs.graph_ops)
-                publish(runner.mirror.held_bytes)
-                continue
-            runner.forward(inputs, previous)
-            if inputs.num_sampling:
-                previous = tp.broadcast(torch.empty(inputs.num_sampling, dtype=torch.long, device=runner.device))
-            if inputs.graph_ops:  # run before the forward; published after its collectives, not between them
-                publish(runner.mirror.held_bytes)
-
-
-def main(argv: list[str]) -> None:
-    rank, world_size, port, parent_pid, pdeathsig = (int(a) for a in argv)
-    if pdeathsig:
-        _die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 owns the shutdown
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
-    threading.Thread(target=_beat, args=(rank, port), name="graphserve-rank-beat", daemon=True).start()
-    c, device_type = pickle.loads(sys.stdin.buffer.read())
-    from service.telemetry.log import configure_logging
-
-    configure_logging(c.log_format, c.log_level)
-    try:
-        follow(rank, world_size, port, c, device_type)
-    except BaseException as exc:  # noqa: BLE001 - rank 0 sees the exit and fails its engine
-        log.error("rank_failed", rank=rank, error=repr(exc))
-        os._exit(1)
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

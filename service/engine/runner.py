@@ -1,16 +1,16 @@
-"""The model runner: the only code that touches the device.
+"""The model runner: one device's step, the only code that touches the device.
 
 It owns the paged KV cache (and its block table, which it updates from the sequences' blocks
 before each step), the static decode inputs and the graph cache, and turns a scheduled step
 (decodes and prompt chunks) into one forward pass and one sampled token per sampling sequence. A
 uniform-decode step (every row one decode token) replays a full decode graph through the graph
 cache; a step with any prompt chunk runs the forward split at attention (service.model.pieces),
-replayed from piecewise graphs. With tensor parallelism rank 0 sends each step's inputs to the
-other ranks, which run the same `forward`: rank 0's graph cache plans the step first, and the
-message carries its graph operations and the graph to replay, which the other ranks' mirrors
-(cache_manager/mirror.py) follow. `launch` queues a step without waiting; `collect` is the step's one host sync
-(the token ids coming back to the CPU). The engine launches step t+1 before it collects step t,
-so the host's work on step t overlaps the device's work on step t+1.
+replayed from piecewise graphs. With tensor parallelism every rank runs the same `forward`, and
+the runner's role (service/engine/roles.py) is what differs: the leader (rank 0) plans the step's
+graphs and sends the step to the other ranks, a follower replays what the leader planned.
+`launch` queues a step without waiting; `collect` is the step's one host sync (the token ids
+coming back to the CPU). The engine launches step t+1 before it collects step t, so the host's
+work on step t overlaps the device's work on step t+1.
 """
 
 from __future__ import annotations
@@ -23,15 +23,14 @@ from dataclasses import dataclass
 import torch
 
 from cache_manager import Fingerprint, GraphBackend, GraphCache, GraphCacheConfig
-from cache_manager.manager import StepPlan
-from cache_manager.mirror import GraphMirror
-from cache_manager.sizes import FULL, PIECEWISE, CudaGraphMode
+from cache_manager.sizes import FULL, PIECEWISE
 from service.engine.block_pool import BlockPool
 from service.engine.decode_step import LoraDecodeStep, ModelDecodeStep, fed_back
 from service.engine.piecewise_step import LoraPiecewiseStep, PiecewiseStep
-from service.engine.rank_memory import RankMemory, device_memory
+from service.engine.rank_memory import RankMemory
 from service.engine.ranks import Ranks
 from service.engine.request import MAX_LOGPROBS, StepTokens, TokenLogprobs
+from service.engine.roles import Follower, OneDevice, TensorParallelLeader
 from service.engine.sampler import (
     Sampled,
     SampleRow,
@@ -65,8 +64,7 @@ class ModelRunner:
         self.loaded = loaded
         self.device = loaded.device
         self.tp = loaded.model.tp
-        self.ranks: Ranks | None = None  # the other tensor-parallel ranks (rank 0 only)
-        self.mirror: GraphMirror | None = None  # ranks > 0: the graphs rank 0's cache decides (follow_graphs)
+        self.role: OneDevice = OneDevice()  # lead() / follow() with tensor parallelism
         # The model's spec: with tensor parallelism, this rank's share of the KV heads.
         self.kv = KVCache(loaded.model.spec, max_running, max_seq_len, loaded.device, loaded.dtype, block_size,
                           num_blocks or KVCache.contiguous_blocks(max_running, max_seq_len, block_size))
@@ -128,24 +126,25 @@ class ModelRunner:
         """The scheduler's block pool over this runner's KV cache."""
         return BlockPool(self.kv.num_blocks, self.kv.block_size, prefix_caching)
 
-    def attach_ranks(self, ranks: Ranks) -> None:
-        """Rank 0 of N > 1: send every step (with its graph operations) to the other ranks; graph
-        operations decided between steps go to them in a message of their own."""
+    @property
+    def ranks(self) -> Ranks | None:
+        """The other tensor-parallel ranks (the leader's), else None."""
+        return self.role.ranks
+
+    def lead(self, ranks: Ranks) -> None:
+        """Rank 0 of N > 1: send every step (with its graph operations) to the other ranks."""
         assert self.lora_graphs is None, "adapters are not served with tensor parallelism"
-        self.ranks = ranks
-        self.graphs.publish_ops = lambda ops: ranks.send(StepInputs.only_ops(ops))
+        self.role = TensorParallelLeader(ranks, self.tp, self.graphs)
+
+    def follow(self) -> Follower:
+        """Ranks > 0: hold the graphs rank 0's cache captures and releases; decide nothing."""
+        self.role = Follower(self.graphs)
+        return self.role
 
     def rank_memory(self) -> list[RankMemory]:
         """Tensor parallelism (rank 0): every rank's graph memory, rank 0 first; empty on one rank.
         Safe off the engine thread (a device memory query and store reads)."""
-        if self.ranks is None:
-            return []
-        free, total = device_memory(self.device)
-        return self.ranks.memory(RankMemory(0, self.graphs.used_bytes, free, total))
-
-    def follow_graphs(self) -> None:
-        """Ranks > 0: hold the graphs rank 0's cache captures and releases; decide nothing."""
-        self.mirror = GraphMirror(self.graphs.steps, self.graphs.backend)
+        return self.role.rank_memory(self.graphs, self.device)
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -182,12 +181,12 @@ class ModelRunner:
         assert decodes or prefills, "an empty step"
         try:
             tokens, sampling, logprobs, prompt = self.mixed(decodes, prefills, before_sampling)
-            if self.ranks is not None and tokens.numel():
-                self.tp.broadcast(tokens)  # the other ranks may feed them back next step
+            self.role.sampled(tokens)
         except Exception as exc:
-            if self.ranks is None:
+            error = self.role.explain(exc)
+            if error is exc:
                 raise
-            raise self.ranks.explain(exc) from exc
+            raise error from exc
         self._previous = {seq.key: row for row, seq in enumerate(sampling)}, tokens
         logprob_ks = [s.request.sampling.logprobs for s in sampling] if logprobs is not None else None
         if self._tokens_ready is None:
@@ -266,8 +265,7 @@ class ModelRunner:
         decode replays a FULL graph (the decode kernels, eagerly, without graphs); any other step,
         and a uniform decode when the mode keeps only PIECEWISE graphs, runs as pieces, replayed
         from PIECEWISE graphs when the mode has them. Rows with an adapter go to the LoRA cache.
-        Every tensor-parallel rank runs this for the same inputs (rank 0 plans its graphs, then sends
-        them)."""
+        Every tensor-parallel rank runs this for the same inputs (the role plans the graphs)."""
         for slot, first, blocks in inputs.table_updates:
             self.kv.set_blocks(slot, first, blocks)
         self.kv.sync_table()
@@ -279,11 +277,11 @@ class ModelRunner:
         pieces_only = graphs.serves(PIECEWISE) and not graphs.serves(FULL)
         full = not inputs.chunks and not pieces_only
         kind = FULL if full else PIECEWISE if step is not None and graphs.serves(PIECEWISE) else None
-        plan = self._share(graphs, inputs, kind)
+        plan = self.role.plan(graphs, inputs, kind)
         if full:
             self.decode_step.write_rows(inputs.token_ids, inputs.positions, inputs.slots, inputs.pending_rows,
                                         previous_tokens, lora_slots=inputs.lora_slots)
-            return self._run_graphs(graphs, FULL, len(inputs.positions), plan, inputs), None
+            return self.role.replay(graphs, FULL, len(inputs.positions), plan, inputs), None
         batch = build_step_batch(
             inputs.positions,
             inputs.slots,
@@ -300,7 +298,7 @@ class ModelRunner:
             batch.input_ids[:d] = fed_back(batch.input_ids[:d], batch.pending_rows, previous_tokens)
         if kind is PIECEWISE:
             step.write(batch)
-            hidden = self._run_graphs(graphs, PIECEWISE, batch.size, plan, inputs)  # or eager above the largest
+            hidden = self.role.replay(graphs, PIECEWISE, batch.size, plan, inputs)  # or eager above the largest
         else:
             hidden = self.pieces.hidden(batch)
         logits = self.loaded.model.logits(hidden[batch.sample_rows])
@@ -322,31 +320,6 @@ class ModelRunner:
             if targets is not None:
                 packed.append(token_logprobs(logits, targets[start: start + _LOGPROB_SLICE], MAX_LOGPROBS))
         return torch.cat(packed) if packed else None
-
-    def _share(self, graphs: GraphCache, inputs: StepInputs, kind: CudaGraphMode | None) -> StepPlan | None:
-        """Tensor parallelism: every rank runs the same graph operations at this point, then replays
-        the same graph. Rank 0 plans the step (its cache decides), sends it with the queued ops and
-        the planned graph, and runs the ops; a follower runs the ops it received. One GPU: nothing."""
-        if self.ranks is None:
-            if self.mirror is not None:
-                self.mirror.apply(inputs.graph_ops)
-            return None
-        plan = None
-        if kind is not None:
-            plan = graphs.plan(len(inputs.positions) if kind is FULL else len(inputs.token_ids), kind)
-            inputs.replay = plan.target
-        inputs.graph_ops = graphs.queued_ops()
-        self.ranks.send(inputs)
-        graphs.run_queued()
-        return plan
-
-    def _run_graphs(self, graphs: GraphCache, kind: CudaGraphMode, n: int, plan: StepPlan | None,
-                    inputs: StepInputs) -> torch.Tensor:
-        if plan is not None:
-            return graphs.execute(plan)
-        if self.mirror is not None:
-            return self.mirror.run(inputs.replay, kind, n)
-        return graphs.run(n, kind)
 
     @property
     def graph_caches(self) -> list[GraphCache]:

@@ -1,10 +1,10 @@
 """GraphCacheAdmin: the operator's view and control of the graph cache, over gRPC.
 
-A thin edge over the engine process's graph cache (`RemoteGraphs`): reads are snapshots taken in
-the engine process, operations run on its engine thread between steps (through `engine.call`), and
-their per-size results and errors are turned into protobuf and status codes here. Every call into the
-engine process runs off the event loop. Sizes are checked against the allowed list before anything
-else, so a wrong size is INVALID_ARGUMENT whatever the device.
+A thin edge over the engine's control (`EngineControl`): reads are snapshots taken in the engine
+process, operations run on its engine thread between steps (one at a time, through
+`control.call`), and their per-size results and errors are turned into protobuf and status codes
+here. Every call into the engine process runs off the event loop. Sizes are checked against the
+allowed list before anything else, so a wrong size is INVALID_ARGUMENT whatever the device.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from service.engine.block_pool import PoolStats
 from service.engine.rank_memory import RankMemory
 from service.model.lora import LoraError, LoraPathError
 from service.proto import admin_pb2, admin_pb2_grpc
-from service.server.engine_worker import LORA_SUFFIX
+from service.server.engine_control import EngineControl
+from service.server.engine_messages import LORA_SUFFIX
 
 log = structlog.get_logger("graphserve.admin")
 
@@ -69,22 +70,18 @@ _STATES = {
 
 
 class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
-    def __init__(self, engine: Any, graphs: Any) -> None:
-        """engine: EngineProcess (or an in-process Engine); graphs: RemoteGraphs (or a GraphCache)."""
-        self.engine = engine
-        self.graphs = graphs
+    def __init__(self, control: EngineControl) -> None:
+        self.control = control
 
     # ---- reads --------------------------------------------------------------------------------
 
     async def GetCacheState(self, request: admin_pb2.GetCacheStateRequest,
                             context: grpc.aio.ServicerContext) -> admin_pb2.CacheState:
-        snap = await self._read(context, self.graphs.snapshot)
-        lora_snapshot = getattr(self.graphs, "lora_snapshot", None)
-        lora = await self._read(context, lora_snapshot) if lora_snapshot is not None else None
-        rank_memory = getattr(self.graphs, "rank_memory", None)
-        ranks = await self._read(context, rank_memory) if rank_memory is not None else []
-        kv_state = getattr(self.graphs, "kv_state", None)
-        kv = await self._read(context, kv_state) if kv_state is not None else None
+        control = self.control
+        snap = await self._read(context, control.snapshot)
+        lora = await self._read(context, control.lora_snapshot)
+        ranks = await self._read(context, control.rank_memory)
+        kv = await self._read(context, control.kv_state)
         return admin_pb2.CacheState(
             mode=snap.mode, device=snap.device, budget_bytes=snap.budget_bytes, used_bytes=snap.used_bytes,
             capture_sizes=list(snap.capture_sizes), max_batch=snap.max_batch,
@@ -97,8 +94,8 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
 
     async def GetCaptureStats(self, request: admin_pb2.GetCaptureStatsRequest,
                               context: grpc.aio.ServicerContext) -> admin_pb2.CaptureStats:
-        snap = await self._read(context, self.graphs.snapshot)
-        persisted = await self._read(context, self.graphs.persisted_stats)
+        snap = await self._read(context, self.control.snapshot)
+        persisted = await self._read(context, self.control.persisted_stats)
         return admin_pb2.CaptureStats(
             since_start=_stats_view(snap, snap.requested_since_start, "since_start",
                                     _sum_reasons(r.eager_fallbacks for r in snap.requested_detail)),
@@ -112,14 +109,15 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
 
     async def Capture(self, request: admin_pb2.SizesRequest,
                       context: grpc.aio.ServicerContext) -> admin_pb2.OperationResponse:
-        sizes, kind = await self._checked_sizes(request, context)
-        return await self._operate(context, "capture", lambda: self.graphs.capture(sizes, kind), kind=kind,
-                                   sizes=sizes)
+        sizes, kind, lora = await self._checked_sizes(request, context)
+        return await self._operate(context, "capture", lambda: self.control.capture(sizes, kind, lora),
+                                   kind=_kind_name(kind, lora), sizes=sizes)
 
     async def Evict(self, request: admin_pb2.SizesRequest,
                     context: grpc.aio.ServicerContext) -> admin_pb2.OperationResponse:
-        sizes, kind = await self._checked_sizes(request, context)
-        return await self._operate(context, "evict", lambda: self.graphs.evict(sizes, kind), kind=kind, sizes=sizes)
+        sizes, kind, lora = await self._checked_sizes(request, context)
+        return await self._operate(context, "evict", lambda: self.control.evict(sizes, kind, lora),
+                                   kind=_kind_name(kind, lora), sizes=sizes)
 
     async def SetBudget(self, request: admin_pb2.SetBudgetRequest,
                         context: grpc.aio.ServicerContext) -> admin_pb2.OperationResponse:
@@ -132,17 +130,16 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
                                 f"budget_bytes {budget} is absurd (more than {MAX_BUDGET_BYTES} bytes)")
 
         def set_budget() -> dict[Any, OpResult]:
-            backend = self.graphs.backend
-            total = backend.total_memory() if backend is not None else None
+            total = self.control.total_memory()
             if total is not None and budget > total:
                 raise ValueError(f"budget_bytes {budget} exceeds the device's {total} bytes of memory")
-            return self.graphs.set_budget(int(budget))
+            return self.control.set_budget(int(budget))
 
         return await self._operate(context, "set_budget", set_budget, requested_budget=budget)
 
     async def ResetStats(self, request: admin_pb2.ResetStatsRequest,
                          context: grpc.aio.ServicerContext) -> admin_pb2.ResetStatsResponse:
-        await self._on_engine(context, "reset_stats", self.graphs.reset_stats)
+        await self._on_engine(context, "reset_stats", self.control.reset_stats)
         log.info("admin_stats_reset")
         return admin_pb2.ResetStatsResponse()
 
@@ -153,33 +150,24 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
         if not request.name or not request.path:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "give the adapter's name and the path of its PEFT directory on the server")
-        adapters = await self._adapters(context)
         # On a thread of its own, not the one that runs admin calls one at a time: reading the files
         # must not hold up the other admin calls (the engine process reads one adapter at a time).
-        info = await self._adapter_call(context, "load_adapter", lambda: adapters.load(request.name, request.path),
-                                        own_thread=True)
+        info = await self._adapter_call(context, "load_adapter",
+                                        lambda: self.control.load_adapter(request.name, request.path), own_thread=True)
         log.info("admin_adapter_loaded", name=info.name, path=info.path, rank=info.rank)
         return _adapter_info(info)
 
     async def UnloadAdapter(self, request: admin_pb2.UnloadAdapterRequest,
                             context: grpc.aio.ServicerContext) -> admin_pb2.UnloadAdapterResponse:
-        adapters = await self._adapters(context)
-        await self._adapter_call(context, "unload_adapter", lambda: adapters.unload(request.name))
+        await self._adapter_call(context, "unload_adapter", lambda: self.control.unload_adapter(request.name))
         log.info("admin_adapter_unloaded", name=request.name)
         return admin_pb2.UnloadAdapterResponse()
 
     async def ListAdapters(self, request: admin_pb2.ListAdaptersRequest,
                            context: grpc.aio.ServicerContext) -> admin_pb2.ListAdaptersResponse:
-        adapters = await self._adapters(context)
-        infos = await self._adapter_call(context, "list_adapters", adapters.list)
+        infos = await self._adapter_call(context, "list_adapters", self.control.list_adapters)
         return admin_pb2.ListAdaptersResponse(adapters=[_adapter_info(i) for i in infos],
-                                              max_loras=adapters.max_loras, max_lora_rank=adapters.max_lora_rank)
-
-    async def _adapters(self, context: grpc.aio.ServicerContext) -> Any:
-        adapters = getattr(self.graphs, "adapters", None)
-        if adapters is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server has no adapter registry")
-        return adapters
+                                              max_loras=self.control.max_loras, max_lora_rank=self.control.max_lora_rank)
 
     async def _adapter_call(self, context: grpc.aio.ServicerContext, op: str, fn: Callable[[], Any],
                             own_thread: bool = False) -> Any:
@@ -187,7 +175,7 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
         try:
             if own_thread:
                 return await asyncio.to_thread(fn)
-            return await asyncio.wrap_future(self.engine.call(fn))
+            return await asyncio.wrap_future(self.control.call(fn))
         except (AdapterError, LoraError) as exc:
             code = next(c for kind, c in _ADAPTER_STATUS if isinstance(exc, kind))
             await context.abort(code, f"{op}: {exc}")
@@ -198,20 +186,23 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
 
     async def _checked_sizes(
         self, request: admin_pb2.SizesRequest, context: grpc.aio.ServicerContext
-    ) -> tuple[list[int], str]:
-        """Unique sizes in request order and the graph kind; INVALID_ARGUMENT (naming the allowed
-        ones) otherwise."""
+    ) -> tuple[list[int], str, bool]:
+        """Unique sizes in request order, the graph kind ("full" or "piecewise") and whether it names
+        the LoRA graphs ("full+lora", "piecewise+lora"); INVALID_ARGUMENT (naming the allowed ones)
+        otherwise."""
         kind = request.kind.strip().lower() or "full"
         graph_kind = kind.removesuffix(LORA_SUFFIX)  # the LoRA cache keeps the base cache's sizes
         if graph_kind not in ("full", "piecewise"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"kind {request.kind!r}: use full, piecewise, full+lora or piecewise+lora")
-        if kind != graph_kind and not self._has_lora_graphs():
+        lora = kind != graph_kind
+        if lora and not self.control.max_loras:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"kind {kind}: this server has no adapter slots, so no LoRA graphs "
                                 "(start with --max-loras or --lora-modules)")
         unique = list(dict.fromkeys(request.sizes))
-        allowed = self.graphs.config.sizes if graph_kind == "full" else self.graphs.config.piecewise_sizes
+        config = self.control.graph_config
+        allowed = config.sizes if graph_kind == "full" else config.piecewise_sizes
         if not unique:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"give at least one size; allowed: {_few(allowed)}")
@@ -219,11 +210,7 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
         if bad:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"sizes {_few(bad)} are not {kind} capture sizes; allowed: {_few(allowed)}")
-        return unique, kind
-
-    def _has_lora_graphs(self) -> bool:
-        adapters = getattr(self.graphs, "adapters", None)
-        return adapters is not None and adapters.max_loras > 0
+        return unique, graph_kind, lora
 
     async def _read(self, context: grpc.aio.ServicerContext, fn: Callable[[], Any]) -> Any:
         try:
@@ -233,11 +220,11 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
 
     async def _operate(self, context: grpc.aio.ServicerContext, op: str, fn: Callable[[], dict[Any, OpResult]],
                        kind: str = "full", **fields: Any) -> admin_pb2.OperationResponse:
-        """fn's results are keyed by size (of `kind`), by BatchDescriptor or by (size, kind) (set_budget:
-        any kind; the engine process names the LoRA graphs' kinds "full+lora" / "piecewise+lora")."""
+        """fn's results are keyed by size (of `kind`) or by (size, kind) (set_budget: any kind; the
+        engine process names the LoRA graphs' kinds "full+lora" / "piecewise+lora")."""
         def run() -> tuple[dict[Any, OpResult], int, int]:
             results = fn()
-            return results, self.graphs.budget_bytes, self.graphs.used_bytes
+            return results, *self.control.graph_memory()
 
         results, budget, used = await self._on_engine(context, op, run)
         keys = {s: _size_and_kind(s, kind) for s in results}
@@ -254,18 +241,18 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
     async def _on_engine(self, context: grpc.aio.ServicerContext, op: str, fn: Callable[[], Any]) -> Any:
         """Run fn on the engine thread between steps; map its errors to status codes."""
         try:
-            return await asyncio.wrap_future(self.engine.call(fn))
+            return await asyncio.wrap_future(self.control.call(fn))
         except GraphsUnavailableError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"{op}: CUDA graphs are unavailable on this server ({exc.reason}, "
-                                f"device {self.graphs.device})")
+                                f"device {self.control.graphs_device})")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{op}: {exc}")
         except Exception as exc:
             await self._failed(context, op, exc)
 
     async def _failed(self, context: grpc.aio.ServicerContext, op: str, exc: Exception) -> None:
-        if not self.engine.alive:
+        if not self.control.alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{op}: the engine is not running ({exc})")
         log.exception("admin_operation_failed", op=op)
         await context.abort(grpc.StatusCode.INTERNAL, f"{op} failed: {type(exc).__name__}: {exc}")
@@ -280,9 +267,12 @@ def _few(values: Iterable[int], shown: int = _SHOWN_VALUES) -> str:
     return f"[{', '.join(map(str, values[:shown]))}, ... and {len(values) - shown} more]"
 
 
-def _size_and_kind(key: int | BatchDescriptor | tuple[int, str], kind: str) -> tuple[int, str]:
-    if isinstance(key, BatchDescriptor):
-        return key.padded_size, key.mode.value
+def _kind_name(kind: str, lora: bool) -> str:
+    """The kind as the operator names it: "full", "piecewise", "full+lora" or "piecewise+lora"."""
+    return kind + LORA_SUFFIX if lora else kind
+
+
+def _size_and_kind(key: int | tuple[int, str], kind: str) -> tuple[int, str]:
     return key if isinstance(key, tuple) else (key, kind)
 
 

@@ -31,8 +31,9 @@ from service.model.spec import ModelLoadError
 from service.proto import inference_pb2, inference_pb2_grpc
 from service.server.admin_server import start_admin_server
 from service.server.decoding import RequestDecodingInterceptor
-from service.server.engine_process import EngineProcess, EngineStartError, RemoteGraphs, read_tokenizer
-from service.server.engine_worker import WorkerReady, WorkerSpec
+from service.server.engine_control import EngineControl
+from service.server.engine_messages import WorkerReady, WorkerSpec
+from service.server.engine_process import EngineProcess, EngineStartError, read_tokenizer
 from service.server.faults import Faults
 from service.server.inference_servicer import InferenceServicer
 from service.server.streams import AdmissionLimits, Streams
@@ -95,7 +96,7 @@ class App:
         self.servicer = InferenceServicer(self.streams)
         self.vllm_servicer = VllmEngineServicer(self.streams)
         self.engine: EngineProcess | None = None
-        self.graphs: RemoteGraphs | None = None
+        self.control: EngineControl | None = None  # what the admin servicer, the metrics and FlushCache call
         self.model: WorkerReady | None = None  # the loaded model's description, from the engine process
         self.tokenizer: Any = None
         self.admin_server: grpc.aio.Server | None = None
@@ -142,12 +143,12 @@ class App:
         spec = ready.spec
         log.info("model_loaded", model=c.model, architecture=spec.architecture, device=ready.device,
                  dtype=ready.dtype, seconds=round(time.monotonic() - t0, 2), engine_pid=self.engine.process.pid)
-        self.graphs = RemoteGraphs(self.engine, ready)
-        self.metrics.set_engine_source(self.engine.metric_families)
-        self.metrics.set_graph_source(self.graphs.snapshot)
+        self.control = control = EngineControl(self.engine, ready)
+        self.metrics.set_engine_source(control.metric_families)
+        self.metrics.set_graph_source(control.snapshot)
         if ready.max_loras:
-            self.metrics.set_lora_graph_source(self.graphs.lora_snapshot)
-        self.admin_server, self.admin_port = await start_admin_server(c, self.engine, self.graphs, self.metrics)
+            self.metrics.set_lora_graph_source(control.lora_snapshot)
+        self.admin_server, self.admin_port = await start_admin_server(c, control, self.metrics)
         grammars = Grammars(self.tokenizer, spec.vocab_size, spec.eos_token_ids)
         await _in_daemon_thread(grammars.prepare)
         limits = Limits.from_config(dataclasses.replace(c, max_seq_len=ready.max_seq_len), vocab_size=spec.vocab_size,
@@ -155,8 +156,9 @@ class App:
         self.streams.attach(self.engine)
         self.servicer.attach(self.tokenizer, limits, self._model_info(ready))
         self.vllm_servicer.attach(self.tokenizer, limits, ModelFacts.read(
-            c.model_name, ready.model_path, spec, ready.max_seq_len, c.max_running_seqs, ready.dtype, c.block_size))
-        self.servicer.adapter_names = self.graphs.adapters.names
+            c.model_name, ready.model_path, spec, ready.max_seq_len, c.max_running_seqs, ready.dtype, c.block_size),
+            control)
+        self.servicer.adapter_names = control.adapter_names
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.ready.set()
         log.info("serving", model=c.model, port=self.port, graph_mode=ready.graph_mode)

@@ -1,12 +1,13 @@
 """The gRPC process's handle on the engine process (see engine_worker.py).
 
-`EngineProcess` offers what the servicers use of an in-process `Engine` (submit, abort, call,
-stop, alive, error, the queue counters, last_progress), over a pipe. The event loop itself reads
-the pipe (`loop.add_reader`): each step's message becomes (sink, event) pairs delivered at once.
-No reader thread: a second Python thread in this process would wait for the GIL behind the loop,
-the pipe would fill, and the engine would stall. The engine's metrics are not sent per step: a
-scrape reads them (`metric_families`). `RemoteGraphs` is the graph cache as the admin servicer
-and the metrics see it: reads and operations are calls into the engine process.
+`EngineProcess` offers what the streams use of an in-process `Engine` (submit, abort, pause,
+stop, alive, error, the queue counters, last_progress) over a pipe whose messages are
+engine_messages.py's, and `request`, the reply to one typed call (EngineControl, in
+engine_control.py, is what the servicers and the metrics call). The event loop itself reads the
+pipe (`loop.add_reader`): each step's message becomes (sink, event) pairs delivered at once. No
+reader thread: a second Python thread in this process would wait for the GIL behind the loop, the
+pipe would fill, and the engine would stall. The engine's metrics are not sent per step: a scrape
+asks for them.
 """
 
 from __future__ import annotations
@@ -20,41 +21,39 @@ import pathlib
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
 from service.engine.engine import EngineStopped, Sink, deliver
 from service.engine.request import EngineError, GenerationRequest, TokenDelta
 from service.model.spec import ModelLoadError
-from service.server.engine_worker import (
-    ABORT,
-    CALL,
+from service.server.engine_messages import (
     DELTA,
-    EVENTS,
     FINISH,
-    LOAD_FAILED,
-    PAUSE,
-    READY,
-    RESULT,
-    STATUS,
-    STOP,
-    STOPPED,
-    SUBMIT,
+    Abort,
+    Call,
+    EngineCall,
+    Events,
+    LoadFailed,
+    Pause,
+    Reply,
+    Stop,
+    Stopped,
+    Submit,
+    ToWorker,
     WorkerReady,
     WorkerSpec,
     WorkerStatus,
-    worker_main,
 )
+from service.server.engine_worker import worker_main
 
 log = structlog.get_logger("graphserve.engine_process")
 
-_CALL_TIMEOUT_S = 60.0
+T = TypeVar("T")
+
 # The engine process sends its status every 0.2 s: silence this long means it is hung (or stopped).
 _SILENT_S = 2.0
-# A scrape reads the engine's metrics, then the graph snapshot (5 s): both within Prometheus's
-# default scrape timeout of 10 s.
-_METRICS_TIMEOUT_S = 2.0
 
 
 class EngineStartError(RuntimeError):
@@ -106,16 +105,15 @@ class EngineProcess:
                 self.process.join(5)
                 raise EngineStartError(f"the engine process exited with code {self.process.exitcode} while "
                                        "loading; see its log above") from None
-            if message[0] == READY:
+            if isinstance(message, WorkerReady):
                 break
-            if message[0] == LOAD_FAILED:
-                _, kind, text = message
+            if isinstance(message, LoadFailed):
                 self.process.join(10)
-                raise ModelLoadError(text) if kind == "model" else EngineStartError(text)
+                raise ModelLoadError(message.message) if message.model else EngineStartError(message.message)
         with self._lock:
             self._ready = not self._stopping
         self.loop.call_soon_threadsafe(self._start_reading)
-        return message[1]
+        return message
 
     # ---- what the servicers use ---------------------------------------------------------------
 
@@ -166,53 +164,45 @@ class EngineProcess:
             self._sinks[key] = sink
             self._submitted += 1
             self._submitted_tokens += len(request.prompt_token_ids)
-            self._send((SUBMIT, key, request))
+            self._send(Submit(key, request))
         return key
 
     def abort(self, key: str) -> None:
         with self._lock:
             if self._ready and self.error is None:
-                self._send((ABORT, key))
+                self._send(Abort(key))
 
     def pause(self, key: str, paused: bool) -> None:
         with self._lock:
             if self._ready and self.error is None:
-                self._send((PAUSE, key, paused))
+                self._send(Pause(key, paused))
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run fn on a thread of this process, one call at a time; fn reaches the engine through
-        `remote` (e.g. RemoteGraphs), whose operations run between two engine steps."""
+        `request` (EngineControl's methods)."""
         if not self.alive or self._stopping:
             future: concurrent.futures.Future = concurrent.futures.Future()
             future.set_exception(RuntimeError("the engine is not running"))
             return future
         return self._ops.submit(fn)
 
-    def reset_prefix_cache(self) -> bool:
-        """Empty the engine's prefix cache; False while requests hold KV blocks (blocking: off the loop)."""
-        return self.remote("reset_prefix_cache", timeout=5.0)
-
-    def remote(self, name: str, *args: Any, timeout: float = _CALL_TIMEOUT_S) -> Any:
-        """Call `name` in the engine process (engine_worker.READS / GRAPH_OPS); blocking, so
-        never on the event loop, which is the thread that reads the answer."""
+    def request(self, call: EngineCall[T], timeout: float) -> T:
+        """The engine process's reply to `call` (engine_calls.py runs it there); blocking, so never
+        on the event loop, which is the thread that reads the reply."""
         if self._on_loop():
-            raise RuntimeError("EngineProcess.remote blocks: call it off the event loop")
+            raise RuntimeError("EngineProcess.request blocks: call it off the event loop")
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if not self._ready or self.error is not None or self._stopping:
                 raise RuntimeError("the engine is not running")
             call_id = next(self._call_ids)
             self._calls[call_id] = future
-            self._send((CALL, call_id, name, args))
+            self._send(Call(call_id, call))
         try:
             return future.result(timeout)
         finally:
             with self._lock:
                 self._calls.pop(call_id, None)
-
-    def metric_families(self) -> list[Any]:
-        """The engine's metric families (engine_metrics.EngineMetrics), for a scrape (off the event loop)."""
-        return self.remote("metrics", timeout=_METRICS_TIMEOUT_S)
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Stop the engine process: running requests end with an EngineError, the graph cache saves
@@ -227,7 +217,7 @@ class EngineProcess:
             # On a thread of its own: to a hung engine with a full pipe the send blocks until the kill.
             with self._lock:
                 try:
-                    self._send((STOP,))
+                    self._send(Stop())
                 except OSError:
                     pass
 
@@ -261,7 +251,7 @@ class EngineProcess:
 
     # ---- pipe ------------------------------------------------------------------------
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: ToWorker) -> None:
         self._conn.send(message)  # the caller holds self._lock
 
     def _start_reading(self) -> None:
@@ -274,20 +264,19 @@ class EngineProcess:
             while self._conn.poll():
                 message = self._conn.recv()
                 self._last_message_at = time.monotonic()
-                tag = message[0]
-                if tag == EVENTS:
-                    self._on_events(message[1])
-                    self._on_status(message[2])
-                elif tag == STATUS:
-                    self._on_status(message[1])
-                elif tag == STOPPED:
-                    self.stats_saved = message[1]
-                elif tag == RESULT:
-                    _, call_id, ok, value = message
-                    with self._lock:
-                        future = self._calls.pop(call_id, None)
-                    if future is not None:
-                        future.set_result(value) if ok else future.set_exception(value)
+                match message:
+                    case Events():  # a step's: its events, then the counters after it
+                        self._on_events(message.events)
+                        self._on_status(message)
+                    case WorkerStatus():
+                        self._on_status(message)
+                    case Stopped(saved):
+                        self.stats_saved = saved
+                    case Reply(call_id, ok, value):
+                        with self._lock:
+                            future = self._calls.pop(call_id, None)
+                        if future is not None:
+                            future.set_result(value) if ok else future.set_exception(value)
         except (EOFError, OSError):
             self._stop_reading()
         except BaseException:  # noqa: BLE001 - a broken message must not leave streams hanging
@@ -336,85 +325,6 @@ class EngineProcess:
             future.set_exception(RuntimeError(message))
         deliver([(sink, EngineError(message)) for sink in sinks.values()])
         self._exited.set()
-
-
-class RemoteGraphs:
-    """The engine process's graph cache, with the attributes and methods the admin servicer uses."""
-
-    def __init__(self, engine: EngineProcess, ready: WorkerReady) -> None:
-        self._engine = engine
-        self.config = ready.graph_config
-        self.device = ready.graphs_device
-        self.backend = self if ready.has_graph_backend else None  # backend.total_memory() is remote too
-        self.adapters = RemoteAdapters(engine, ready)
-
-    def snapshot(self) -> Any:
-        return self._engine.remote("snapshot", timeout=5.0)
-
-    def lora_snapshot(self) -> Any:
-        """The snapshot of the graphs of batches with adapters (None without adapter slots)."""
-        return self._engine.remote("lora_snapshot", timeout=5.0)
-
-    def rank_memory(self) -> Any:
-        """Every tensor-parallel rank's graph memory, rank 0 first (empty on one rank)."""
-        return self._engine.remote("rank_memory", timeout=5.0)
-
-    def kv_state(self) -> Any:
-        """The KV block pool's counts (service.engine.block_pool.PoolStats)."""
-        return self._engine.remote("kv_state", timeout=5.0)
-
-    def persisted_stats(self) -> Any:
-        return self._engine.remote("persisted_stats")
-
-    # kind: "full" or "piecewise", or "full+lora" / "piecewise+lora" for the graphs of steps with adapter rows.
-    def capture(self, sizes: Any, kind: str = "full") -> Any:
-        return self._engine.remote("capture", list(sizes), kind)
-
-    def evict(self, sizes: Any, kind: str = "full") -> Any:
-        return self._engine.remote("evict", list(sizes), kind)
-
-    def set_budget(self, value: Any) -> Any:
-        """The one budget of the base and LoRA caches; their evictions keyed (size, kind)."""
-        return self._engine.remote("set_budget", value)
-
-    def reset_stats(self) -> None:
-        self._engine.remote("reset_stats")
-
-    def total_memory(self) -> int | None:
-        return self._engine.remote("total_memory")
-
-    @property
-    def budget_bytes(self) -> int:
-        return self._engine.remote("budget_bytes")
-
-    @property
-    def used_bytes(self) -> int:
-        """What counts against the budget: the graphs of both caches."""
-        return self._engine.remote("used_bytes")
-
-
-class RemoteAdapters:
-    """The engine process's adapter registry as the admin servicer sees it, plus the set of names
-    Generate accepts (kept here, so checking a request's adapter costs no call into the engine)."""
-
-    def __init__(self, engine: EngineProcess, ready: WorkerReady) -> None:
-        self._engine = engine
-        self.max_loras = ready.max_loras
-        self.max_lora_rank = ready.max_lora_rank
-        self.names: set[str] = set(ready.adapters)
-
-    def load(self, name: str, path: str) -> Any:
-        """Reads the files in the engine process (off its engine thread) and registers the adapter."""
-        info = self._engine.remote("load_adapter", name, path, timeout=300.0)
-        self.names.add(name)
-        return info
-
-    def unload(self, name: str) -> None:
-        self._engine.remote("unload_adapter", name)
-        self.names.discard(name)
-
-    def list(self) -> list[Any]:
-        return self._engine.remote("list_adapters")
 
 
 def read_tokenizer(path: str) -> Any:

@@ -34,6 +34,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from service.engine.request import Finish, FinishReason, GenerationRequest, TokenDelta, TokenLogprobs
+from service.server.engine_control import EngineControl
 from service.server.streams import Stream, Streams, answers_rejections
 from service.server.validation import (
     Fields,
@@ -102,11 +103,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.tokenizer: Any = None
         self.limits: Limits | None = None
         self.facts: ModelFacts | None = None
+        self.control: EngineControl | None = None
         self.started = time.time()
         self._tokenizer_zip: tuple[bytes, str] | None = None
 
-    def attach(self, tokenizer: Any, limits: Limits, facts: ModelFacts) -> None:
-        self.tokenizer, self.limits, self.facts = tokenizer, limits, facts
+    def attach(self, tokenizer: Any, limits: Limits, facts: ModelFacts, control: EngineControl) -> None:
+        self.tokenizer, self.limits, self.facts, self.control = tokenizer, limits, facts, control
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -224,7 +226,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def FlushCache(self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
                          ) -> common_pb2.FlushCacheResponse:
         await self._facts(context)
-        if await asyncio.to_thread(self.streams.engine.reset_prefix_cache):
+        if await asyncio.to_thread(self.control.reset_prefix_cache):
             return common_pb2.FlushCacheResponse(success=True, message="the prefix cache is empty")
         return common_pb2.FlushCacheResponse(
             success=False, message="requests are running and hold KV blocks: flush again when the server is idle")

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import types
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -23,6 +25,9 @@ from service.engine.engine import Engine
 from service.engine.scheduler import Scheduler
 from service.proto import admin_pb2, admin_pb2_grpc
 from service.server.admin_server import start_admin_server
+from service.server.engine_calls import EngineCalls
+from service.server.engine_control import EngineControl
+from service.server.engine_messages import EngineCall, WorkerReady
 from tests.support.server import ServerThread, free_port, generate, greedy, running_server
 
 TOKEN = "s3cret-admin-token-for-tests"
@@ -258,6 +263,20 @@ def test_lora_kinds_without_adapter_slots_are_invalid_argument(admin: Admin, cap
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "full+lora" in info.value.details()
 
 
+def test_adapter_calls_without_adapter_slots_say_how_to_turn_adapters_on(admin: Admin, capsys) -> None:
+    for method, request in ((admin.stub.LoadAdapter, admin_pb2.LoadAdapterRequest(name="a", path="/tmp/a")),
+                            (admin.stub.UnloadAdapter, admin_pb2.UnloadAdapterRequest(name="a"))):
+        with pytest.raises(grpc.RpcError) as info:
+            method(request, metadata=admin.auth(), timeout=30)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "serves no adapters" in info.value.details() and "--max-loras" in info.value.details()
+    listed = admin.stub.ListAdapters(admin_pb2.ListAdaptersRequest(), metadata=admin.auth(), timeout=30)
+    assert list(listed.adapters) == [] and listed.max_loras == 0
+    code, out, err = admin.ctl(capsys, "load-adapter", "a", "/tmp/a")
+    assert code == graphctl.EXIT_REFUSED and out == ""
+    assert "FAILED_PRECONDITION" in one_line_error(err)
+
+
 def test_thousands_of_bad_sizes_are_listed_capped(admin: Admin) -> None:
     bad = list(range(1000, 6000))
     for method in (admin.stub.Capture, admin.stub.Evict):
@@ -343,7 +362,7 @@ def test_no_token_configured_keeps_the_admin_port_closed(server: ServerThread) -
     assert server.config.admin_token is None
     assert getattr(server.app, "admin_port", None) is None
     started = asyncio.run_coroutine_threadsafe(
-        start_admin_server(server.config, server.app.engine, server.app.graphs), server.loop
+        start_admin_server(server.config, server.app.control), server.loop
     ).result(30)
     assert started == (None, None)
 
@@ -360,21 +379,60 @@ def fake_graphs_admin(tmp_path) -> Iterator[Admin]:
     config = GraphCacheConfig(mode="full", capture_sizes=None, max_batch=16, memory_budget=100_000)
     fingerprint = Fingerprint("fake", "float32", "cpu", torch.__version__, config.sizes, 16)
     graphs = GraphCache(CountingStep(16), config, torch.device("cpu"), fingerprint, FakeGraphBackend())
-    engine = Engine(runner=None, scheduler=Scheduler(16, 4096), tokenizer=None, eos_token_ids=frozenset())
+    # As builder.new_engine wires it: a finished capture is committed between steps.
+    engine = Engine(runner=None, scheduler=Scheduler(16, 4096), tokenizer=None, eos_token_ids=frozenset(),
+                    between_steps=graphs.poll)
+    graphs.notify = engine.wake
     engine.start()
+    link = _InProcessEngine(engine, types.SimpleNamespace(graphs=graphs, lora_graphs=None, adapters=None,
+                                                          runner=types.SimpleNamespace(rank_memory=list)))
+    ready = WorkerReady(model_path="", spec=None, max_seq_len=256, device="cpu", dtype="float32", graph_config=config,
+                        graph_mode="full", graphs_device="cpu", has_graph_backend=True)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     serve = ServeConfig(admin_port=0, admin_token=TOKEN)
     with structlog.testing.capture_logs() as logs:
-        server, port = asyncio.run_coroutine_threadsafe(start_admin_server(serve, engine, graphs), loop).result(30)
+        server, port = asyncio.run_coroutine_threadsafe(
+            start_admin_server(serve, EngineControl(link, ready)), loop).result(30)
         try:
             yield Admin(None, port, str(token_file), logs)
         finally:
             asyncio.run_coroutine_threadsafe(server.stop(1.0), loop).result(30)
             loop.call_soon_threadsafe(loop.stop)
             thread.join(10)
+            link.close()
             engine.stop()
+
+
+class _InProcessEngine:
+    """EngineControl's link to an engine in this process: its calls run as in the engine process
+    (EngineCalls), without the pipe."""
+
+    def __init__(self, engine: Engine, lr: object) -> None:
+        self.alive = True
+        self._reads = ThreadPoolExecutor(1)
+        self._lane = ThreadPoolExecutor(1)  # the admin operations, one at a time
+        self._calls = EngineCalls(engine, lr, list, self._reads)
+
+    def call(self, fn) -> Future:  # noqa: ANN001
+        return self._lane.submit(fn)
+
+    def request(self, call: EngineCall, timeout: float) -> object:
+        return self._calls.start(call).result(timeout)
+
+    def close(self) -> None:
+        self._calls.close()
+        self._lane.shutdown()
+        self._reads.shutdown()
+
+
+def test_a_budget_above_the_device_s_memory_is_invalid_argument(fake_graphs_admin: Admin) -> None:
+    admin = fake_graphs_admin
+    with pytest.raises(grpc.RpcError) as info:  # the fake device has 10**9 bytes
+        admin.stub.SetBudget(admin_pb2.SetBudgetRequest(budget_bytes=2 * 10**9), metadata=admin.auth(), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "exceeds the device's 1000000000 bytes of memory" in info.value.details()
 
 
 def by_size(response: dict) -> dict[int, dict]:
@@ -394,7 +452,7 @@ def test_capture_evict_and_budget_with_fake_graphs(fake_graphs_admin: Admin, cap
         16: "captured", 4: "captured"}
 
     code, out, _ = admin.ctl(capsys, "state")
-    rows = {int(r.split()[1]): r.split()[2] for r in out.splitlines()[2:]}
+    rows = {int(r.split()[1]): r.split()[2] for r in out.splitlines()[3:]}  # after the two head lines and the header
     assert rows == {1: "not_captured", 2: "not_captured", 4: "captured", 8: "captured", 16: "captured"}
 
     response = admin.ctl_json(capsys, "budget", "10000")

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from service.model import ensure_builtin
 from service.proto import admin_pb2, admin_pb2_grpc, inference_pb2
+from service.server.engine_messages import UnloadAdapter
 from tests.support.lora import make_adapter
 from tests.support.server import ServerThread, running_server
 
@@ -147,14 +148,14 @@ def test_a_catastrophic_regex_costs_nothing_while_streams_and_admin_calls_go_on(
 
 def test_admin_calls_do_not_wait_behind_a_load(hostile: Hostile, monkeypatch: pytest.MonkeyPatch) -> None:
     """A load that takes long (a slow disk) holds up no other admin call."""
-    adapters = hostile.server.app.graphs.adapters
-    real_load = adapters.load
+    control = hostile.server.app.control
+    real_load = control.load_adapter
 
     def slow_load(name: str, path: str) -> object:
         time.sleep(2.0)
         return real_load(name, path)
 
-    monkeypatch.setattr(adapters, "load", slow_load)
+    monkeypatch.setattr(control, "load_adapter", slow_load)
     loader = threading.Thread(target=hostile.load, args=("slow", hostile.good))
     loader.start()
     time.sleep(0.2)
@@ -250,11 +251,11 @@ def test_a_generate_racing_its_adapters_unload_is_not_found(hostile: Hostile) ->
     """Unloaded after the server accepted the request (here: unloaded in the engine before the gRPC
     process's list of names follows, the window of a real race)."""
     hostile.load("race", hostile.good)
-    hostile.server.app.engine.remote("unload_adapter", "race")
+    hostile.server.app.engine.request(UnloadAdapter("race"), timeout=60)
     with pytest.raises(grpc.RpcError) as err:
         hostile.generate("race")
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "'race' is not loaded" in err.value.details()
-    hostile.server.app.graphs.adapters.names.discard("race")
+    hostile.server.app.control.adapter_names.discard("race")
     with pytest.raises(grpc.RpcError) as err:
         hostile.generate("race")
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -106,14 +106,14 @@ def _runner(rank: int, world: int, port: int, cache_dir: str, backend: Recording
 
 def _rank(rank: int, world: int, port: int, cache_dir: str) -> dict:
     if rank > 0:
+        from service.engine.rank_main import follow_steps
         from service.engine.rank_memory import MemoryPublisher
-        from service.engine.ranks import follow_steps
 
         backend = RecordingBackend()
-        _, runner, tp, channel, store = _runner(rank, world, port, cache_dir, backend)
-        runner.follow_graphs()
-        follow_steps(runner, channel, tp, MemoryPublisher(store, rank, torch.device("cpu")))
-        return {"log": backend.log, "held": sorted(backend.live), "used": runner.mirror.held_bytes}
+        _, runner, _, channel, store = _runner(rank, world, port, cache_dir, backend)
+        follower = runner.follow()
+        follow_steps(runner, channel, MemoryPublisher(store, rank, torch.device("cpu")))
+        return {"log": backend.log, "held": sorted(backend.live), "used": follower.mirror.held_bytes}
     return _lead(rank, world, port, cache_dir)
 
 
@@ -126,7 +126,7 @@ def _lead(rank: int, world: int, port: int, cache_dir: str) -> dict:
     backend = RecordingBackend(CAPTURE_DELAY_S)
     loaded, runner, _, channel, store = _runner(rank, world, port, cache_dir, backend)
     followers = _Followers(channel, store)
-    runner.attach_ranks(followers)
+    runner.lead(followers)
     stalls: list[float] = []
     runner.graphs.on_capture_stall = stalls.append
     c = load_config(["--max-running-seqs", str(SLOTS), "--max-num-batched-tokens", str(MAX_TOKENS)], {})
