@@ -67,6 +67,13 @@ class SamplingParams:
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy and nothing else that changes the logits or asks for more than the token (a grammar
+        aside: its mask applies either way): such a row samples the argmax."""
+        return (self.temperature == 0.0 and not self.logit_bias and not self.penalized and self.logprobs is None
+                and self.min_tokens == 0)
+
 
 @dataclass(frozen=True)
 class StoppingParams:

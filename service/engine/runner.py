@@ -251,7 +251,7 @@ class ModelRunner:
             prompt.packed = packed
         # Before before_sampling: reading the step in flight may finish some of these sequences
         # (their slots then go back), whose rows still sample here (the token is surplus).
-        rows = self._sample_rows(sampling)
+        rows = None if all(s.request.sampling.plain_greedy for s in sampling) else self._sample_rows(sampling)
         if before_sampling is not None:
             before_sampling()
         if not sampling:  # every chunk leaves part of its prompt for a later step
@@ -340,8 +340,9 @@ class ModelRunner:
             rows.append(SampleRow(request.sampling, counter, _slot(seq), banned))
         return rows
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[SampleRow]) -> Sampled:
-        batch = SamplingBatch.build(rows, self.device)
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[SampleRow] | None) -> Sampled:
+        """rows None: every row is plain greedy (SamplingBatch.greedy)."""
+        batch = SamplingBatch.greedy() if rows is None else SamplingBatch.build(rows, self.device)
         constrained = [(seq.matcher, b) for b, seq in enumerate(seqs) if seq.matcher is not None]
         if constrained:
             batch.bitmask = self._masks(constrained)

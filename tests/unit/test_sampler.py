@@ -40,6 +40,15 @@ def test_greedy_rows_take_the_argmax() -> None:
     assert torch.equal(out[1::2], logits.argmax(dim=-1)[1::2])
 
 
+def test_a_step_of_plain_greedy_rows_needs_no_batch_and_anything_more_is_not_plain() -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(sample(logits, SamplingBatch.greedy()).tokens, logits.argmax(dim=-1))
+    assert SamplingParams(temperature=0.0).plain_greedy
+    for more in ({"temperature": 0.7}, {"logit_bias": ((3, 5.0),)}, {"min_tokens": 2}, {"logprobs": 0},
+                 {"presence_penalty": 0.5}, {"repetition_penalty": 1.2}):
+        assert not SamplingParams(**{"temperature": 0.0, **more}).plain_greedy, more
+
+
 def test_row_result_is_independent_of_batch_composition_and_order() -> None:
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(6, 100, generator=gen)
