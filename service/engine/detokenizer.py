@@ -15,11 +15,12 @@ _PROMPT_CONTEXT_TOKENS = 5
 class IncrementalDetokenizer:
     """Streams the text of one request's completion tokens.
 
-    Decodes a sliding window ids[prefix_offset:] and emits only what it adds beyond the text of
-    ids[prefix_offset:read_offset] (the prefix/read offsets of TGI and vLLM): the window holds the
-    last emitted chunk as context plus the tokens not yet emitted, so each step costs O(1) in the
-    length of the completion. Context matters because tokenizer decoders are not additive at the
-    edges (leading-space stripping, byte-level tokens that only together form a UTF-8 character).
+    Decodes a sliding window and emits only what it adds beyond the text of its first read_offset
+    tokens (the prefix/read offsets of TGI and vLLM): the window holds the last emitted chunk as
+    context plus the tokens not yet emitted, so each step costs O(1) in the length of the
+    completion. Context matters because tokenizer decoders are not additive at the edges
+    (leading-space stripping, byte-level tokens that only together form a UTF-8 character). A token
+    costs one decode: the context is usually one token, whose text alone is cached per tokenizer.
     While the window's text ends in U+FFFD, the trailing bytes may be an incomplete character: those
     are held back until a later token completes them (or flush() at finish gives them up), while the
     complete characters before them are emitted at once.
@@ -32,26 +33,27 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
-        self._tokenizer = tokenizer
         self._decode_ids = fast_decoder(tokenizer)
+        self._token_texts = _token_texts(tokenizer)
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
-        if self._decode(context).endswith(_REPLACEMENT):
+        context_text = self._decode_ids(context) if context else ""
+        if context_text.endswith(_REPLACEMENT):
             # The prompt ends inside a character: that character's bytes belong to the prompt, so
             # the completion must not emit it. Start without context instead.
-            context = []
-        self._ids: list[int] = context
-        self._prefix_offset = 0
+            context, context_text = [], ""
+        self._ids: list[int] = context  # the context, then the tokens not yet emitted
         self._read_offset = len(context)
-        self._prefix_text = self._decode(context)
+        self._context_chars = len(context_text)
         # Characters of ids[read_offset:] already emitted: complete ones before an incomplete tail.
         self._emitted_ahead = 0
 
     def add(self, token_ids: list[int]) -> str:
         """Append new completion tokens; return the text they complete (possibly empty)."""
-        self._ids.extend(token_ids)
-        full_text = self._decode(self._ids[self._prefix_offset:])
-        start = len(self._prefix_text) + self._emitted_ahead
-        if not full_text.endswith(_REPLACEMENT):
+        ids = self._ids
+        ids += token_ids
+        full_text = self._decode_ids(ids)
+        start = self._context_chars + self._emitted_ahead
+        if full_text[-1:] != _REPLACEMENT:
             return self._advance(full_text) if len(full_text) > start else ""
         # The tail is (perhaps) an incomplete character, but a token such as b"\xe6\x97\xa5\xe6"
         # also completes "日" before it: emit the complete characters now. Appending bytes can only
@@ -66,27 +68,39 @@ class IncrementalDetokenizer:
         """At finish: everything not yet emitted, including a character the model left incomplete."""
         if self._read_offset == len(self._ids):
             return ""
-        return self._advance(self._decode(self._ids[self._prefix_offset:]))
+        return self._advance(self._decode_ids(self._ids))
 
     def _advance(self, full_text: str) -> str:
-        delta = full_text[len(self._prefix_text) + self._emitted_ahead:]
+        delta = full_text[self._context_chars + self._emitted_ahead:]
         # The emitted tokens become the next window's context; older tokens are never decoded again.
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        ids = self._ids
+        del ids[: self._read_offset]
+        self._read_offset = len(ids)
+        if len(ids) == 1:  # the usual case, one token per step: its text alone is cached
+            text = self._token_texts.get(ids[0])
+            if text is None:
+                text = self._token_texts[ids[0]] = self._decode_ids(ids)
+        else:
+            text = self._decode_ids(ids)
+        self._context_chars = len(text)
         self._emitted_ahead = 0
-        # Drop what no window will reach again, keeping list indices small and memory O(window).
-        del self._ids[: self._prefix_offset]
-        self._read_offset -= self._prefix_offset
-        self._prefix_offset = 0
         return delta
-
-    def _decode(self, ids: list[int]) -> str:
-        if not ids:
-            return ""
-        return self._decode_ids(ids)
 
 
 _PROBE_IDS = list(range(0, 64)) + list(range(256, 320))
+
+
+def _token_texts(tokenizer: Any) -> dict[int, str]:
+    """token id -> the text of that token decoded alone, filled as tokens are seen (at most one entry
+    per vocabulary entry). Shared by the tokenizer's streams; only the engine thread decodes."""
+    texts = getattr(tokenizer, "_graphserve_token_texts", None)
+    if texts is None:
+        texts = {}
+        try:
+            tokenizer._graphserve_token_texts = texts
+        except AttributeError:
+            pass
+    return texts
 
 
 def fast_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
