@@ -339,6 +339,7 @@ class Engine:
                 self._outputs[key][0].on_prompt_logprobs(start, prompt_logprobs)
         logprobs = step.logprobs if step.logprobs is not None else [None] * len(step.token_ids)
         read = []
+        outputs = self._outputs
         for seq, token, token_logprobs in zip(launched.seqs, step.token_ids, logprobs, strict=True):
             seq.num_pending -= 1
             if seq.status is SequenceStatus.FINISHED or seq.aborted:
@@ -346,13 +347,15 @@ class Engine:
             # (A preempted sequence, waiting again, keeps its token: its recompute starts from it.)
             seq.completion_token_ids.append(token)
             read.append(seq)
-            output, sink = self._outputs[seq.key]
-            for event in output.on_token(token, now, token_logprobs):
-                if isinstance(event, Finish):
-                    self.scheduler.finish(seq)
-                    events.append(self._finish(seq, event, now))
-                else:
-                    events.append((sink, event))
+            output, sink = outputs[seq.key]
+            event = output.on_token(token, now, token_logprobs)
+            if event is None:
+                continue
+            if isinstance(event, Finish):
+                self.scheduler.finish(seq)
+                events.append(self._finish(seq, event, now))
+            else:
+                events.append((sink, event))
         if self.observer is not None and read:
             self.observer.on_tokens(read, now)
 
