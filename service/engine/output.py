@@ -5,7 +5,8 @@ incrementally, and tokens are grouped `stream_interval` at a time. A stop token 
 completion without being streamed; it still counts in the usage.
 
 `on_token` runs for every token of every stream on the engine thread: what a request does not use
-(stop strings, logprobs, a grammar) costs it nothing per token, and the limits are read once here.
+(stop strings, logprobs, a grammar; text, when its client reads token ids only) costs it nothing
+per token, and the limits are read once here.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ class RequestOutput:
         self._end_ids = self._stop_ids | (frozenset() if stopping.ignore_eos else eos_token_ids)  # stop ids and EOS
         self._max_tokens = stopping.max_tokens
         self._interval = request.stream_interval
-        self._detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
         self._stops = StopStringMatcher(stopping.stop) if any(stopping.stop) else None
+        self._detokenizer = (IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
+                             if request.stream_text or self._stops is not None else None)
         self._pending_ids: list[int] = []
         self._pending_text = ""
         self._pending_logprobs: list[TokenLogprobs] | None = [] if request.sampling.logprobs is not None else None
@@ -65,16 +67,17 @@ class RequestOutput:
         if self._pending_logprobs is not None:
             assert logprobs is not None, "a request with logprobs got a token without them"
             self._pending_logprobs.append(logprobs)
-        text = self._detokenizer.add([token])
         num_tokens = len(seq.completion_token_ids)
-        # Stop strings are looked for in the text after the first min_tokens tokens, as the sampler
-        # bans stop ids and EOS until then.
-        if self._stops is not None and num_tokens > self._min_tokens:
-            text, matched = self._stops.feed(text)
-            if matched is not None:
-                self._pending_text += text
-                return self._finish(FinishReason.STOP, now, matched=matched, flush=False)
-        self._pending_text += text
+        if self._detokenizer is not None:
+            text = self._detokenizer.add([token])
+            # Stop strings are looked for in the text after the first min_tokens tokens, as the
+            # sampler bans stop ids and EOS until then.
+            if self._stops is not None and num_tokens > self._min_tokens:
+                text, matched = self._stops.feed(text)
+                if matched is not None:
+                    self._pending_text += text
+                    return self._finish(FinishReason.STOP, now, matched=matched, flush=False)
+            self._pending_text += text
         if num_tokens >= self._max_tokens:
             return self._finish(FinishReason.LENGTH, now)
         if matcher is not None and matcher.is_terminated:
@@ -98,7 +101,7 @@ class RequestOutput:
         return delta
 
     def _finish(self, reason: FinishReason, now: float, matched: str | int | None = None, flush: bool = True) -> Finish:
-        if flush:
+        if flush and self._detokenizer is not None:
             # Text held back (an incomplete character, a possible stop prefix) is settled now.
             text = self._detokenizer.flush()
             if self._stops is None:
