@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tokenizers import decoders
+
 _REPLACEMENT = "\ufffd"
 # Prompt tokens decoded as left context of the first completion tokens: enough for tokenizers whose
 # decoders strip a leading space from the first token of a sequence (SentencePiece "Metaspace"),
@@ -33,8 +35,8 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
-        self._decode_ids = fast_decoder(tokenizer)
-        self._token_texts = _token_texts(tokenizer)
+        self._vocab = vocab = token_texts(tokenizer)
+        self._decode_ids = vocab.decode
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         context_text = self._decode_ids(context) if context else ""
         if context_text.endswith(_REPLACEMENT):
@@ -44,12 +46,25 @@ class IncrementalDetokenizer:
         self._ids: list[int] = context  # the context, then the tokens not yet emitted
         self._read_offset = len(context)
         self._context_chars = len(context_text)
+        # Whether the tokenizer's texts concatenate and the context's text ends in a complete
+        # character: then, with nothing held back, a complete token text is what the token adds.
+        self._concatenates = vocab.concatenates
         # Characters of ids[read_offset:] already emitted: complete ones before an incomplete tail.
         self._emitted_ahead = 0
 
     def add(self, token_ids: list[int]) -> str:
         """Append new completion tokens; return the text they complete (possibly empty)."""
         ids = self._ids
+        if self._concatenates and self._read_offset == len(ids) and len(token_ids) == 1:
+            # The context's text ends in a complete character and nothing is held back: with a
+            # tokenizer whose texts concatenate, a token whose own text is complete adds exactly
+            # that text, and becomes the context (what decoding the window would give, without it).
+            text = self._vocab.text(token_ids[0])
+            if text and text[-1] != _REPLACEMENT:
+                ids[:] = token_ids
+                self._read_offset = 1
+                self._context_chars = len(text)
+                return text
         ids += token_ids
         full_text = self._decode_ids(ids)
         start = self._context_chars + self._emitted_ahead
@@ -76,13 +91,9 @@ class IncrementalDetokenizer:
         ids = self._ids
         del ids[: self._read_offset]
         self._read_offset = len(ids)
-        if len(ids) == 1:  # the usual case, one token per step: its text alone is cached
-            text = self._token_texts.get(ids[0])
-            if text is None:
-                text = self._token_texts[ids[0]] = self._decode_ids(ids)
-        else:
-            text = self._decode_ids(ids)
+        text = self._vocab.text(ids[0]) if len(ids) == 1 else self._decode_ids(ids)
         self._context_chars = len(text)
+        self._concatenates = self._vocab.concatenates and text[-1:] != _REPLACEMENT
         self._emitted_ahead = 0
         return delta
 
@@ -90,17 +101,44 @@ class IncrementalDetokenizer:
 _PROBE_IDS = list(range(0, 64)) + list(range(256, 320))
 
 
-def _token_texts(tokenizer: Any) -> dict[int, str]:
-    """token id -> the text of that token decoded alone, filled as tokens are seen (at most one entry
-    per vocabulary entry). Shared by the tokenizer's streams; only the engine thread decodes."""
-    texts = getattr(tokenizer, "_graphserve_token_texts", None)
-    if texts is None:
-        texts = {}
+class TokenTexts:
+    """What the detokenizers of one tokenizer share: its decode (fast_decoder), each token's text
+    decoded alone (filled as tokens are seen: at most one entry per vocabulary entry), and whether
+    texts concatenate. They do with a byte-level decoder (GPT-2, Llama 3): the text of ids is the
+    lossy UTF-8 decoding of their bytes one token after another, so after ids whose text ends in a
+    complete character the decoder starts afresh, and the text of a + b is the text of a then the
+    text of b. SentencePiece decoders strip a leading space and fuse byte tokens: they do not.
+    Engines on several threads may fill it at once; each stores the same text for the same id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.decode = fast_decoder(tokenizer)
+        self.texts: dict[int, str] = {}
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.concatenates = (self.decode.__name__ == "direct" and backend is not None
+                             and isinstance(backend.decoder, decoders.ByteLevel) and self._probe(len(tokenizer)))
+
+    def text(self, token: int) -> str:
+        text = self.texts.get(token)
+        if text is None:
+            text = self.texts[token] = self.decode([token])
+        return text
+
+    def _probe(self, size: int) -> bool:
+        """A check of the byte-level property on the probe ids: two complete texts concatenate."""
+        clean = [i % size for i in _PROBE_IDS if _REPLACEMENT not in self.text(i % size)]
+        return all(self.decode([a, b]) == self.text(a) + self.text(b) for a, b in zip(clean, clean[1:]))
+
+
+def token_texts(tokenizer: Any) -> TokenTexts:
+    """The tokenizer's TokenTexts, made once (kept on the tokenizer)."""
+    cached = getattr(tokenizer, "_graphserve_token_texts", None)
+    if cached is None:
+        cached = TokenTexts(tokenizer)
         try:
-            tokenizer._graphserve_token_texts = texts
+            tokenizer._graphserve_token_texts = cached
         except AttributeError:
             pass
-    return texts
+    return cached
 
 
 def fast_decoder(tokenizer: Any) -> Callable[[list[int]], str]:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from service.engine.detokenizer import IncrementalDetokenizer, fast_decoder
+from service.engine.detokenizer import IncrementalDetokenizer, fast_decoder, token_texts
 from service.engine.stop import StopStringMatcher
 
 # ---- stop strings ---------------------------------------------------------------------------
@@ -251,6 +251,20 @@ def test_cost_per_token_does_not_grow_with_length(length: int) -> None:
     text = "".join(detok.add([i]) for i in ids) + detok.flush()
     assert text == tokenizer.decode(ids)
     assert recording.longest <= 8  # the last emitted chunk plus the tokens not yet emitted
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt=st.lists(st.integers(0, 319), max_size=8),
+       ids=st.lists(st.integers(0, 319), max_size=40) | st.text(alphabet=st.sampled_from(list("ab ,日本語🙂é\n")),
+                                                                max_size=30).map(lambda t: byte_level_tokenizer().encode(t)))
+def test_byte_level_tokens_stream_as_when_each_window_is_decoded(prompt: list[int], ids: list[int]) -> None:
+    """A byte-level tokenizer's token adds its own text when nothing is held back (no window is
+    decoded): the deltas, one per token, are those of decoding every window."""
+    tokenizer = byte_level_tokenizer()
+    assert token_texts(tokenizer).concatenates
+    windows = RecordingTokenizer(tokenizer)  # decode() only: no texts to concatenate
+    assert not token_texts(windows).concatenates
+    assert stream(tokenizer, prompt, ids) == stream(windows, prompt, ids)
 
 
 @settings(max_examples=100, deadline=None)
