@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import structlog
 
 from service.engine.adapters import AdapterNotFound
+from service.engine.detokenizer import token_bytes
 from service.engine.output import RequestOutput
 from service.engine.request import AdapterGone, EngineError, Finish, GenerationRequest, RequestEvent, StepTokens
 from service.engine.scheduler import PrefillChunk, Scheduler
@@ -95,6 +96,7 @@ class Engine:
         self.runner = runner
         self.scheduler = scheduler
         self.tokenizer = tokenizer
+        token_bytes(tokenizer)  # made now, not on the engine thread at the first request
         self.eos_token_ids = eos_token_ids
         self.publish = publish
         self.observer = observer

@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from service.engine.detokenizer import IncrementalDetokenizer
+from service.engine.detokenizer import new_detokenizer
 from service.engine.request import Finish, FinishReason, RequestEvent, TokenDelta, TokenLogprobs
 from service.engine.sequence import Sequence
 from service.engine.stop import StopStringMatcher
@@ -33,7 +33,7 @@ class RequestOutput:
         self._max_tokens = stopping.max_tokens
         self._interval = request.stream_interval
         self._stops = StopStringMatcher(stopping.stop) if any(stopping.stop) else None
-        self._detokenizer = (IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
+        self._detokenizer = (new_detokenizer(tokenizer, request.prompt_token_ids)
                              if request.stream_text or self._stops is not None else None)
         self._pending_ids: list[int] = []
         self._pending_text = ""
