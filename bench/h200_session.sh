@@ -16,6 +16,7 @@
 #   bash bench/h200_session.sh gen-1b sampling  # sampling fields: their GPU tests, the sampler's cost, the closed loop
 #   bash bench/h200_session.sh gen-1b parity  # greedy bf16 text with graphs against eager, 8 prompts one at a time
 #   bash bench/h200_session.sh gen-1b host-budget  # the engine thread's host ms per step by part at 64 / 128 / 256 streams
+#     (text and token-id streams), and its output processing alone (bench/output_budget.py)
 #   bash bench/h200_session.sh gen-1b prefix-load  # a shared 1,024-token prefix at 20 req/s, prefix cache on and off
 #   bash bench/h200_session.sh fp8      # FP8 weights: GPU tests, decode steps in bf16 and FP8 at the 1B and 8B shapes
 #   bash bench/h200_session.sh chunk-attention  # prompt-chunk attention of one layer: the Triton kernel against torch / flash
@@ -85,7 +86,11 @@ for part in "$@"; do
       TAIL=8 run sampling-gpu-tests 240 python3 -m pytest -q -m gpu tests/gpu/test_sampling_gpu.py -p no:cacheprovider --timeout 200
       TAIL=30 run sampling-bench 300 python3 bench/sampling_bench.py --device cuda --e2e --cache-dir .cache/models ;;
     parity) run graph-parity 200 python3 bench/graph_parity.py --model builtin:llama-1b --cache-dir .cache/models --prompts 8 --tokens 64 ;;
-    host-budget) TAIL=8 run host-budget 300 python3 bench/host_budget.py $M --cache-dir .cache/models --streams ${STREAMS:-64,128,256} ${BUDGET_ARGS:-} ;;
+    host-budget)  # text streams, then token-id streams (as the vLLM protocol's); the output processing alone
+      TAIL=8 run host-budget 300 python3 bench/host_budget.py $M --cache-dir .cache/models --streams ${STREAMS:-64,128,256} ${BUDGET_ARGS:-}
+      TAIL=8 run host-budget-ids 300 python3 bench/host_budget.py $M --cache-dir .cache/models --streams ${STREAMS:-64,128,256} \
+        --token-ids-only ${BUDGET_ARGS:-}
+      TAIL=12 run output-budget 120 python3 bench/output_budget.py --model builtin:llama-1b --streams ${STREAMS:-64,128,256} ;;
     prefix-load)
       eval "run prefix-load${TAG:+-$TAG} 570 python3 bench/serving_load.py $M --cache-dir .cache/models \
         --rates ${RATES:-20} --starts ${STARTS:-warm} --requests ${REQUESTS:-200} --shared-prefix 1024 --prefix-caching on,off \

@@ -9,6 +9,7 @@ the whole path). A step whose `wait_ms` is near 0 is host-bound: the device idle
 
     python3 bench/host_budget.py --model builtin:llama-1b --device cuda --cache-dir .cache/models --streams 64,128,256
     python3 bench/host_budget.py --device cpu --streams 4 --output-tokens 16    # a smoke run
+    python3 bench/host_budget.py ... --token-ids-only    # streams as the vLLM protocol's: token ids, no text
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             for i, prompt in enumerate(prompts):
                 request = GenerationRequest(f"s{n}-{i}", prompt, SamplingParams(temperature=0.0),
                                             StoppingParams(max_tokens=args.output_tokens, ignore_eos=True),
-                                            arrival_time=time.monotonic())
+                                            arrival_time=time.monotonic(), stream_text=not args.token_ids_only)
                 engine.submit(request, _Sink(request.request_id))
             while finished[0] < streams:
                 time.sleep(0.002)
@@ -166,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=256)
     p.add_argument("--server-args", default="", help="more server flags, e.g. '--no-overlap-steps'")
+    p.add_argument("--token-ids-only", action="store_true",
+                   help="requests whose client reads token ids only, as the vLLM protocol's do: no text is decoded")
     args = p.parse_args(argv)
     rows = run(args)
     print_table(rows, ["streams", "tokens_per_s", "step_ms", "host_ms", *PARTS, "on_token_us"],

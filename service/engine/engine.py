@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import structlog
 
 from service.engine.adapters import AdapterNotFound
+from service.engine.detokenizer import token_bytes
 from service.engine.output import RequestOutput
 from service.engine.request import AdapterGone, EngineError, Finish, GenerationRequest, RequestEvent, StepTokens
 from service.engine.scheduler import PrefillChunk, Scheduler
@@ -95,6 +96,7 @@ class Engine:
         self.runner = runner
         self.scheduler = scheduler
         self.tokenizer = tokenizer
+        token_bytes(tokenizer)  # made now, not on the engine thread at the first request
         self.eos_token_ids = eos_token_ids
         self.publish = publish
         self.observer = observer
@@ -339,6 +341,7 @@ class Engine:
                 self._outputs[key][0].on_prompt_logprobs(start, prompt_logprobs)
         logprobs = step.logprobs if step.logprobs is not None else [None] * len(step.token_ids)
         read = []
+        outputs = self._outputs
         for seq, token, token_logprobs in zip(launched.seqs, step.token_ids, logprobs, strict=True):
             seq.num_pending -= 1
             if seq.status is SequenceStatus.FINISHED or seq.aborted:
@@ -346,13 +349,15 @@ class Engine:
             # (A preempted sequence, waiting again, keeps its token: its recompute starts from it.)
             seq.completion_token_ids.append(token)
             read.append(seq)
-            output, sink = self._outputs[seq.key]
-            for event in output.on_token(token, now, token_logprobs):
-                if isinstance(event, Finish):
-                    self.scheduler.finish(seq)
-                    events.append(self._finish(seq, event, now))
-                else:
-                    events.append((sink, event))
+            output, sink = outputs[seq.key]
+            event = output.on_token(token, now, token_logprobs)
+            if event is None:
+                continue
+            if isinstance(event, Finish):
+                self.scheduler.finish(seq)
+                events.append(self._finish(seq, event, now))
+            else:
+                events.append((sink, event))
         if self.observer is not None and read:
             self.observer.on_tokens(read, now)
 

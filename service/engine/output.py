@@ -3,6 +3,10 @@
 Stops are checked here (stop token ids, EOS, stop strings, max_tokens), text is detokenized
 incrementally, and tokens are grouped `stream_interval` at a time. A stop token or EOS ends the
 completion without being streamed; it still counts in the usage.
+
+`on_token` runs for every token of every stream on the engine thread: what a request does not use
+(stop strings, logprobs, a grammar; text, when its client reads token ids only) costs it nothing
+per token, and the limits are read once here.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from service.engine.detokenizer import IncrementalDetokenizer
+from service.engine.detokenizer import new_detokenizer
 from service.engine.request import Finish, FinishReason, RequestEvent, TokenDelta, TokenLogprobs
 from service.engine.sequence import Sequence
 from service.engine.stop import StopStringMatcher
@@ -22,18 +26,22 @@ log = structlog.get_logger("graphserve.engine")
 class RequestOutput:
     def __init__(self, seq: Sequence, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
         self.seq = seq
-        stopping = seq.request.stopping
+        request = seq.request
+        stopping = request.stopping
         self._stop_ids = frozenset(stopping.stop_token_ids)
-        self._eos_ids = frozenset() if stopping.ignore_eos else eos_token_ids
-        self._detokenizer = IncrementalDetokenizer(tokenizer, seq.request.prompt_token_ids)
-        self._stops = StopStringMatcher(stopping.stop)
+        self._end_ids = self._stop_ids | (frozenset() if stopping.ignore_eos else eos_token_ids)  # stop ids and EOS
+        self._max_tokens = stopping.max_tokens
+        self._interval = request.stream_interval
+        self._stops = StopStringMatcher(stopping.stop) if any(stopping.stop) else None
+        self._detokenizer = (new_detokenizer(tokenizer, request.prompt_token_ids)
+                             if request.stream_text or self._stops is not None else None)
         self._pending_ids: list[int] = []
         self._pending_text = ""
-        self._pending_logprobs: list[TokenLogprobs] | None = [] if seq.request.sampling.logprobs is not None else None
-        self._min_tokens = seq.request.sampling.min_tokens
+        self._pending_logprobs: list[TokenLogprobs] | None = [] if request.sampling.logprobs is not None else None
+        self._min_tokens = request.sampling.min_tokens
         # Prompt logprobs, one per prompt token after the first, filled by position as chunks compute
         # them (a recompute after a preemption writes the same positions again); sent with the first delta.
-        asked = seq.request.sampling.prompt_logprobs is not None
+        asked = request.sampling.prompt_logprobs is not None
         self._prompt_logprobs: list[TokenLogprobs | None] | None = [None] * (seq.num_prompt_tokens - 1) if asked else None
 
     def on_prompt_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> None:
@@ -42,48 +50,50 @@ class RequestOutput:
             return
         self._prompt_logprobs[start: start + len(logprobs)] = logprobs
 
-    def on_token(self, token: int, now: float, logprobs: TokenLogprobs | None = None) -> list[RequestEvent]:
+    def on_token(self, token: int, now: float, logprobs: TokenLogprobs | None = None) -> RequestEvent | None:
         """Record one sampled token (already appended to the sequence) and its log-probabilities.
-        Returns the events to publish; the last one is a Finish when the request is over."""
+        Returns the event to publish, if any: a Finish when the request is over."""
         seq = self.seq
         if seq.first_token_at is None:
             seq.first_token_at = now
-        if seq.matcher is not None and not seq.matcher.accept(token):  # the mask allowed it: a fault
-            log.warning("grammar_rejected_token", request_id=seq.request_id, token=token, error=seq.matcher.error)
-        if token in self._stop_ids:
-            return [self._finish(FinishReason.STOP, now, matched=token)]
-        if token in self._eos_ids:
-            return [self._finish(FinishReason.EOS, now)]
+        matcher = seq.matcher
+        if matcher is not None and not matcher.accept(token):  # the mask allowed it: a fault
+            log.warning("grammar_rejected_token", request_id=seq.request_id, token=token, error=matcher.error)
+        if token in self._end_ids:
+            if token in self._stop_ids:
+                return self._finish(FinishReason.STOP, now, matched=token)
+            return self._finish(FinishReason.EOS, now)
         self._pending_ids.append(token)
         if self._pending_logprobs is not None:
             assert logprobs is not None, "a request with logprobs got a token without them"
             self._pending_logprobs.append(logprobs)
-        text = self._detokenizer.add([token])
-        matched = None
-        if seq.num_completion_tokens <= self._min_tokens:
+        num_tokens = len(seq.completion_token_ids)
+        if self._detokenizer is not None:
+            text = self._detokenizer.add([token])
             # Stop strings are looked for in the text after the first min_tokens tokens, as the
             # sampler bans stop ids and EOS until then.
+            if self._stops is not None and num_tokens > self._min_tokens:
+                text, matched = self._stops.feed(text)
+                if matched is not None:
+                    self._pending_text += text
+                    return self._finish(FinishReason.STOP, now, matched=matched, flush=False)
             self._pending_text += text
-        else:
-            text, matched = self._stops.feed(text)
-            self._pending_text += text
-        if matched is not None:
-            return [self._finish(FinishReason.STOP, now, matched=matched, flush=False)]
-        if seq.num_completion_tokens >= seq.request.stopping.max_tokens:
-            return [self._finish(FinishReason.LENGTH, now)]
-        if seq.matcher is not None and seq.matcher.is_terminated:
-            return [self._finish(FinishReason.STOP, now)]  # the grammar is complete: only EOS could follow
-        if len(self._pending_ids) >= seq.request.stream_interval:
-            return [self._take_delta()]
-        return []
+        if num_tokens >= self._max_tokens:
+            return self._finish(FinishReason.LENGTH, now)
+        if matcher is not None and matcher.is_terminated:
+            return self._finish(FinishReason.STOP, now)  # the grammar is complete: only EOS could follow
+        if len(self._pending_ids) >= self._interval:
+            return self._take_delta()
+        return None
 
     def abort(self, now: float) -> Finish:
         return self._finish(FinishReason.ABORT, now)
 
     def _take_delta(self) -> TokenDelta:
-        prompt, self._prompt_logprobs = self._prompt_logprobs, None
+        prompt = self._prompt_logprobs
         if prompt is not None:
             assert all(lp is not None for lp in prompt), "the first token came before its prompt's logprobs"
+            self._prompt_logprobs = None
         delta = TokenDelta(self._pending_ids, self._pending_text, self._pending_logprobs, prompt)
         self._pending_ids, self._pending_text = [], ""
         if self._pending_logprobs is not None:
@@ -91,14 +101,18 @@ class RequestOutput:
         return delta
 
     def _finish(self, reason: FinishReason, now: float, matched: str | int | None = None, flush: bool = True) -> Finish:
-        if flush:
+        if flush and self._detokenizer is not None:
             # Text held back (an incomplete character, a possible stop prefix) is settled now.
-            text, late_match = self._stops.feed(self._detokenizer.flush())
-            self._pending_text += text
-            if late_match is not None and reason is not FinishReason.ABORT:
-                reason, matched = FinishReason.STOP, late_match
-            elif late_match is None:
-                self._pending_text += self._stops.flush()
+            text = self._detokenizer.flush()
+            if self._stops is None:
+                self._pending_text += text
+            else:
+                text, late_match = self._stops.feed(text)
+                self._pending_text += text
+                if late_match is not None and reason is not FinishReason.ABORT:
+                    reason, matched = FinishReason.STOP, late_match
+                elif late_match is None:
+                    self._pending_text += self._stops.flush()
         seq, request = self.seq, self.seq.request
         scheduled = seq.scheduled_at if seq.scheduled_at is not None else now
         first = seq.first_token_at if seq.first_token_at is not None else now

@@ -94,6 +94,9 @@ class GenerationRequest:
     stream_interval: int = 1
     arrival_time: float = 0.0  # time.monotonic() at arrival
     adapter: str = ""  # a loaded LoRA adapter's name; "" is the base model
+    # Whether the client reads the completion's text. The vLLM protocol streams token ids only: its
+    # deltas carry no text unless stop strings need the text decoded anyway.
+    stream_text: bool = True
 
 
 @dataclass(frozen=True)
@@ -104,9 +107,10 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one is made per token of every stream, and a frozen one costs 4x to make
 class TokenDelta:
-    """New completion tokens and the text they complete (valid UTF-8, may be empty)."""
+    """New completion tokens and the text they complete (valid UTF-8, may be empty; always empty for
+    a request that streams no text and has no stop strings). Not changed once made."""
 
     token_ids: list[int]
     text: str

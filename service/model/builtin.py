@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
+from service.engine.detokenizer import BYTE_CHARS
 from service.model.spec import ModelLoadError
 
 BUILTIN_PREFIX = "builtin:"
@@ -128,15 +129,6 @@ questions? answers! lists; quotes "like this" and (parentheses) with a few symbo
 """
 
 
-def _bytes_to_unicode() -> list[str]:
-    """GPT-2's printable stand-in for each byte value, in byte order (ids 0..255)."""
-    keep = (
-        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    )
-    extra = iter(range(256, 512))
-    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
-
-
 def _corpus_merges(max_merges: int) -> list[tuple[str, str]]:
     """Plain BPE training on the corpus; ties break on the pair itself, so it is deterministic."""
     from tokenizers import pre_tokenizers
@@ -178,7 +170,7 @@ def _filler_merges(alphabet: list[str]) -> Iterator[tuple[str, str]]:
 def build_tokenizer(num_regular: int, specials: list[str]):  # -> tokenizers.Tokenizer
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-    alphabet = _bytes_to_unicode()
+    alphabet = list(BYTE_CHARS)  # ids 0..255: the bytes
     vocab = {ch: i for i, ch in enumerate(alphabet)}
     merges: list[tuple[str, str]] = []
     for a, b in itertools.chain(_corpus_merges(num_regular - len(vocab)), _filler_merges(alphabet)):

@@ -283,8 +283,8 @@ def stopping_params(v: RequestValues, prompt_len: int, limits: Limits, f: Fields
 
 
 def generation_request(request_id: str, prompt: list[int], v: RequestValues, limits: Limits, f: Fields, *,
-                       adapter: str = "", stream_interval: int = 1, arrival_time: float | None = None
-                       ) -> GenerationRequest:
+                       adapter: str = "", stream_interval: int = 1, arrival_time: float | None = None,
+                       stream_text: bool = True) -> GenerationRequest:
     """The engine's request for checked values; InvalidRequest names the first bad field."""
     check_logit_bias_ids(v, limits.vocab_size, f)
     return GenerationRequest(
@@ -295,6 +295,7 @@ def generation_request(request_id: str, prompt: list[int], v: RequestValues, lim
         stopping=stopping_params(v, len(prompt), limits, f),
         stream_interval=stream_interval,
         arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+        stream_text=stream_text,
     )
 
 

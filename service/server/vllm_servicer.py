@@ -127,7 +127,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             values = request_values(request.sampling_params)
             if values.constraint is not None:
                 await asyncio.to_thread(check_constraint, values, self.limits, FIELDS)
-            gen = generation_request(request_id, prompt, values, self.limits, FIELDS, arrival_time=stream.arrival)
+            # Its messages carry token ids only: the engine decodes text only for stop strings.
+            gen = generation_request(request_id, prompt, values, self.limits, FIELDS, arrival_time=stream.arrival,
+                                     stream_text=False)
             return samples(gen, max(1, request.sampling_params.n), "sampling_params.n")  # 0 is unset on the wire
 
         await streams.serve(context, (SERVICE_NAME, request_id), prepare, writer)

@@ -3,6 +3,7 @@ from smg-grpc-proto: what a gateway sees, compared with what graphserve.v1 strea
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import io
 import threading
@@ -92,6 +93,64 @@ def test_stop_token_and_stop_string_are_reported_as_vllm_does(server, engine) ->
                                                     sampling_params=greedy_params(16, stop=[stop])))
         assert complete.finish_reason == "stop" and complete.matched_stop_str == stop == finished.stop_string
         assert list(complete.output_ids) == ids
+
+
+def _stop_string_in(text: str) -> str:
+    """Two visible characters from about a third into text."""
+    for start in range(len(text) // 3, len(text) - 1):
+        piece = text[start:start + 2]
+        if piece.strip() and "\ufffd" not in piece and piece.isprintable():
+            return piece
+    raise AssertionError(f"no stop string to pick in {text!r}")
+
+
+def test_concurrent_streams_with_stop_strings_and_cancels_match_graphserve_v1(server, engine) -> None:  # noqa: ANN001
+    """Twelve streams at once (token ids only: the engine decodes their text for stop strings
+    alone), half with a stop string, three cancelled after their first ids: each other one streams
+    every id once and in order, the ids graphserve.v1 gives the same request, ending at the same
+    stop; a cancelled one a prefix of them."""
+    prompts = [[5 + i, 17, 99, 230 - i, 41, 8 + 3 * i] for i in range(12)]
+    cancelled = {3, 7, 11}  # long enough not to end before the cancel
+    max_tokens = {i: 200 if i in cancelled else 24 for i in range(12)}
+    stops: dict[int, str] = {}
+    expected: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        chunks, _ = generate(server.stub(), token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(temperature=0),
+                             stopping=pb.StoppingCriteria(max_tokens=max_tokens[i], ignore_eos=True))
+        stop = [_stop_string_in("".join(c.text for c in chunks))] if i % 2 == 0 else []
+        expected[i], finished = graphserve_ids(server, prompt, max_tokens[i], ignore_eos=True, stop=stop)
+        if stop:
+            assert finished.stop_string == stop[0]
+            stops[i] = stop[0]
+
+    def consume(i: int) -> tuple[list[int], object]:
+        call = engine.Generate(v.GenerateRequest(
+            request_id=f"together-{i}", tokenized=v.TokenizedInput(input_ids=prompts[i]), stream=True,
+            sampling_params=greedy_params(max_tokens[i], stop=[stops[i]] if i in stops else [])), timeout=60)
+        ids, complete = [], None
+        try:
+            for response in call:
+                if response.WhichOneof("response") == "chunk":
+                    ids += response.chunk.token_ids
+                    if i in cancelled and len(ids) >= 2:
+                        call.cancel()
+                else:
+                    complete = response.complete
+            return ids, complete
+        except grpc.RpcError as exc:
+            return ids, exc.code()
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(consume, range(12)))
+    for i, (ids, end) in enumerate(results):
+        if i in cancelled:
+            assert end == grpc.StatusCode.CANCELLED and ids == expected[i][:len(ids)], i
+            continue
+        assert ids == list(end.output_ids) == expected[i], i
+        if i in stops:
+            assert (end.finish_reason, end.matched_stop_str) == ("stop", stops[i]), i
+        else:
+            assert (end.finish_reason, end.completion_tokens) == ("length", 24), i
 
 
 def test_abort_ends_the_stream_and_frees_the_slot(server, engine) -> None:  # noqa: ANN001

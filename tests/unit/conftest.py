@@ -12,6 +12,16 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def loaded(model_cache_dir):  # noqa: ANN001, ANN201
+    """The built-in tiny model and its tokenizer, as a CPU server loads them (float32)."""
+    from service.model.builtin import ensure_builtin
+    from service.model.loader import load_model
+
+    ensure_builtin("tiny", model_cache_dir)
+    return load_model("builtin:tiny", torch.device("cpu"), torch.float32, cache_dir=model_cache_dir)
+
+
 @pytest.fixture(scope="module", params=["gqa-untied", "bias-tied"])
 def random_llama(request: pytest.FixtureRequest):  # noqa: ANN201
     """A small random float32 model: GQA with an untied head, or q/k/v/o biases with a tied head."""

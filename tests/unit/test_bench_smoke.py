@@ -75,6 +75,14 @@ def test_host_budget(tmp_path: pathlib.Path) -> None:
         assert row["host_ms"] == pytest.approx(sum(row[p] for p in parts), abs=0.01)
 
 
+def test_output_budget(tmp_path: pathlib.Path) -> None:
+    record = _run("output_budget.py", ["--model", "builtin:tiny", "--streams", "2,3", "--steps", "4", "--repeats", "1"],
+                  tmp_path)
+    rows = record["rows"]
+    assert [(r["tokens"], r["streams"]) for r in rows] == [(k, n) for k in ("text", "random", "ids") for n in (2, 3)]
+    assert all(r["outputs_ms"] > 0 and r["us_per_token"] > 0 and r["publish_ms"] >= 0 for r in rows)
+
+
 def test_graph_parity(tmp_path: pathlib.Path) -> None:
     record = _run("graph_parity.py", [
         "--model", "builtin:tiny", "--device", "cpu", "--dtype", "float32", "--cache-dir", str(tmp_path / "models"),

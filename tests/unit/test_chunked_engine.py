@@ -15,7 +15,7 @@ from service.engine.request import FinishReason, GenerationRequest, SamplingPara
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
 from service.model.loader import LoadedModel
-from tests.unit.test_overlap import RecordingRunner, Results, loaded  # noqa: F401 - `loaded` is a fixture
+from tests.unit.test_overlap import RecordingRunner, Results
 
 SLOTS = 4
 LONG = 5000

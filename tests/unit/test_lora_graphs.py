@@ -22,7 +22,7 @@ from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
 from service.model.lora import read_adapter
 from tests.support.lora import make_adapter, peft_greedy
-from tests.unit.test_overlap import Results, loaded  # noqa: F401 - `loaded` is a fixture
+from tests.unit.test_overlap import Results
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SLOTS, MAX_SEQ, MAX_TOKENS, NEW = 4, 128, 64, 8

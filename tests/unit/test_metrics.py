@@ -95,6 +95,34 @@ def test_a_finished_request_counts_tokens_and_latencies() -> None:
     assert m.tracked_requests == 0
 
 
+def test_streams_of_one_step_count_one_gap_each() -> None:
+    """Three streams decode together, a fourth joins late: every token after a stream's first is one
+    inter-token gap, in the bucket of its own gap, as if each had been observed alone."""
+    m = EngineMetrics()
+    seqs = [make_seq(f"r{i}", prompt_len=3, max_tokens=100) for i in range(4)]
+    for seq in seqs:
+        seq.status, seq.scheduled_at = SequenceStatus.RUNNING, 10.0
+
+    def step(batch: list[Sequence], now: float) -> None:
+        for seq in batch:
+            seq.completion_token_ids.append(7)
+        m.on_tokens(batch, now)
+
+    step(seqs[:3], 10.1)  # first tokens: no gap
+    step(seqs[:3], 10.104)  # three 4 ms gaps
+    step(seqs, 10.119)  # three 15 ms gaps; the fourth's first token
+    step(seqs, 10.179)  # four 60 ms gaps
+    s = scrape(m)
+    assert value(s, "graphserve_generated_tokens_total") == 3 + 3 + 4 + 4
+    assert value(s, "graphserve_inter_token_latency_seconds_count") == 10
+    assert value(s, "graphserve_inter_token_latency_seconds_sum") == pytest.approx(3 * 0.004 + 3 * 0.015 + 4 * 0.06)
+    assert value(s, "graphserve_inter_token_latency_seconds_bucket", le="0.005") == 3
+    assert value(s, "graphserve_inter_token_latency_seconds_bucket", le="0.02") == 6
+    assert value(s, "graphserve_inter_token_latency_seconds_bucket", le="0.05") == 6
+    assert value(s, "graphserve_inter_token_latency_seconds_bucket", le="0.075") == 10
+    assert value(s, "graphserve_time_to_first_token_seconds_count") == 4
+
+
 def families_of(metrics: Metrics) -> dict[str, str]:
     """Family name -> type, as a scraper parses the exposition text."""
     text = generate_latest(metrics.registry).decode()

@@ -5,12 +5,10 @@ ends by max_tokens."""
 
 from __future__ import annotations
 
-import pathlib
 import threading
 import time
 
 import pytest
-import torch
 
 from cache_manager import CudaGraphMode, GraphCacheConfig
 from service.engine.engine import Engine
@@ -26,10 +24,8 @@ from service.engine.request import (
 )
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
-from service.model.builtin import ensure_builtin
-from service.model.loader import LoadedModel, load_model
+from service.model.loader import LoadedModel
 
-CPU = torch.device("cpu")
 SLOTS = 3  # fewer slots than requests: slots are freed and reused while others decode
 MAX_SEQ = 160
 PROMPTS = ["The service reads a request", "Tokens stream back", "A graph is captured once",
@@ -37,13 +33,6 @@ PROMPTS = ["The service reads a request", "Tokens stream back", "A graph is capt
 STOP_STRING_REQUEST = 3
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    cache: pathlib.Path = tmp_path_factory.mktemp("cache")
-    ensure_builtin("tiny", cache)
-    return load_model("builtin:tiny", CPU, torch.float32, cache_dir=cache)
 
 
 class RecordingRunner:

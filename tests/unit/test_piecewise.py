@@ -22,7 +22,7 @@ from service.model.kv_cache import KVCache
 from service.model.pieces import PiecewiseForward
 from service.model.step_batch import ChunkSpec
 from tests.unit.test_chunked_prefill import batch_of, new_cache, prompt
-from tests.unit.test_overlap import Results, loaded  # noqa: F401 - `loaded` is a fixture
+from tests.unit.test_overlap import Results
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MAX_TOKENS = 64

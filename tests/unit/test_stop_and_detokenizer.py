@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from service.engine.detokenizer import IncrementalDetokenizer, fast_decoder
+from service.engine.detokenizer import ByteDetokenizer, IncrementalDetokenizer, fast_decoder, new_detokenizer, token_bytes
 from service.engine.stop import StopStringMatcher
 
 # ---- stop strings ---------------------------------------------------------------------------
@@ -134,9 +134,9 @@ def byte_level_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def stream(tokenizer: PreTrainedTokenizerFast, prompt: list[int], ids: list[int],
-           step: int = 1) -> list[str]:
+           step: int = 1, detok: IncrementalDetokenizer | ByteDetokenizer | None = None) -> list[str]:
     """Deltas from add() in chunks of `step` tokens, then the final flush() as the last element."""
-    detok = IncrementalDetokenizer(tokenizer, prompt)
+    detok = detok if detok is not None else IncrementalDetokenizer(tokenizer, prompt)
     deltas = [detok.add(ids[i:i + step]) for i in range(0, len(ids), step)]
     return [*deltas, detok.flush()]
 
@@ -251,6 +251,29 @@ def test_cost_per_token_does_not_grow_with_length(length: int) -> None:
     text = "".join(detok.add([i]) for i in ids) + detok.flush()
     assert text == tokenizer.decode(ids)
     assert recording.longest <= 8  # the last emitted chunk plus the tokens not yet emitted
+
+
+@settings(max_examples=300, deadline=None)
+@given(prompt=st.lists(st.integers(0, 319), max_size=8),
+       ids=st.lists(st.integers(0, 319), max_size=40) | st.text(alphabet=st.sampled_from(list("ab ,日本語🙂é\n")),
+                                                                max_size=30).map(lambda t: byte_level_tokenizer().encode(t)),
+       step=st.integers(1, 3))
+def test_byte_level_deltas_are_those_of_decoding_windows(prompt: list[int], ids: list[int], step: int) -> None:
+    """A byte-level tokenizer's streams decode the bytes not yet emitted, with no context: the deltas
+    are those of decoding windows of ids with the prompt's last tokens as context."""
+    tokenizer = byte_level_tokenizer()
+    assert isinstance(new_detokenizer(tokenizer, prompt), ByteDetokenizer)
+    by_bytes = stream(tokenizer, prompt, ids, step, ByteDetokenizer(token_bytes(tokenizer)))
+    assert by_bytes == stream(tokenizer, prompt, ids, step)
+
+
+def test_token_bytes_are_what_the_rust_decoder_decodes() -> None:
+    """Every token of the tokenizer, special ones (skipped) and an id outside the vocabulary too."""
+    tokenizer = byte_level_tokenizer()
+    table, backend = token_bytes(tokenizer), tokenizer.backend_tokenizer
+    for i in range(len(tokenizer) + 1):
+        assert table[i].decode("utf-8", "replace") == backend.decode([i], skip_special_tokens=True), i
+    assert table[tokenizer.eos_token_id] == b""
 
 
 @settings(max_examples=100, deadline=None)
