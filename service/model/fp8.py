@@ -21,7 +21,7 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
-_MIN_SCALE = 1e-12  # an all-zero row keeps a positive scale (its values stay 0); kernels.quant's too
+MIN_SCALE = 1e-12  # an all-zero row keeps a positive scale (its values stay 0)
 
 
 def unsupported_reason(device: torch.device) -> str | None:
@@ -38,7 +38,7 @@ def unsupported_reason(device: torch.device) -> str | None:
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (E4M3 [N, K], float32 scales [N]) with weight ~= q * scale[:, None]."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=_MIN_SCALE)
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)
     q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 
@@ -49,10 +49,10 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations [M, K] -> (E4M3 [M, K], float32 scales [M, 1]): one dynamic scale per token."""
-    xf = x.float()
-    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    """Activations [M, K] -> (E4M3 [M, K], float32 scales [M, 1]): one dynamic scale per token, as
+    quantize_rows gives a weight's rows theirs."""
+    q, scale = quantize_rows(x)
+    return q, scale[:, None]
 
 
 def _quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +61,7 @@ def _quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     if quant.triton is None:
         return quantize_tokens(x)
-    return quant.quantize_tokens_triton(x if x.stride(1) == 1 else x.contiguous(), FP8_MAX)
+    return quant.quantize_tokens_triton(x if x.stride(1) == 1 else x.contiguous(), FP8_MAX, MIN_SCALE)
 
 
 def checkpoint_scales(weight_scale: torch.Tensor, rows: int) -> torch.Tensor:

@@ -100,12 +100,12 @@ def test_an_fp8_model_decodes_close_to_bf16_and_its_graph_replay_equals_eager():
 
 @pytest.mark.parametrize("rows, k", [(1, 2048), (64, 2048), (300, 8192), (7, 14336)])
 def test_the_token_quantization_kernel_matches_torch(rows, k):
-    from service.model.fp8 import FP8_MAX, quantize_tokens
+    from service.model.fp8 import FP8_MAX, MIN_SCALE, quantize_tokens
     from service.model.kernels.quant import quantize_tokens_triton
 
     x = torch.randn(rows, k, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(k)).to(torch.bfloat16)
     x[0] = 0  # an all-zero row
-    q, s = quantize_tokens_triton(x, FP8_MAX)
+    q, s = quantize_tokens_triton(x, FP8_MAX, MIN_SCALE)
     qr, sr = quantize_tokens(x)
     assert q.dtype == qr.dtype and torch.allclose(s, sr, rtol=1e-6)
     assert (q.float() != qr.float()).float().mean() < 1e-3  # the same rounding but at a few halfway values

@@ -9,17 +9,16 @@ import torch
 
 from service.model.kernels._triton import next_pow2, tl, triton
 
-MIN_SCALE = 1e-12  # as service.model.fp8's
 
-
-def quantize_tokens_triton(x: torch.Tensor, fp8_max: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (rows contiguous) -> (E4M3 [M, K], float32 scales [M, 1])."""
+def quantize_tokens_triton(x: torch.Tensor, fp8_max: float, min_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (rows contiguous) -> (E4M3 [M, K], float32 scales [M, 1]), each row's scale its largest
+    magnitude over fp8_max, at least min_scale (service.model.fp8's constants)."""
     m, k = x.shape
     assert x.stride(1) == 1
     q = torch.empty((m, k), device=x.device, dtype=torch.float8_e4m3fn)
     scale = torch.empty((m, 1), device=x.device, dtype=torch.float32)
     block = max(16, next_pow2(k))
-    _quant_rows_kernel[(m,)](x, q, scale, k, x.stride(0), FP8_MAX=fp8_max, MIN_SCALE=MIN_SCALE, BLOCK=block,
+    _quant_rows_kernel[(m,)](x, q, scale, k, x.stride(0), FP8_MAX=fp8_max, MIN_SCALE=min_scale, BLOCK=block,
                              num_warps=8 if block >= 4096 else 4)
     return q, scale
 
