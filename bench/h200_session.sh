@@ -17,6 +17,7 @@
 #   bash bench/h200_session.sh gen-1b parity  # greedy bf16 text with graphs against eager, 8 prompts one at a time
 #   bash bench/h200_session.sh gen-1b host-budget  # the engine thread's host ms per step by part at 64 / 128 / 256 streams
 #     (text and token-id streams), and its output processing alone (bench/output_budget.py)
+#   bash bench/h200_session.sh gen-1b closed-loop  # 64 / 128 / 256 streams through gRPC, 32 + 256 tokens (and the engine alone at 128)
 #   bash bench/h200_session.sh gen-1b prefix-load  # a shared 1,024-token prefix at 20 req/s, prefix cache on and off
 #   bash bench/h200_session.sh fp8      # FP8 weights: GPU tests, decode steps in bf16 and FP8 at the 1B and 8B shapes
 #   bash bench/h200_session.sh chunk-attention  # prompt-chunk attention of one layer: the Triton kernel against torch / flash
@@ -91,6 +92,12 @@ for part in "$@"; do
       TAIL=8 run host-budget-ids 300 python3 bench/host_budget.py $M --cache-dir .cache/models --streams ${STREAMS:-64,128,256} \
         --token-ids-only ${BUDGET_ARGS:-}
       TAIL=12 run output-budget 120 python3 bench/output_budget.py --model builtin:llama-1b --streams ${STREAMS:-64,128,256} ;;
+    closed-loop)  # issue 28's closed loop through gRPC: 32-token prompts, 256 out; at 128 streams the engine alone too
+      for c in ${STREAMS:-64 128 256}; do
+        skip=--skip-engine; [ "$c" = 128 ] && skip=
+        TAIL=8 run closed-loop-$c 240 python3 bench/serve_bench.py $M --dtype bfloat16 --cache-dir .cache/models $skip \
+          --concurrency "$c" --requests $((2 * c)) --prompt-tokens 32 --output-tokens 256 --client-procs 4
+      done ;;
     prefix-load)
       eval "run prefix-load${TAG:+-$TAG} 570 python3 bench/serving_load.py $M --cache-dir .cache/models \
         --rates ${RATES:-20} --starts ${STARTS:-warm} --requests ${REQUESTS:-200} --shared-prefix 1024 --prefix-caching on,off \

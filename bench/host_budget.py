@@ -10,14 +10,21 @@ the whole path). A step whose `wait_ms` is near 0 is host-bound: the device idle
     python3 bench/host_budget.py --model builtin:llama-1b --device cuda --cache-dir .cache/models --streams 64,128,256
     python3 bench/host_budget.py --device cpu --streams 4 --output-tokens 16    # a smoke run
     python3 bench/host_budget.py ... --token-ids-only    # streams as the vLLM protocol's: token ids, no text
+    python3 bench/host_budget.py ... --profile 40   # plus cProfile of the engine thread's steps: the top 40
+                                                    # functions by own time (the timings above include its cost)
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
+import gc
+import io
 import pickle
+import pstats
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -88,7 +95,61 @@ def _instrument(engine: Any) -> HostTimers:
         return step if step.ready is None else dataclasses.replace(step, ready=_TimedEvent(step.ready, wait))
 
     runner.launch = launch_timed_wait
+    _time_collections(timers.spent.setdefault("gc", [0.0, 0]))
     return timers
+
+
+def _time_collections(spent: list) -> None:
+    """The garbage collector's time inside the engine thread's steps (part of the other parts' time)."""
+    started = [0.0]
+
+    def callback(phase: str, info: dict) -> None:
+        if threading.current_thread().name != "graphserve-engine":
+            return
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            spent[0] += time.perf_counter() - started[0]
+            spent[1] += 1
+
+    gc.callbacks.append(callback)
+
+
+# The project's host code (the model's modules aside): what the cumulative view lists.
+_HOST_CODE = r"service/engine/|service/telemetry/|service/server/|cache_manager/|device_copy|step_batch|kv_cache"
+
+
+class _StepProfiler:
+    """cProfile of the engine thread's steps while `on`: a fresh profile per reported pass."""
+
+    def __init__(self, engine: Any) -> None:
+        self.on = False
+        self.profile = cProfile.Profile()
+        step = engine.step
+
+        def profiled() -> None:
+            if not self.on:
+                return step()
+            self.profile.enable()
+            try:
+                step()
+            finally:
+                self.profile.disable()
+
+        engine.step = profiled
+
+    def start(self) -> None:
+        self.profile, self.on = cProfile.Profile(), True
+
+    def top(self, n: int, steps: int) -> str:
+        """The n functions of most own time, and the project's n of most time with their callees."""
+        self.on = False
+        out = io.StringIO()
+        out.write(f"engine-thread profile over {steps} steps (seconds summed over them)\n")
+        stats = pstats.Stats(self.profile, stream=out)
+        stats.sort_stats("tottime").print_stats(n)
+        stats.sort_stats("cumtime").print_stats(_HOST_CODE, n)
+        return out.getvalue()
 
 
 def _budget(spent: dict[str, list], seconds: float) -> dict[str, float]:
@@ -107,6 +168,7 @@ def _budget(spent: dict[str, list], seconds: float) -> dict[str, float]:
     }
     part["other"] = ms["step"] - ms["schedule"] - ms["launch"] - ms["read_tokens"] - ms["publish"]
     row = {k: round(v, 3) for k, v in part.items()}
+    row["gc_ms"] = round(ms["gc"], 3)  # inside the parts above, not beside them
     row["on_token_us"] = round(spent["on_token"][0] * 1e6 / max(1, spent["on_token"][1]), 2)
     row["step_ms"] = round(seconds * 1000 / steps, 3)
     row["host_ms"] = round(sum(v for k, v in part.items() if k != "wait"), 3)
@@ -131,12 +193,15 @@ def run(args: argparse.Namespace) -> list[dict]:
     engine.start()
     vocab = lr.loaded.spec.vocab_size
     gen = torch.Generator().manual_seed(1)
+    profiler = _StepProfiler(engine) if args.profile else None
     timers = _instrument(engine)
     rows = []
     try:
         for n, streams in enumerate(s for s in args.streams for _ in range(2)):  # each first pass captures: not reported
             prompts = [torch.randint(3, vocab, (args.prompt_tokens,), generator=gen).tolist() for _ in range(streams)]
             timers.reset()
+            if profiler is not None and n % 2:
+                profiler.start()
             finished[0] = 0
             t0 = time.perf_counter()
             for i, prompt in enumerate(prompts):
@@ -152,6 +217,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             if n % 2:
                 rows.append({"streams": streams, "tokens_per_s": round(streams * args.output_tokens / seconds),
                              **_budget(timers.snapshot(), seconds)})
+                if profiler is not None:
+                    rows[-1]["profile"] = profiler.top(args.profile, rows[-1]["steps"])
     finally:
         engine.stop()
     return rows
@@ -169,9 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-args", default="", help="more server flags, e.g. '--no-overlap-steps'")
     p.add_argument("--token-ids-only", action="store_true",
                    help="requests whose client reads token ids only, as the vLLM protocol's do: no text is decoded")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also cProfile the engine thread's steps and print the N functions of most own time")
     args = p.parse_args(argv)
     rows = run(args)
-    print_table(rows, ["streams", "tokens_per_s", "step_ms", "host_ms", *PARTS, "on_token_us"],
+    for row in rows:
+        if "profile" in row:
+            print(f"-- {row['streams']} streams\n{row['profile']}")
+    print_table(rows, ["streams", "tokens_per_s", "step_ms", "host_ms", *PARTS, "gc_ms", "on_token_us"],
                 title="host ms per engine step, by part (wait: the host waiting for the device)")
     print(write_result("host-budget", {"rows": rows, "args": vars(args)}, args.device))
     return 0
