@@ -58,7 +58,7 @@ class ModelDecodeStep:
         (each row's adapter slot) go in the same copy."""
         n = len(token_ids)
         assert n == len(positions) == len(slot_ids) <= self.max_batch
-        pending = pending_rows is not None and any(r >= 0 for r in pending_rows)
+        pending = pending_rows is not None and max(pending_rows, default=-1) >= 0
         self._turn ^= 1
         rows = [token_ids, positions, slot_ids, pending_rows] if pending else [token_ids, positions, slot_ids]
         if lora_slots is not None:

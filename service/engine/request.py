@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 
@@ -63,11 +64,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @functools.cached_property  # the fields are frozen; the engine asks per row per step
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    @property
+    @functools.cached_property
     def plain_greedy(self) -> bool:
         """Greedy and nothing else that changes the logits or asks for more than the token (a grammar
         aside: its mask applies either way): such a row samples the argmax."""

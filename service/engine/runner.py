@@ -225,7 +225,18 @@ class ModelRunner:
         decode, then each chunk that completes its prompt), the packed log-probabilities of those
         that asked for them (sampler.Sampled), and the prompt logprobs the chunks computed."""
         rows, previous_tokens = self._previous
-        pending_rows = [rows[s.key] if s.num_pending else -1 for s in decodes]
+        # The decode rows in one pass (per-row work is what grows with the batch): a row whose token
+        # is still in flight takes it from the previous launch's row on the device (token id 0 here).
+        token_ids, positions, slots, pending_rows = [], [], [], []
+        for s in decodes:
+            if s.num_pending:
+                token_ids.append(0)
+                pending_rows.append(rows[s.key])
+            else:
+                token_ids.append(s.last_token_id())
+                pending_rows.append(-1)
+            positions.append(s.next_position())
+            slots.append(_slot(s))
         sampling = decodes + [c.seq for c in chunks if c.completes_prompt]
         lora_slots = None
         if any(s.lora_slot for s in decodes) or any(c.seq.lora_slot for c in chunks):
@@ -235,12 +246,14 @@ class ModelRunner:
         if any(prompt_rows):
             asked = [(c.seq, c.start, n) for c, n in zip(chunks, prompt_rows) if n]
             prompt = PromptLogprobs([(s.key, start, n, s.request.sampling.prompt_logprobs) for s, start, n in asked])
+        for c in chunks:
+            token_ids += c.token_ids()
         inputs = StepInputs(
-            [0 if s.num_pending else s.last_token_id() for s in decodes] + [t for c in chunks for t in c.token_ids()],
-            [s.next_position() for s in decodes],
-            [_slot(s) for s in decodes],
+            token_ids,
+            positions,
+            slots,
             [ChunkSpec(_slot(c.seq), c.start, c.num_tokens, c.completes_prompt, n) for c, n in zip(chunks, prompt_rows)],
-            pending_rows if any(r >= 0 for r in pending_rows) else None,
+            pending_rows if max(pending_rows, default=-1) >= 0 else None,
             len(sampling),
             lora_slots,
             None if prompt is None else [t for s, start, n in asked for t in s.request.prompt_token_ids[start + 1: start + 1 + n]],

@@ -98,6 +98,7 @@ class Scheduler:
         self._free_slots: list[int] = list(range(max_running))  # a min-heap: lowest slot first
         self._by_key: dict[str, Sequence] = {}  # every waiting or running sequence, by Sequence.key
         self._aborted: list[Sequence] = []
+        self._aborted_running: list[Sequence] = []  # released at the next schedule()
         self._waiting_prompt_tokens = 0
         self._num_paused = 0  # running sequences paused for back-pressure
         self._admissions = itertools.count(1)
@@ -155,6 +156,8 @@ class Scheduler:
         if seq.status is SequenceStatus.WAITING:
             self._leave_waiting(seq)
             self._aborted.append(seq)
+        else:
+            self._aborted_running.append(seq)
         return seq
 
     def pause(self, key: str, paused: bool) -> None:
@@ -179,25 +182,41 @@ class Scheduler:
         assert seq.status is SequenceStatus.RUNNING and seq.slot is not None, seq
         assert self._running.get(seq.slot) is seq, f"slot {seq.slot} is not held by {seq.request_id}"
         self._release(seq)
-        self._check()
 
     def schedule(self) -> ScheduledBatch:
-        for seq in [s for s in self._running.values() if s.aborted]:
-            self._release(seq)
-            self._aborted.append(seq)
+        if self._aborted_running:
+            for seq in self._aborted_running:
+                if seq.status is SequenceStatus.RUNNING:  # not finished since its abort
+                    self._release(seq)
+                    self._aborted.append(seq)
+            self._aborted_running = []
 
         batch = ScheduledBatch()
         preempted_before = self.num_preemptions
-        # Blocks for this step's decodes, oldest admission first, so that a preemption takes the
-        # newest (which has not been given its block yet).
-        short = [s for s in self._running.values() if _decodes(s) and self._blocks_needed(s, s.next_position() + 1)]
-        for seq in sorted(short, key=lambda s: s.admitted):  # usually none: a block lasts block_size steps
-            if seq.status is SequenceStatus.RUNNING:
-                self._reserve(seq, seq.next_position() + 1)
         # Slot order keeps rows stable between steps, which keeps copies into static buffers simple.
         # A sequence decodes once its first token exists (seen or in flight) and until max_tokens
-        # are sampled; the engine finishes it when it reads the last one.
-        batch.decodes = [seq for slot in sorted(self._running) if _decodes(seq := self._running[slot])]
+        # are sampled; the engine finishes it when it reads the last one. One pass over the running
+        # sequences (the step's per-sequence work is the engine thread's largest part at 256 rows).
+        running = self._running
+        block_size = self.block_size
+        decodes = batch.decodes
+        short = []  # decodes whose next position needs a new block
+        for slot in sorted(running):
+            seq = running[slot]
+            pending = seq.num_pending
+            done = len(seq.completion_token_ids)
+            if ((done or pending) and seq.num_prefilled_tokens >= seq.prefill_len and not seq.paused
+                    and done + pending < seq.request.stopping.max_tokens):
+                decodes.append(seq)
+                if seq.next_position() >= len(seq.block_ids) * block_size:
+                    short.append(seq)
+        # Their blocks, oldest admission first, so that a preemption takes the newest (which has
+        # not been given its block yet). Usually none: a block lasts block_size steps.
+        for seq in sorted(short, key=lambda s: s.admitted):
+            if seq.status is SequenceStatus.RUNNING:
+                self._reserve(seq, seq.next_position() + 1)
+        if self.num_preemptions != preempted_before:
+            batch.decodes = decodes = [s for s in decodes if s.status is SequenceStatus.RUNNING]
         budget = self.max_num_batched_tokens - len(batch.decodes)  # >= 1 whenever a prompt is unfinished
 
         # Prompts already started go on first, oldest first; FIFO admission after them: a long prompt
@@ -243,17 +262,20 @@ class Scheduler:
             budget -= self._add_chunk(batch, seq, budget)  # its blocks are free (_admit_blocks)
         self._waiting.extendleft(reversed(blocked))
         self._prefilling = [seq for seq in self._prefilling if seq.num_unprefilled_tokens]
-        # A sequence preempted after its chunk or decode was added leaves this step.
-        batch.decodes = [s for s in batch.decodes if s.status is SequenceStatus.RUNNING]
-        batch.prefills = [c for c in batch.prefills if c.seq.status is SequenceStatus.RUNNING]
-        # What this step computes, and the full blocks it completes for the prefix cache.
+        if self.num_preemptions != preempted_before:  # one preempted after its chunk or decode was added leaves
+            batch.decodes = [s for s in batch.decodes if s.status is SequenceStatus.RUNNING]
+            batch.prefills = [c for c in batch.prefills if c.seq.status is SequenceStatus.RUNNING]
+        # What this step computes, and the full blocks it completes for the prefix cache (a decode
+        # completes one every block_size steps: the cheap test first).
+        caching = self.blocks.prefix_caching
         for seq in batch.decodes:
-            seq.num_computed_tokens = seq.next_position() + 1
-            self._register_full_blocks(seq)
+            seq.num_computed_tokens = computed = seq.next_position() + 1
+            if caching and computed // block_size > seq.num_registered_blocks:
+                self._register_full_blocks(seq)
         for chunk in batch.prefills:
             chunk.seq.num_computed_tokens = chunk.end
             self._register_full_blocks(chunk.seq)
-        self._check()
+        assert len(self._free_slots) + len(running) == self.max_running
         return batch
 
     # ---- internals -----------------------------------------------------------------------
@@ -407,7 +429,8 @@ class Scheduler:
         seq.slot = None
         seq.status = SequenceStatus.FINISHED
 
-    def _check(self) -> None:
+    def check(self) -> None:
+        """The slot bookkeeping's invariants (tests; O(running) per call, kept off the step path)."""
         assert len(self._free_slots) + len(self._running) == self.max_running
         assert not set(self._free_slots) & set(self._running), "a slot is both free and used"
         assert len(set(self._free_slots)) == len(self._free_slots), "a slot is free twice"
@@ -415,7 +438,3 @@ class Scheduler:
         assert all(self._running.get(seq.slot) is seq for seq in self._prefilling)
         assert self._num_paused == sum(seq.paused for seq in self._running.values())
 
-
-def _decodes(seq: Sequence) -> bool:
-    return (bool(seq.completion_token_ids or seq.num_pending) and not seq.num_unprefilled_tokens
-            and not seq.exhausted and not seq.paused)

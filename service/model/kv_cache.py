@@ -54,6 +54,7 @@ class KVCache:
         rows = (num_slots + 1, self.blocks_per_seq)
         self.block_table = torch.zeros(rows, dtype=torch.int32, device=device)
         self._table_host = torch.zeros(rows, dtype=torch.int32)
+        self._table_rows = self._table_host.numpy()  # the same memory: a slice write costs ~1 us, torch's ~10
         self._staging = torch.zeros((2, *rows), dtype=torch.int32, pin_memory=device.type == "cuda")
         self._turn = 0
         self._dirty = False
@@ -79,7 +80,7 @@ class KVCache:
         assert 0 <= slot < self.num_slots, f"slot {slot} is not a sequence row"
         assert first + len(blocks) <= self.blocks_per_seq, "more blocks than max_seq_len needs"
         if blocks:
-            self._table_host[slot, first: first + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            self._table_rows[slot, first: first + len(blocks)] = blocks
             self._dirty = True
 
     def clear_row(self, slot: int) -> None:

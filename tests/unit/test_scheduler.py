@@ -29,6 +29,7 @@ def check_blocks(sched: Scheduler, seqs: list[Sequence]) -> None:
     """The pool's invariants, and who holds what: only a running sequence holds blocks, each of its
     blocks once, and each block's refs count its holders; a block held by two sequences is a
     registered full block that both hold at the same index of their prefix, under the same hash."""
+    sched.check()
     pool = sched.blocks
     pool.check()
     holders: dict[int, list[tuple[Sequence, int]]] = {}
