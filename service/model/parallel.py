@@ -19,6 +19,7 @@ symmetric-memory one-shot all-reduce on CUDA) without touching the model.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -132,7 +133,7 @@ def shard_spec(spec: ModelSpec, tp: TensorParallel) -> ModelSpec:
 def shard_index(name: str, shape: tuple[int, ...], tp: TensorParallel) -> tuple[slice, ...] | None:
     """The slice of the whole checkpoint tensor `name` (of `shape`) that this rank loads; None: all of it.
     The last vocabulary slice may be short: `read_shard` pads it."""
-    if tp.world_size == 1:
+    if tp.world_size == 1 or math.prod(shape) == 1:  # a per-tensor scale (a KV scale): the same on every rank
         return None
     parts = name.split(".")
     module = parts[-2] if len(parts) >= 2 else ""
