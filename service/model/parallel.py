@@ -155,7 +155,7 @@ def read_shard(part: Any, name: str, tp: TensorParallel) -> torch.Tensor:
     shape = tuple(part.get_shape())
     index = shard_index(name, shape, tp)
     if index is None:
-        return part[:]
+        return part[...]  # (a 0-dim tensor, such as a KV scale, takes no slice)
     t = part[index]
     if name.split(".")[-2] in _VOCAB:  # the last shard of a vocabulary that does not divide by N
         rows = tp.vocab_rows(shape[0])[1]

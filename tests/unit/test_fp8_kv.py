@@ -119,6 +119,20 @@ def test_a_checkpoints_kv_scales_are_read_under_vllms_names(tmp_path: pathlib.Pa
     assert load_model(str(path), CPU, torch.float32).kv_cache_dtype == torch.float32
 
 
+def test_every_tensor_parallel_rank_reads_a_layers_kv_scales_whole(tmp_path: pathlib.Path) -> None:
+    from safetensors import safe_open
+
+    from service.model.parallel import TensorParallel, read_shard
+
+    scales = {"model.layers.0.self_attn.k_scale": torch.tensor(0.5),  # 0-dim, as FP8 checkpoints store it
+              "model.layers.0.self_attn.v_proj.output_scale": torch.tensor([0.25])}  # in a column-parallel module
+    save_file(scales, str(tmp_path / "scales.safetensors"))
+    with safe_open(str(tmp_path / "scales.safetensors"), framework="pt") as sf:
+        for rank in (0, 1):
+            for key, value in scales.items():
+                assert torch.equal(read_shard(sf.get_slice(key), key, TensorParallel(rank, 2)), value), (rank, key)
+
+
 def test_a_kv_scale_per_head_is_refused_naming_it(tmp_path: pathlib.Path) -> None:
     src = ensure_builtin("tiny", tmp_path / "cache")
     path = _with_kv_scales(src, tmp_path / "bad", {"model.layers.3.self_attn.v_scale": torch.ones(2)})
