@@ -4,6 +4,7 @@ and the start-up errors. The Triton kernels on FP8 KV run on the GPU (tests/gpu/
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import shutil
 
@@ -77,6 +78,40 @@ def test_attention_over_an_fp8_cache_is_attention_over_its_dequantized_values() 
     prefill_attention_torch(q, k8, v8, table, chunks, out8, scale)
     prefill_attention_torch(q, kf, vf, table, chunks, out)
     assert torch.equal(out8, out)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (not a project dependency)")
+@pytest.mark.parametrize("fp8_kv", [False, True], ids=["bf16-kv", "fp8-kv"])
+def test_the_kv_kernels_compile_for_hopper_with_either_cache(fp8_kv: bool, tmp_path: pathlib.Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton KV write, decode and prompt-chunk kernels compiled to PTX for sm_90 (no GPU needed):
+    the interpreter runs their Python, so it misses what only the compiler refuses (a value's type
+    changed inside a branch on the program id)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from service.model.kernels import decode_attention, prefill_attention, rope
+
+    kv = "*fp8e4nv" if fp8_kv else "*bf16"
+    ptrs = {"qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "q_ptr": "*bf16", "out_ptr": "*bf16",
+            "k_ptr": kv, "v_ptr": kv, "scale_ptr": "*fp32", "part_ptr": "*fp32", "lse_ptr": "*fp32",
+            "table_ptr": "*i32", "slot_ptr": "*i64", "pos_ptr": "*i64", "chunks_ptr": "*i64", "tiles_ptr": "*i64",
+            "sm_scale": "fp32", "qk_scale": "fp32"}
+    shapes = {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_N": 64, "KV_BLOCK": 16, "FP8_KV": fp8_kv}
+    kernels = [
+        (rope._rope_kv_kernel, {"NUM_HEADS": 8, "NUM_KV_HEADS": 2, "HALF": 32, "BLOCK": 32, "FP8_MAX": FP8_MAX,
+                                "PDL": False, "HEAD_DIM": 64, "FP8_KV": fp8_kv}),
+        (decode_attention._decode_attn_kernel, {**shapes, "GROUPS": 4, "BLOCK_G": 16, "SPLIT_LEN": 256,
+                                                "NUM_SPLITS": 4, "DYNAMIC_LOOP": True, "PDL": False}),
+        (prefill_attention._prefill_attn_kernel, {**shapes, "GROUPS": 4, "BLOCK_M": 64, "DYNAMIC_LOOP": True,
+                                                  "MAX_KEYS": 1024}),
+    ]
+    for fn, constants in kernels:
+        signature = {a: "constexpr" if a in constants else ptrs.get(a, "i32") for a in fn.arg_names}
+        compiled = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32))
+        assert ".target sm_90" in compiled.asm["ptx"], fn.__name__
 
 
 def test_an_fp8_block_costs_half_a_bf16_one_so_the_same_memory_holds_twice_the_blocks(model_cache_dir) -> None:  # noqa: ANN001

@@ -129,15 +129,17 @@ if triton is not None:
             pos = tl.load(pos_ptr + row).to(tl.int64)
             cache_off = slot * stride_ks + kh * stride_kh + pos * stride_kt
             vsrc = qkv_ptr + row * stride_qkv + (NUM_HEADS + NUM_KV_HEADS + kh) * HEAD_DIM
+            # New names, not o1 / o2: a value live into this branch must keep its type through it
+            k1, k2 = o1, o2
             v1 = tl.load(vsrc + offs, mask=mask, other=0.0)
             v2 = tl.load(vsrc + HALF + offs, mask=mask, other=0.0)
             if FP8_KV:  # x / scale, clamped to +-FP8_MAX, rounded to E4M3 by the store's cast
                 k_scale = tl.load(scale_ptr)
                 v_scale = tl.load(scale_ptr + 1)
-                o1, o2 = kv_quantize(o1, k_scale, FP8_MAX), kv_quantize(o2, k_scale, FP8_MAX)
+                k1, k2 = kv_quantize(k1, k_scale, FP8_MAX), kv_quantize(k2, k_scale, FP8_MAX)
                 v1, v2 = kv_quantize(v1, v_scale, FP8_MAX), kv_quantize(v2, v_scale, FP8_MAX)
             ty = k_ptr.dtype.element_ty
-            tl.store(k_ptr + cache_off + offs, o1.to(ty), mask=mask)
-            tl.store(k_ptr + cache_off + HALF + offs, o2.to(ty), mask=mask)
+            tl.store(k_ptr + cache_off + offs, k1.to(ty), mask=mask)
+            tl.store(k_ptr + cache_off + HALF + offs, k2.to(ty), mask=mask)
             tl.store(v_ptr + cache_off + offs, v1.to(ty), mask=mask)
             tl.store(v_ptr + cache_off + HALF + offs, v2.to(ty), mask=mask)
