@@ -8,6 +8,7 @@ eager and hand-captured as a CUDA graph. `--buckets all` times every allowed cap
 
     python bench/decode_bench.py --model builtin:llama-1b --device cuda --random-init
     python bench/decode_bench.py --model builtin:tiny --device cpu --batches 1,4 --context 32
+    python bench/decode_bench.py --model builtin:llama-1b --random-init --context 4096 --kv-cache-dtype fp8
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from service.engine.decode_step import ModelDecodeStep
 from service.model import KVCache, LlamaForCausalLM, ModelSpec, ensure_builtin
 from service.model.builtin import BUILTIN_PREFIX, BUILTIN_SHAPES, _hf_config
 from service.model.kernels._triton import pdl
+from service.model.kv_quant import cache_dtype
 from service.model.loader import default_cache_dir, load_model
 from service.model.parallel import TensorParallel
 
@@ -48,6 +50,7 @@ class Setup:
     device: torch.device
     dtype: torch.dtype
     load_s: float
+    kv_dtype: torch.dtype  # what the KV cache stores (--kv-cache-dtype)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quantization", choices=["none", "fp8"], default="none",
                    help="fp8: the decoder's projections in FP8 (service.model.fp8)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="fp8: the KV cache in E4M3 (service.model.kv_quant), half the KV bytes each step reads")
     p.add_argument("--batch-invariant", action="store_true",
                    help="the model's batch-invariant mode (invariant matmul and attention); compare with a run without")
     p.add_argument("--without", default="",
@@ -96,8 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- model -----------------------------------------------------------------------------------
 
 
-def _random_init(name: str, device: torch.device, dtype: torch.dtype,
-                 tp: TensorParallel | None = None, batch_invariant: bool = False) -> tuple[LlamaForCausalLM, dict]:
+def _random_init(name: str, device: torch.device, dtype: torch.dtype, tp: TensorParallel | None = None,
+                 batch_invariant: bool = False, kv_dtype: torch.dtype | None = None) -> tuple[LlamaForCausalLM, dict]:
     """The built-in shape with random weights made on the device (same distributions as the files,
     not the same values): seconds instead of generating and reading a 2.5 GB checkpoint. With `tp`,
     this rank's shards only."""
@@ -105,7 +110,7 @@ def _random_init(name: str, device: torch.device, dtype: torch.dtype,
     num_regular = shape["vocab_size"] - shape["num_special"]
     config = _hf_config({**shape, "dtype": str(dtype).removeprefix("torch.")}, num_regular, num_regular + 1)
     spec = ModelSpec.from_hf_config(types.SimpleNamespace(**config))
-    model = LlamaForCausalLM(spec, device, dtype, tp=tp, batch_invariant=batch_invariant)
+    model = LlamaForCausalLM(spec, device, dtype, tp=tp, batch_invariant=batch_invariant, kv_dtype=kv_dtype)
     gen = torch.Generator(device).manual_seed(1234 + (tp.rank if tp is not None else 0))
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -120,17 +125,19 @@ def load(args: argparse.Namespace) -> Setup:
     """The model of args (its --batch-invariant when the bench has the flag)."""
     t0 = time.perf_counter()
     invariant = getattr(args, "batch_invariant", False)
+    kv_dtype = cache_dtype(getattr(args, "kv_cache_dtype", "auto"), args.dtype)
     if args.random_init:
         if not args.model.startswith(BUILTIN_PREFIX):
             raise SystemExit("--random-init needs a builtin:<name> model")
         model, config = _random_init(args.model[len(BUILTIN_PREFIX):], args.device, args.dtype,
-                                     batch_invariant=invariant)
+                                     batch_invariant=invariant, kv_dtype=kv_dtype)
         if getattr(args, "quantization", "none") == "fp8":
             model.use_fp8()
         path = None
     else:
         loaded = load_model(args.model, args.device, args.dtype, args.cache_dir or default_cache_dir(),
-                            batch_invariant=invariant, quantization=getattr(args, "quantization", "none"))
+                            batch_invariant=invariant, quantization=getattr(args, "quantization", "none"),
+                            kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
         model, path = loaded.model, loaded.path
         import json
 
@@ -140,7 +147,7 @@ def load(args: argparse.Namespace) -> Setup:
     if unknown:
         raise SystemExit(f"--without: no fast-path kernel {sorted(unknown)}; there are {sorted(vars(model.fast))}")
     model.set_fast(dataclasses.replace(model.fast, **dict.fromkeys(without, False)))
-    return Setup(model, config, path, args.device, args.dtype, time.perf_counter() - t0)
+    return Setup(model, config, path, args.device, args.dtype, time.perf_counter() - t0, kv_dtype)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -170,15 +177,16 @@ def sync(device: torch.device) -> None:
 
 
 def fill_kv(kv: KVCache, context: int) -> None:
-    """Random K and V at positions [0, context) of every sequence row (whole blocks, through the block table)."""
+    """Random K and V at positions [0, context) of every sequence row (whole blocks, through the block
+    table), drawn in the model's dtype and stored as the cache stores them (E4M3 at scale 1.0: randn fits)."""
     blocks = kv.block_table[: kv.num_slots, : -(-context // kv.block_size)].flatten().long()
     for t in (*kv.k, *kv.v):
-        t[blocks] = torch.randn((len(blocks), *t.shape[1:]), device=t.device, dtype=t.dtype)
+        t[blocks] = torch.randn((len(blocks), *t.shape[1:]), device=t.device, dtype=kv.dtype).to(t.dtype)
 
 
 def make_step(s: Setup, max_batch: int, context: int) -> ModelDecodeStep:
     """KV slots filled with random values to `context` positions; every row decodes at `context`."""
-    kv = KVCache(s.model.spec, max_batch, context + 64, s.device, s.dtype)
+    kv = KVCache(s.model.spec, max_batch, context + 64, s.device, s.dtype, cache_dtype=s.kv_dtype)
     fill_kv(kv, context)
     return ModelDecodeStep(s.model, kv, max_batch, s.device)
 
@@ -212,7 +220,7 @@ def add_derived(row: dict[str, Any], s: Setup, context: int, rate: float | None)
     if row.get("graph_ms"):
         row["speedup"] = row["eager_ms"] / row["graph_ms"]
     if rate:
-        moved = weight_bytes(s.model) + kv_bytes_read(s.model.spec, row["batch"], context, s.dtype)
+        moved = weight_bytes(s.model) + kv_bytes_read(s.model.spec, row["batch"], context, s.kv_dtype)
         row["bw_util"] = moved / (best / 1000.0) / rate
 
 
@@ -403,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "model": args.model, "random_init": args.random_init, "dtype": str(s.dtype).removeprefix("torch."),
         "batch_invariant": args.batch_invariant, "quantization": args.quantization, "fast_path": vars(s.model.fast),
+        "kv_cache_dtype": str(s.kv_dtype).removeprefix("torch."),
         "pdl": pdl(s.device),
         "device_name": device_name, "context": args.context, "max_seq_len": args.context + 64,
         "buckets": args.buckets, "weight_bytes": wbytes, "copy_rate_gbps": rate / 1e9,
@@ -414,11 +423,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     fig = None if args.no_plot else plot(rows, anchors, summary["floor_ms"],
                                          f"{args.model} {summary['dtype']}{' batch-invariant' if args.batch_invariant else ''}"
+                                         f"{' fp8 KV' if args.kv_cache_dtype == 'fp8' else ''}"
                                          f" decode, context {args.context}, {device_name}",
                                          gpt_fast=args.model == "builtin:llama-1b")
     name = "decode" if args.buckets == "list" else "decode-buckets"
     name += "-invariant" if args.batch_invariant else ""
     name += "-fp8" if args.quantization == "fp8" else ""
+    name += "-fp8kv" if args.kv_cache_dtype == "fp8" else ""
     name += "".join(f"-without-{k}" for k in args.without.split(",") if k.strip())
     name += "" if pdl(s.device) or s.device.type != "cuda" else "-nopdl"
     path = write_result(name,

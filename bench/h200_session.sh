@@ -20,6 +20,7 @@
 #   bash bench/h200_session.sh gen-1b closed-loop  # 64 / 128 / 256 streams through gRPC, 32 + 256 tokens (and the engine alone at 128)
 #   bash bench/h200_session.sh gen-1b prefix-load  # a shared 1,024-token prefix at 20 req/s, prefix cache on and off
 #   bash bench/h200_session.sh fp8      # FP8 weights: GPU tests, decode steps in bf16 and FP8 at the 1B and 8B shapes
+#   bash bench/h200_session.sh fp8-kv   # FP8 KV cache: GPU tests, decode steps at context 4096 with bf16 and FP8 KV (1B, 8B)
 #   bash bench/h200_session.sh chunk-attention  # prompt-chunk attention of one layer: the Triton kernel against torch / flash
 #   bash bench/h200_session.sh gen-1b concurrency  # 1,024 chat-like requests at once in 8 GiB of KV: the most running at once
 #   bash bench/h200_session.sh gen-1b startup load  # the 1B checkpoint once; start-up GPU tests; the serving load
@@ -108,6 +109,14 @@ for part in "$@"; do
         run decode-1b-$q 100 python3 bench/decode_bench.py $M --random-init --batches 1,64 --no-anchors --no-plot --quantization $q
         run decode-8b-$q 150 python3 bench/decode_bench.py --model builtin:llama-8b --device cuda --random-init \
           --batches 1,64 --no-anchors --no-plot --quantization $q
+      done ;;
+    fp8-kv)
+      TAIL=8 run fp8-kv-gpu-tests 420 python3 -m pytest -q -m gpu tests/gpu/test_fp8_kv_gpu.py -p no:cacheprovider --timeout 300
+      for kv in auto fp8; do
+        run decode-4096-kv-$kv 150 python3 bench/decode_bench.py $M --random-init --batches 1,64,256 --no-anchors --no-plot \
+          --context 4096 --kv-cache-dtype $kv
+        run decode-8b-4096-kv-$kv 240 python3 bench/decode_bench.py --model builtin:llama-8b --device cuda --random-init \
+          --batches 1,64 --no-anchors --no-plot --context 4096 --kv-cache-dtype $kv
       done ;;
     chunk-attention)
       TAIL=12 run chunk-attention 120 python3 bench/chunk_attention_bench.py --device cuda

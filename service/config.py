@@ -21,6 +21,7 @@ class ConfigError(ValueError):
 
 
 GRAPH_MODES = ("none", "full", "piecewise", "full_and_piecewise")
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class ServeConfig:
     # device's memory); prefix caching of full blocks across requests
     block_size: int = 16
     kv_cache_memory: str = "auto"
+    # auto (the model's dtype) | fp8: keys and values in FP8 E4M3 with per-layer scales (service.model.kv_quant)
+    kv_cache_dtype: str = "auto"
     prefix_caching: bool = True
     overlap_steps: bool = True  # launch step t+1 before reading step t's tokens
     # Every request's tokens independent of the other requests in its step and of chunking
@@ -184,6 +187,8 @@ class ServeConfig:
         need(self.quantization == "none" or self.device != "cpu",
              "--quantization fp8 needs an NVIDIA GPU of compute capability 8.9+ (Ada, Hopper): use --device cuda, "
              "or drop --quantization")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"--kv-cache-dtype must be auto (the model's dtype) or fp8, not {self.kv_cache_dtype!r}")
         need(self.max_lora_rank >= 1, f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
         need(self.lora_kernel in ("stacked", "gather"), f"--lora-kernel must be stacked or gather, not {self.lora_kernel!r}")
         modules = self.lora_module_paths()
@@ -321,6 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV block memory: bytes (8GiB), a fraction of device memory (0.5), or auto: on CUDA the "
                         "memory free after the weights less the graph budget and 5%% of the device; on CPU what "
                         "--max-running-seqs sequences of --max-seq-len need, at most 1 GiB")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                   help="what the KV cache stores: auto, the model's dtype; fp8, E4M3 with one scale per layer for "
+                        "keys and one for values (the checkpoint's k_scale/v_scale, else 1.0): half the bytes per "
+                        "token, twice the tokens in the same --kv-cache-memory (GPUs: compute capability 8.9+)")
     g.add_argument("--prefix-caching", dest="prefix_caching", action="store_true", default=d.prefix_caching,
                    help="reuse the KV of full blocks a prompt shares with earlier ones (same tokens from the start, "
                         "same adapter)")

@@ -230,6 +230,7 @@ class _Options:
     # Paged KV (ServeConfig.block_size, kv_cache_memory, prefix_caching; vLLM's enable_prefix_caching)
     block_size: int = ServeConfig.block_size
     kv_cache_memory: str | int | float = ServeConfig.kv_cache_memory
+    kv_cache_dtype: str = ServeConfig.kv_cache_dtype  # "auto" (the model's dtype) or "fp8", as vLLM's
     enable_prefix_caching: bool = ServeConfig.prefix_caching
     graph_memory_budget: str | None = None
     stats_file: str | Path | None = None
@@ -261,7 +262,7 @@ def _config_of(model: str, o: _Options) -> ServeConfig:
         max_num_batched_tokens=o.max_num_batched_tokens, default_max_tokens=o.default_max_tokens,
         max_tokens_limit=max(ServeConfig.max_tokens_limit, o.default_max_tokens), overlap_steps=o.overlap_steps,
         batch_invariant=o.batch_invariant, block_size=o.block_size, kv_cache_memory=str(o.kv_cache_memory),
-        prefix_caching=o.enable_prefix_caching,
+        kv_cache_dtype=o.kv_cache_dtype, prefix_caching=o.enable_prefix_caching,
         cudagraph_mode=str(mode).lower(), capture_sizes=sizes,
         graph_memory_budget=None if o.graph_memory_budget is None else str(o.graph_memory_budget),
         stats_file=None if o.stats_file is None else Path(o.stats_file), warm_start=o.warm_start,
@@ -296,7 +297,7 @@ def _check_types(o: _Options) -> None:
         need(getattr(o, name) is None or _is_int(getattr(o, name)), name, "an int or None")
     for name in _BOOL_KEYWORDS:
         need(isinstance(getattr(o, name), bool), name, "True or False")
-    for name in ("device", "log_level"):
+    for name in ("device", "log_level", "kv_cache_dtype"):
         need(isinstance(getattr(o, name), str), name, "a string")
     sizes = o.cudagraph_capture_sizes
     need(sizes is None or (isinstance(sizes, Sequence) and not isinstance(sizes, str | bytes)

@@ -127,7 +127,7 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
     (tensor parallelism, rank > 0) keeps no stats and decides nothing: its graphs mirror rank 0's."""
     dtype = resolve_dtype(c.dtype, device)
     loaded = load_model(c.model, device, dtype, c.model_cache_dir, tp=tp, batch_invariant=c.batch_invariant,
-                        quantization=c.quantization)
+                        quantization=c.quantization, kv_cache_dtype=c.kv_cache_dtype)
     if c.batch_invariant:
         log.info("batch_invariant_mode", device=str(device), dtype=str(dtype).removeprefix("torch."),
                  backend=loaded.model.invariant.backend)
@@ -150,11 +150,13 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
         warm_start=c.warm_start and not follower,
         inline_capture=inline,
     )
-    kv = size_kv_cache(loaded.model.spec, dtype, device, c.kv_cache_memory, c.block_size, c.max_running_seqs,
+    kv_dtype = loaded.kv_cache_dtype
+    kv = size_kv_cache(loaded.model.spec, kv_dtype, device, c.kv_cache_memory, c.block_size, c.max_running_seqs,
                        max_seq_len, c.graph_memory_budget, mode is not CudaGraphMode.NONE, tp)
     if not follower:
         log.info("kv_cache", blocks=kv.num_blocks - 1, block_size=kv.block_size, tokens=kv.tokens,
-                 gib=round(kv.nbytes / 2**30, 3),
+                 gib=round(kv.nbytes / 2**30, 3), dtype=str(kv_dtype).removeprefix("torch."),
+                 checkpoint_scales=loaded.kv_scales is not None,
                  sequences_at_max_seq_len=(kv.num_blocks - 1) // -(-max_seq_len // kv.block_size), prefix_caching=c.prefix_caching, sized_by=kv.source)
     runner = ModelRunner(loaded, c.max_running_seqs, max_seq_len, graph_config,
                          max_loras=c.lora_slots, max_lora_rank=c.max_lora_rank, lora_kernel=c.lora_kernel,

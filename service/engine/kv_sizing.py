@@ -44,7 +44,8 @@ def size_kv_cache(
     spec: ModelSpec, dtype: torch.dtype, device: torch.device, kv_cache_memory: str, block_size: int,
     max_running: int, max_seq_len: int, graph_budget: str | None, graphs: bool, tp: TensorParallel | None = None,
 ) -> KVSizing:
-    """spec: this rank's share (its KV heads); graphs: whether CUDA graphs take their budget. Raises
+    """spec: this rank's share (its KV heads); dtype: what the cache stores (an FP8 cache's blocks cost
+    half a bf16 one's: twice as many fit); graphs: whether CUDA graphs take their budget. Raises
     ModelLoadError when not even one sequence of max_seq_len fits, saying what to change."""
     per_block = KVCache.bytes_per_block(spec, block_size, dtype)
     per_seq = -(-max_seq_len // block_size)

@@ -48,7 +48,7 @@ class PiecewiseStep:
         self.device = device
         spec = pieces.model.spec
         width = spec.num_heads * spec.head_dim
-        dtype = kv.k[0].dtype
+        dtype = kv.dtype
         # Static inputs: the pieces' graphs read views of these; they are never reallocated.
         self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)

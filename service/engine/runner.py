@@ -66,8 +66,13 @@ class ModelRunner:
         self.tp = loaded.model.tp
         self.role: OneDevice = OneDevice()  # lead() / follow() with tensor parallelism
         # The model's spec: with tensor parallelism, this rank's share of the KV heads.
+        # Every rank's cache holds its KV heads in the loaded KV dtype, read with the checkpoint's
+        # per-layer scales (the same on every rank) when it has them.
         self.kv = KVCache(loaded.model.spec, max_running, max_seq_len, loaded.device, loaded.dtype, block_size,
-                          num_blocks or KVCache.contiguous_blocks(max_running, max_seq_len, block_size))
+                          num_blocks or KVCache.contiguous_blocks(max_running, max_seq_len, block_size),
+                          cache_dtype=loaded.kv_cache_dtype)
+        if loaded.kv_scales is not None:
+            self.kv.set_scales(loaded.kv_scales)
         self.decode_step = ModelDecodeStep(loaded.model, self.kv, max_running, loaded.device)
         self.pieces = PiecewiseForward(loaded.model, self.kv)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"

@@ -25,25 +25,26 @@ from service.model.kernels.prefill_attention import prefill_attention_torch, pre
 from service.model.kv_cache import KVCache
 from service.model.step_batch import AttentionMetadata, StepBatch
 
-# (q [B, H, D], k_cache, v_cache, block_table, slot_ids [B], positions [B]) -> [B, H * D]
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                           torch.Tensor]
-# (q [S, H, D], k_cache, v_cache, block_table, the step's metadata, out [S, H * D]): writes the
-# chunks' rows of out
-ChunkAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor],
-                          None]
+# (q [B, H, D], k_cache, v_cache, block_table, slot_ids [B], positions [B], the layer's (k, v) scales
+# [2]) -> [B, H * D]
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                            torch.Tensor], torch.Tensor]
+# (q [S, H, D], k_cache, v_cache, block_table, the step's metadata, out [S, H * D], the layer's (k, v)
+# scales [2]): writes the chunks' rows of out
+ChunkAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
+                           torch.Tensor], None]
 
 
 def chunk_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                          meta: AttentionMetadata, out: torch.Tensor) -> None:
+                          meta: AttentionMetadata, out: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
     prefill_attention_torch(q, k_cache, v_cache, block_table,
-                            [(c.row, c.length, c.start, c.slot) for c in meta.chunks], out)
+                            [(c.row, c.length, c.start, c.slot) for c in meta.chunks], out, kv_scale)
 
 
 def chunk_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                           meta: AttentionMetadata, out: torch.Tensor) -> None:
+                           meta: AttentionMetadata, out: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
     assert meta.chunk_table is not None and meta.chunk_tiles is not None
-    prefill_attention_triton(q, k_cache, v_cache, block_table, meta.chunk_table, meta.chunk_tiles, out)
+    prefill_attention_triton(q, k_cache, v_cache, block_table, meta.chunk_table, meta.chunk_tiles, out, kv_scale)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -79,12 +80,13 @@ def step_attention(
     -> [S, H * D] (written into `out` when given, e.g. a buffer a captured piece reads)."""
     meta = batch.attention
     out = _output(q, out, meta.num_tokens)
-    k_cache, v_cache = kv.k[layer], kv.v[layer]
+    k_cache, v_cache, scale = kv.k[layer], kv.v[layer], kv.scales[layer]
     d = meta.num_decodes
     if d:
-        out[:d] = decode_attention(q[:d], k_cache, v_cache, kv.block_table, batch.slot_ids[:d], batch.positions[:d])
+        out[:d] = decode_attention(q[:d], k_cache, v_cache, kv.block_table, batch.slot_ids[:d], batch.positions[:d],
+                                   scale)
     if meta.chunks:
-        chunk_attention(q, k_cache, v_cache, kv.block_table, meta, out)
+        chunk_attention(q, k_cache, v_cache, kv.block_table, meta, out, scale)
     return out
 
 
@@ -102,9 +104,9 @@ def rowwise_step_attention(
     each row on its own, so neither the calls' boundaries nor the other rows change a row's result."""
     n = batch.attention.num_tokens
     out = _output(q, out, n)
-    k_cache, v_cache = kv.k[layer], kv.v[layer]
+    k_cache, v_cache, scale = kv.k[layer], kv.v[layer], kv.scales[layer]
     for start in range(0, n, rows_per_call):
         rows = slice(start, min(n, start + rows_per_call))
         out[rows] = decode_attention(q[rows], k_cache, v_cache, kv.block_table, batch.slot_ids[rows],
-                                     batch.positions[rows])
+                                     batch.positions[rows], scale)
     return out

@@ -10,7 +10,9 @@ The table lives on the device (graphs read it as a static input, never reallocat
 mirror that `set_blocks` edits; `sync_table` copies the mirror over before a step that needs it,
 from one of two pinned buffers in turn (the previous copy may still be queued). Which blocks a
 sequence holds is the block manager's business (service/engine/block_pool.py); this class owns the
-memory only. dtype must equal the model's dtype.
+memory only. `dtype` is the model's (what attention computes in); `cache_dtype` what the blocks
+store: the model's dtype, or FP8 E4M3 with a scale per layer for keys and one for values
+(`scales`, service/model/kv_quant.py), which every writer and reader of the cache applies.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ WriteIndex = tuple[torch.Tensor, torch.Tensor]
 class KVCache:
     def __init__(
         self, spec: ModelSpec, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
-        block_size: int = 16, num_blocks: int | None = None,
+        block_size: int = 16, num_blocks: int | None = None, cache_dtype: torch.dtype | None = None,
     ) -> None:
         """num_slots sequence rows (plus the scratch row) of at most max_seq_len tokens each, over
         num_blocks blocks (the null block included). num_blocks None: a contiguous layout that gives
         every row its own blocks for max_seq_len tokens, fixed at construction (tests, benchmarks,
-        the `LLM` reference paths); otherwise every row starts with no blocks (all null)."""
+        the `LLM` reference paths); otherwise every row starts with no blocks (all null). cache_dtype
+        None: the model's dtype."""
         assert num_slots >= 1 and max_seq_len >= 1 and block_size >= 1
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
@@ -47,10 +50,17 @@ class KVCache:
         assert num_blocks >= 2, "a pool needs the null block and at least one more"
         self.num_blocks = num_blocks
         self.device = device
+        self.dtype = dtype
+        self.cache_dtype = cache_dtype or dtype
         shape = (num_blocks, spec.num_kv_heads, block_size, spec.head_dim)
         # Zero-filled so attention over never-written positions (masked anyway) cannot produce NaN.
-        self.k: list[torch.Tensor] = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)]
-        self.v: list[torch.Tensor] = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)]
+        self.k: list[torch.Tensor] = [torch.zeros(shape, device=device, dtype=self.cache_dtype)
+                                      for _ in range(spec.num_layers)]
+        self.v: list[torch.Tensor] = [torch.zeros(shape, device=device, dtype=self.cache_dtype)
+                                      for _ in range(spec.num_layers)]
+        # Each layer's (k scale, v scale): what an FP8 cache's entries are multiplied by on reading
+        # (unused otherwise). The kernels read them on the device: set_scales before any capture.
+        self.scales = torch.ones(spec.num_layers, 2, dtype=torch.float32, device=device)
         rows = (num_slots + 1, self.blocks_per_seq)
         self.block_table = torch.zeros(rows, dtype=torch.int32, device=device)
         self._table_host = torch.zeros(rows, dtype=torch.int32)
@@ -64,12 +74,18 @@ class KVCache:
                 self.set_blocks(slot, 0, list(range(first, first + self.blocks_per_seq)))
             self.sync_table()
 
+    def set_scales(self, scales: torch.Tensor) -> None:
+        """Every layer's (k, v) scales, [num_layers, 2] (a checkpoint's, kv_quant.checkpoint_kv_scales)."""
+        assert scales.shape == self.scales.shape, f"{tuple(scales.shape)} scales for {tuple(self.scales.shape)}"
+        self.scales.copy_(scales)
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
     @staticmethod
     def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block costs (keys and values of every layer), for sizing the pool before allocating."""
+        """Bytes one block costs (keys and values of every layer) stored as `dtype` (the cache dtype),
+        for sizing the pool before allocating."""
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * spec.num_layers * spec.num_kv_heads * block_size * spec.head_dim * elem
 

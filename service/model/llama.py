@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service.model import fp8
+from service.model import fp8, kv_quant
 from service.model.attention import (
     ChunkAttention,
     DecodeAttention,
@@ -286,16 +286,24 @@ class LlamaForCausalLM(nn.Module):
     `batch_invariant` is the one switch of the batch-invariant mode (service.model.kernels.invariant):
     every linear layer and the LM head get its matmul, attention runs every row through the
     per-row decode kernel, so a row's logits do not depend on the other rows of its step.
+
+    `kv_dtype` is what its KV caches store (None: the model's dtype; FP8: service.model.kv_quant):
+    the fast path's attention and KV-write kernels are checked on such a cache. Raises
+    ModelLoadError on a device that cannot serve it.
     """
 
     def __init__(
         self, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype, fast_path: bool = True,
-        tp: TensorParallel | None = None, batch_invariant: bool = False,
+        tp: TensorParallel | None = None, batch_invariant: bool = False, kv_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp = tp or TensorParallel()
         spec = shard_spec(spec, tp)
         self.spec, self.dtype = spec, dtype
+        self.kv_dtype = kv_dtype or dtype
+        reason = kv_quant.unsupported_reason(torch.device(device)) if self.kv_dtype == fp8.FP8 else None
+        if reason is not None:
+            raise ModelLoadError(f"--kv-cache-dtype fp8: {reason}; use --kv-cache-dtype auto")
         self.model = LlamaModel(spec, device, dtype, tp)
         # Tied heads reuse embed_tokens.weight at logits time, so no lm_head parameter exists.
         self.lm_head = (
@@ -313,6 +321,7 @@ class LlamaForCausalLM(nn.Module):
                 spec.head_dim,
                 spec.hidden_size,
                 spec.intermediate_size,
+                self.kv_dtype,
             )
             if fast_path
             else FastPath()
@@ -328,7 +337,7 @@ class LlamaForCausalLM(nn.Module):
             shapes = {(*m.weight.shape, m.bias is not None) for m in self._linears()}
             shapes.add((*self.model.embed_tokens.weight.shape, False))  # a tied head's
             heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
-            self.use_invariant(InvariantKernels.build(device, dtype, self.fast, shapes, heads))
+            self.use_invariant(InvariantKernels.build(device, dtype, self.fast, shapes, heads, self.kv_dtype))
 
     def _linears(self) -> list[nn.Module]:
         """Every linear layer that runs (not the per-projection views of a fused one), the LM head included."""
@@ -426,7 +435,8 @@ class LlamaForCausalLM(nn.Module):
         s = self.spec
         write = rope_kv_write_triton if self.fast.rope_kv else rope_kv_write_torch
         blocks, offsets = index
-        return write(qkv, cos, sin, kv.k[layer], kv.v[layer], blocks, offsets, s.num_heads, s.num_kv_heads)
+        return write(qkv, cos, sin, kv.k[layer], kv.v[layer], blocks, offsets, s.num_heads, s.num_kv_heads,
+                     kv.scales[layer])
 
     def step_attention(
         self, layer: int, q: torch.Tensor, batch: StepBatch, kv: KVCache, out: torch.Tensor | None = None,
@@ -496,7 +506,7 @@ class LlamaForCausalLM(nn.Module):
 
         def attend(i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             q = self.rope_kv_write(i, qkv, cos, sin, index, kv)
-            return attention(q, kv.k[i], kv.v[i], kv.block_table, slot_ids, positions)
+            return attention(q, kv.k[i], kv.v[i], kv.block_table, slot_ids, positions, kv.scales[i])
 
         return self.logits(self._run(input_ids, positions, attend))
 

@@ -16,7 +16,7 @@ import structlog
 import torch
 from safetensors import safe_open
 
-from service.model import fp8
+from service.model import fp8, kv_quant
 from service.model.builtin import BUILTIN_PREFIX, ensure_builtin
 from service.model.llama import LlamaForCausalLM
 from service.model.parallel import TensorParallel, read_shard
@@ -39,6 +39,12 @@ class LoadedModel:
     tokenizer: transformers.PreTrainedTokenizerBase
     device: torch.device
     dtype: torch.dtype
+    kv_dtype: torch.dtype | None = None  # what the KV cache stores (None: dtype)
+    kv_scales: torch.Tensor | None = None  # the checkpoint's per-layer (k, v) KV scales [L, 2], if any
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -138,21 +144,27 @@ def read_model_spec(model: str, cache_dir: pathlib.Path | None = None) -> ModelS
 def load_model(
     model: str, device: torch.device, dtype: torch.dtype, cache_dir: pathlib.Path | None = None,
     tp: TensorParallel | None = None, batch_invariant: bool = False, quantization: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> LoadedModel:
     """ "builtin:<name>" (generated once into cache_dir) or a local HF directory -> LoadedModel.
     With `tp` of world size N this rank's model holds (and reads) only its 1/N shards; the
     LoadedModel's spec stays the whole model's (the model's own spec is the rank's share).
     `batch_invariant`: the model's batch-invariant mode (LlamaForCausalLM). `quantization` "fp8":
-    the decoder's projections in FP8 (service.model.fp8); a checkpoint in FP8 is read either way."""
+    the decoder's projections in FP8 (service.model.fp8); a checkpoint in FP8 is read either way.
+    `kv_cache_dtype` "fp8": the KV cache in E4M3 (service.model.kv_quant), read with the checkpoint's
+    KV scales when it has them (they are read, and unused, either way)."""
     device = torch.device(device)
     path = _model_dir(model, cache_dir)
     spec = _read_spec(path)
     files = _weight_files(path)
     tokenizer = read_tokenizer(path)
     sharded = tp is not None and tp.world_size > 1
-    net = LlamaForCausalLM(spec, device, dtype, tp=tp, batch_invariant=batch_invariant)
+    kv_dtype = kv_quant.cache_dtype(kv_cache_dtype, dtype)
+    net = LlamaForCausalLM(spec, device, dtype, tp=tp, batch_invariant=batch_invariant, kv_dtype=kv_dtype)
     try:
-        state = fp8.dequantize_checkpoint(_read_weights(files, device, tp if sharded else None))
+        state, kv_scales = kv_quant.checkpoint_kv_scales(_read_weights(files, device, tp if sharded else None),
+                                                         spec.num_layers)
+        state = fp8.dequantize_checkpoint(state)
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from None
     net.load_weights(state)
@@ -161,5 +173,6 @@ def load_model(
         saved = net.use_fp8()
         log.info("fp8_weights", saved_gib=round(saved / 2**30, 3))
     return LoadedModel(
-        name=model, path=path, spec=spec, model=net, tokenizer=tokenizer, device=device, dtype=dtype
+        name=model, path=path, spec=spec, model=net, tokenizer=tokenizer, device=device, dtype=dtype,
+        kv_dtype=kv_dtype, kv_scales=kv_scales,
     )

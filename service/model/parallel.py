@@ -19,6 +19,7 @@ symmetric-memory one-shot all-reduce on CUDA) without touching the model.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -132,7 +133,7 @@ def shard_spec(spec: ModelSpec, tp: TensorParallel) -> ModelSpec:
 def shard_index(name: str, shape: tuple[int, ...], tp: TensorParallel) -> tuple[slice, ...] | None:
     """The slice of the whole checkpoint tensor `name` (of `shape`) that this rank loads; None: all of it.
     The last vocabulary slice may be short: `read_shard` pads it."""
-    if tp.world_size == 1:
+    if tp.world_size == 1 or math.prod(shape) == 1:  # a per-tensor scale (a KV scale): the same on every rank
         return None
     parts = name.split(".")
     module = parts[-2] if len(parts) >= 2 else ""
@@ -154,7 +155,7 @@ def read_shard(part: Any, name: str, tp: TensorParallel) -> torch.Tensor:
     shape = tuple(part.get_shape())
     index = shard_index(name, shape, tp)
     if index is None:
-        return part[:]
+        return part[...]  # (a 0-dim tensor, such as a KV scale, takes no slice)
     t = part[index]
     if name.split(".")[-2] in _VOCAB:  # the last shard of a vocabulary that does not divide by N
         rows = tp.vocab_rows(shape[0])[1]

@@ -156,7 +156,8 @@ class App:
         self.streams.attach(self.engine)
         self.servicer.attach(self.tokenizer, limits, self._model_info(ready))
         self.vllm_servicer.attach(self.tokenizer, limits, ModelFacts.read(
-            c.model_name, ready.model_path, spec, ready.max_seq_len, c.max_running_seqs, ready.dtype, c.block_size),
+            c.model_name, ready.model_path, spec, ready.max_seq_len, c.max_running_seqs, ready.dtype, c.block_size,
+            ready.kv_cache_dtype),
             control)
         self.servicer.adapter_names = control.adapter_names
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)

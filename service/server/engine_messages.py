@@ -68,6 +68,7 @@ class WorkerReady:
     adapters: tuple[str, ...] = ()  # loaded at start (--lora-modules)
     max_loras: int = 0  # adapter slots; 0: adapters are off
     max_lora_rank: int = 0
+    kv_cache_dtype: str = ""  # what the KV cache stores, e.g. bfloat16 or float8_e4m3fn ("": dtype)
 
 
 @dataclass(frozen=True)

@@ -139,6 +139,7 @@ class _Worker:
             graphs_device=str(graphs.device), has_graph_backend=graphs.backend is not None,
             adapters=tuple(lr.adapters.names) if lr.adapters is not None else (), max_loras=c.lora_slots,
             max_lora_rank=c.max_lora_rank if lr.adapters is not None else 0,
+            kv_cache_dtype=str(loaded.kv_cache_dtype).removeprefix("torch."),
         )
 
     def on_rank_death(self) -> None:

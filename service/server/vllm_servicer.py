@@ -79,16 +79,17 @@ class ModelFacts:
     max_running_seqs: int
     dtype: str
     block_size: int = 16  # tokens per KV block: loads report blocks as tokens
+    kv_cache_dtype: str = ""  # what the KV cache stores ("": dtype)
 
     @classmethod
     def read(cls, served_model_name: str, model_path: str, spec: Any, max_seq_len: int, max_running_seqs: int,
-             dtype: str, block_size: int = 16) -> ModelFacts:
+             dtype: str, block_size: int = 16, kv_cache_dtype: str = "") -> ModelFacts:
         config_file = Path(model_path) / "config.json"
         hf = json.loads(config_file.read_text()) if config_file.is_file() else {}
         pad = hf.get("pad_token_id")
         return cls(served_model_name, model_path, str(hf.get("model_type") or ""), (spec.architecture,),
                    spec.vocab_size, max_seq_len, tuple(spec.eos_token_ids), int(spec.bos_token_id or 0),
-                   int(pad) if isinstance(pad, int) else 0, max_running_seqs, dtype, block_size)
+                   int(pad) if isinstance(pad, int) else 0, max_running_seqs, dtype, block_size, kv_cache_dtype)
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -191,7 +192,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             active_requests=len(self.streams.active), is_paused=False,
             last_receive_timestamp=self.streams.last_received, uptime_seconds=time.time() - self.started,
             server_type="graphserve", data_parallel_size=1, max_num_seqs=f.max_running_seqs,
-            model_dtype=f.dtype, kv_cache_dtype=f.dtype,
+            model_dtype=f.dtype, kv_cache_dtype=f.kv_cache_dtype or f.dtype,
         )
 
     async def GetLoads(self, request: vllm_engine_pb2.GetLoadsRequest, context: grpc.aio.ServicerContext

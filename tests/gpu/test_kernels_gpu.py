@@ -165,10 +165,10 @@ def test_rmsnorm_and_silu_bitwise_close_to_torch():
     assert (a != b).float().mean() < 0.01 and torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3)
 
 
-def _model(spec, fast: bool):
+def _model(spec, fast: bool, kv_dtype: torch.dtype | None = None):
     from service.model.llama import LlamaForCausalLM
 
-    m = LlamaForCausalLM(spec, DEVICE, torch.bfloat16, fast_path=fast)
+    m = LlamaForCausalLM(spec, DEVICE, torch.bfloat16, fast_path=fast, kv_dtype=kv_dtype)
     gen = torch.Generator(DEVICE).manual_seed(0)
     with torch.no_grad():
         for name, p in m.named_parameters():
@@ -182,6 +182,22 @@ def _model(spec, fast: bool):
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
+
+
+def _captured_decode(model, ids, positions, slot_ids, kv):  # noqa: ANN001, ANN202
+    """(a CUDA graph of model.decode on these input buffers, the graph's output buffer, the eager
+    step's logits), after two warm-up steps on a side stream. The graph is captured, not replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            model.decode(ids, positions, slot_ids, kv)
+    torch.cuda.current_stream().wait_stream(stream)
+    eager = model.decode(ids, positions, slot_ids, kv).clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = model.decode(ids, positions, slot_ids, kv)
+    return graph, out, eager
 
 
 @pytest.mark.parametrize(
@@ -262,16 +278,7 @@ def test_fast_decode_graph_replay_equals_eager(batch):
     slot_ids = torch.arange(batch, device=DEVICE)
     positions[live:], slot_ids[live:], ids[live:] = 0, kv.scratch_slot, 0
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            model.decode(ids, positions, slot_ids, kv)
-    torch.cuda.current_stream().wait_stream(stream)
-    eager = model.decode(ids, positions, slot_ids, kv).clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = model.decode(ids, positions, slot_ids, kv)
+    graph, static_out, eager = _captured_decode(model, ids, positions, slot_ids, kv)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out[:live].argmax(-1), eager[:live].argmax(-1))

@@ -87,10 +87,10 @@ def reference_streams(model_cache_dir) -> list[tuple]:  # noqa: ANN001
     return streams(model_cache_dir, "none")
 
 
-def streams(model_cache_dir, mode: str) -> list[tuple]:  # noqa: ANN001
+def streams(model_cache_dir, mode: str, *extra: str) -> list[tuple]:  # noqa: ANN001
     argv = ["--model-cache-dir", str(model_cache_dir), "--device", "cuda", "--dtype", "float32",
             "--model", "builtin:tiny", "--cudagraph-mode", mode, "--max-running-seqs", "8",
-            "--max-num-batched-tokens", "64", "--max-seq-len", "512"]
+            "--max-num-batched-tokens", "64", "--max-seq-len", "512", *extra]
     out = []
     with running_server(argv) as server:
         stub = server.stub()

@@ -96,3 +96,28 @@ if triton is not None:
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         return m_new, l_i, acc
+
+    @triton.jit
+    def kv_quantize(x, scale, FP8_MAX: tl.constexpr):
+        """A tile on its way into an FP8 KV cache: x / scale (the layer's) in float32, clamped to
+        +-FP8_MAX; the store's cast to E4M3 rounds it (service/model/kv_quant.py)."""
+        y = tl.math.div_rn(x.to(tl.float32), scale)  # IEEE division, as torch's, so both round alike
+        return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+
+    @triton.jit
+    def kv_scales(scale_ptr, FP8_KV: tl.constexpr):
+        """The layer's (k scale, v scale) of an FP8 KV cache, loaded from the device; 1.0 otherwise (unread)."""
+        k_scale = tl.full([], 1.0, tl.float32)
+        v_scale = tl.full([], 1.0, tl.float32)
+        if FP8_KV:
+            k_scale = tl.load(scale_ptr)
+            v_scale = tl.load(scale_ptr + 1)
+        return k_scale, v_scale
+
+    @triton.jit
+    def kv_tile(x, scale, FP8_KV: tl.constexpr):
+        """A tile loaded from the KV cache: as stored, or (FP8_KV) E4M3 upcast to float32 times the
+        layer's scale; the caller casts it to the model's dtype for its products."""
+        if FP8_KV:
+            x = x.to(tl.float32) * scale
+        return x

@@ -11,7 +11,9 @@ through the block table, the
 query heads of one kv head share its loads (GQA), and the softmax runs online in float32. Lengths
 come from the `positions` tensor, so both are graph-safe (fixed grid, no host syncs). The number
 of splits follows the batch by default; the batch-invariant mode fixes the split's length by the
-cache length (`fixed_split_len`).
+cache length (`fixed_split_len`). An FP8 cache (service/model/kv_quant.py) is read with the
+layer's (k, v) scales `kv_scale`: the torch path upcasts what it gathers, the kernel each tile in
+registers (a compile-time switch of the same kernel, from the cache's dtype).
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from service.model.fp8 import FP8
 from service.model.kernels._triton import LOG2E, cdiv, interpreting, next_pow2, pdl, pdl_launch, sm_count, tl, triton
+from service.model.kv_quant import load_kv
 
 if triton is not None:
-    from service.model.kernels._triton import online_softmax, pdl_wait
+    from service.model.kernels._triton import kv_scales, kv_tile, online_softmax, pdl_wait
 
 BLOCK_N = 64  # KV positions per inner step
 
@@ -42,16 +46,19 @@ def decode_attention_torch(
     block_table: torch.Tensor,
     slot_ids: torch.Tensor,
     positions: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [B, H, D]; k_cache, v_cache: [num_blocks, KVH, block_size, D]; block_table [rows, MB] int32;
-    slot_ids, positions: [B] long -> [B, H * D]."""
+    slot_ids, positions: [B] long; kv_scale: the layer's (k, v) float32 [2], read for an FP8 cache
+    -> [B, H * D]."""
     b, h, d = q.shape
     kvh = k_cache.shape[1]
     t = block_table.shape[1] * k_cache.shape[2]
     visible = torch.arange(t, device=q.device)[None, :] <= positions[:, None]  # [B, T]
     hidden = ~visible[:, None, :, None]  # [B, 1, T, 1]
-    k = gather_rows(k_cache, block_table, slot_ids).masked_fill_(hidden, 0)  # stale positions zeroed
-    v = gather_rows(v_cache, block_table, slot_ids).masked_fill_(hidden, 0)
+    k, v = load_kv(gather_rows(k_cache, block_table, slot_ids), gather_rows(v_cache, block_table, slot_ids),
+                   kv_scale, q.dtype)
+    k, v = k.masked_fill_(hidden, 0), v.masked_fill_(hidden, 0)  # stale positions zeroed
     qg = q.view(b, kvh, h // kvh, d)  # GQA: the query heads of one kv head share its keys
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=visible[:, None, None, :])  # [B, KVH, G, D]
     return out.reshape(b, h * d)
@@ -87,6 +94,7 @@ def decode_attention_triton(
     block_table: torch.Tensor,
     slot_ids: torch.Tensor,
     positions: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
     split_len: int | None = None,
 ) -> torch.Tensor:
@@ -96,7 +104,8 @@ def decode_attention_triton(
     b, h, d = q.shape
     kvh, block_size = k_cache.shape[1], k_cache.shape[2]
     t = block_table.shape[1] * block_size
-    assert h % kvh == 0 and q.dtype == k_cache.dtype == v_cache.dtype
+    fp8_kv = check_kv_dtypes(q, k_cache, v_cache, kv_scale)
+    assert h % kvh == 0
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert block_table.dtype == torch.int32 and block_table.stride(-1) == 1
     q = q.contiguous()
@@ -119,14 +128,15 @@ def decode_attention_triton(
     block_g = max(16, next_pow2(groups))  # tl.dot needs M >= 16
     on = pdl(q.device, b)
     _decode_attn_kernel[(b, kvh, num_splits)](
-        q, k_cache, v_cache, block_table, slot_ids, positions, out, part, lse,
+        q, k_cache, v_cache, k_cache if kv_scale is None else kv_scale, block_table, slot_ids, positions, out,
+        part, lse,
         d**-0.5 * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
         out.stride(0), out.stride(1),
         GROUPS=groups, HEAD_DIM=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=BLOCK_N, KV_BLOCK=block_size,
-        SPLIT_LEN=split_len, NUM_SPLITS=num_splits, DYNAMIC_LOOP=not interpreting(), PDL=on,
+        SPLIT_LEN=split_len, NUM_SPLITS=num_splits, DYNAMIC_LOOP=not interpreting(), FP8_KV=fp8_kv, PDL=on,
         num_warps=4, **pdl_launch(on),
     )
     if num_splits > 1:
@@ -141,11 +151,22 @@ def decode_attention_triton(
     return out.view(b, h * d)
 
 
+def check_kv_dtypes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    kv_scale: torch.Tensor | None) -> bool:
+    """Whether the caches are FP8 (read with kv_scale), asserting they hold q's dtype otherwise."""
+    assert k_cache.dtype == v_cache.dtype, (k_cache.dtype, v_cache.dtype)
+    if k_cache.dtype != FP8:
+        assert k_cache.dtype == q.dtype, (q.dtype, k_cache.dtype)
+        return False
+    assert kv_scale is not None and kv_scale.dtype == torch.float32 and kv_scale.numel() == 2, "FP8 KV needs (k, v) scales"
+    return True
+
+
 if triton is not None:
 
     @triton.jit
     def _attend_tile(q, k_ptr, v_ptr, table_ptr, kv_off, offs_n, end, offs_d, d_mask, stride_kb, stride_kt,
-                     KV_BLOCK: tl.constexpr, sm_scale, m_i, l_i, acc):
+                     KV_BLOCK: tl.constexpr, sm_scale, m_i, l_i, acc, k_scale, v_scale, FP8_KV: tl.constexpr):
         # One tile of BLOCK_N positions, each read through the row's block table: scores,
         # online-softmax rescale, accumulate p @ v.
         n_mask = offs_n < end
@@ -153,15 +174,15 @@ if triton is not None:
         rows = blocks * stride_kb + (offs_n % KV_BLOCK) * stride_kt
         tile = kv_off + rows[:, None] + offs_d[None, :]
         tile_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + tile, mask=tile_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = kv_tile(tl.load(k_ptr + tile, mask=tile_mask, other=0.0), k_scale, FP8_KV).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_G, BLOCK_N] float32, times LOG2E
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        v = tl.load(v_ptr + tile, mask=tile_mask, other=0.0)
+        v = kv_tile(tl.load(v_ptr + tile, mask=tile_mask, other=0.0), v_scale, FP8_KV).to(q.dtype)
         return online_softmax(s, v, m_i, l_i, acc)
 
     @triton.jit
     def _decode_attn_kernel(
-        q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, pos_ptr, out_ptr, part_ptr, lse_ptr,
+        q_ptr, k_ptr, v_ptr, scale_ptr, table_ptr, slot_ptr, pos_ptr, out_ptr, part_ptr, lse_ptr,
         sm_scale,
         stride_qb, stride_qh,
         stride_kb, stride_kh, stride_kt,
@@ -169,7 +190,7 @@ if triton is not None:
         stride_ob, stride_oh,
         GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
-        PDL: tl.constexpr,
+        FP8_KV: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
         row = tl.program_id(0)
@@ -192,6 +213,7 @@ if triton is not None:
         )
         kv_off = kvh * stride_kh
         table = table_ptr + slot * stride_tb
+        k_scale, v_scale = kv_scales(scale_ptr, FP8_KV)
 
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -200,13 +222,13 @@ if triton is not None:
             for n0 in range(start, end, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
                     q, k_ptr, v_ptr, table, kv_off, n0 + tl.arange(0, BLOCK_N), end, offs_d, d_mask, stride_kb,
-                    stride_kt, KV_BLOCK, sm_scale, m_i, l_i, acc,
+                    stride_kt, KV_BLOCK, sm_scale, m_i, l_i, acc, k_scale, v_scale, FP8_KV,
                 )
         else:  # the interpreter cannot loop over runtime bounds: every tile of the split, masked
             for i in range(0, SPLIT_LEN, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
                     q, k_ptr, v_ptr, table, kv_off, start + i + tl.arange(0, BLOCK_N), end, offs_d, d_mask,
-                    stride_kb, stride_kt, KV_BLOCK, sm_scale, m_i, l_i, acc,
+                    stride_kb, stride_kt, KV_BLOCK, sm_scale, m_i, l_i, acc, k_scale, v_scale, FP8_KV,
                 )
 
         l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (start >= length) has l = 0

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from service.model.fp8 import FP8
 from service.model.kernels import _triton
+from service.model.kv_quant import load_kv, store_kv
 
 log = structlog.get_logger("graphserve.model")
 
@@ -29,9 +31,10 @@ class FastPath:
     @classmethod
     def build(
         cls, device: torch.device | str, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-        head_dim: int, hidden_size: int, intermediate_size: int,
+        head_dim: int, hidden_size: int, intermediate_size: int, kv_dtype: torch.dtype | None = None,
     ) -> FastPath:
-        """Self-checks each Triton kernel on small random inputs of the model's head shape."""
+        """Self-checks each Triton kernel on small random inputs of the model's head shape; the ones
+        that read or write the KV cache on a cache of `kv_dtype` (None: the model's dtype)."""
         device = torch.device(device)
         if device.type != "cuda":
             return cls()
@@ -41,7 +44,7 @@ class FastPath:
         if _triton.triton is None:
             log.warning("fast_path_disabled", reason="triton is not importable")
             return cls()
-        shape = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+        shape = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim, "kv_dtype": kv_dtype}
         checks = {
             "attention": lambda: check_attention(device, dtype, **shape),
             "prefill_attention": lambda: check_prefill_attention(device, dtype, **shape),
@@ -72,13 +75,33 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, what: str, atol: float, rtol: 
         raise AssertionError(f"{what}: max abs diff {diff:.3g} over atol {atol} rtol {rtol}")
 
 
+def check_scales(kv_dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
+    """The (k, v) scales the checks read a cache of kv_dtype with: an FP8 cache's are not 1 (a kernel
+    that dropped one would fail its check) and put randn values well inside E4M3's range."""
+    return torch.tensor([2.0**-5, 3 * 2.0**-6] if kv_dtype == FP8 else [1.0, 1.0], device=device)
+
+
+def kv_cache_of(k: torch.Tensor, v: torch.Tensor, kv_dtype: torch.dtype | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k, v as a cache of kv_dtype (None: their own) stores them, the scales it is read with)."""
+    scale = check_scales(kv_dtype, k.device)
+    return *store_kv(k, v, scale, kv_dtype or k.dtype), scale
+
+
+def _float_kv(k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache as float32 values (the references' input): an FP8 cache's dequantized."""
+    k, v = load_kv(k, v, scale, torch.float32)
+    return k.float(), v.float()
+
+
 def check_attention(
     device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
     batch: int = 3, max_seq_len: int = 200, num_splits: int | None = None, seed: int = 0,
-    split_len: int | None = None, block_size: int = 16,
+    split_len: int | None = None, block_size: int = 16, kv_dtype: torch.dtype | None = None,
 ) -> None:
     """The Triton decode kernel against the torch one over a paged cache whose rows hold blocks in a
-    shuffled order (and rows sharing a prefix block, as prefix caching makes them)."""
+    shuffled order (and rows sharing a prefix block, as prefix caching makes them), the cache of
+    kv_dtype (None: the model's)."""
     from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton
 
     gen = torch.Generator(device).manual_seed(seed)
@@ -88,6 +111,7 @@ def check_attention(
     q = torch.randn(batch, num_heads, head_dim, device=device, dtype=dtype, generator=gen)
     k = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, device=device, dtype=dtype, generator=gen)
     v = torch.randn(k.shape, device=device, dtype=dtype, generator=gen)
+    k, v, scale = kv_cache_of(k, v, kv_dtype)
     table = (1 + torch.randperm(num_blocks - 1, device=device, generator=gen)).view(slots, per_seq)
     table[1, 0] = table[0, 0]  # a shared first block
     table = torch.cat([table, torch.zeros(1, per_seq, dtype=table.dtype, device=device)]).to(torch.int32)
@@ -95,13 +119,14 @@ def check_attention(
     positions = torch.randint(0, max_seq_len, (batch,), device=device, generator=gen)
     positions[0] = 0  # a padding-like row of length 1
     positions[-1] = max_seq_len - 1  # a full row
-    ref = decode_attention_torch(q.float(), k.float(), v.float(), table, slot_ids, positions).to(dtype)
-    ours = decode_attention_triton(q, k, v, table, slot_ids, positions, num_splits=num_splits, split_len=split_len)
+    ref = decode_attention_torch(q.float(), *_float_kv(k, v, scale), table, slot_ids, positions).to(dtype)
+    ours = decode_attention_triton(q, k, v, table, slot_ids, positions, scale, num_splits=num_splits,
+                                   split_len=split_len)
     _close(ours, ref, "decode_attention", atol=2e-2, rtol=2e-2)
     if split_len is not None:  # a fixed split: each row alone is bit-identical to the same row in the batch
         for row in range(batch):
             alone = decode_attention_triton(q[row: row + 1], k, v, table, slot_ids[row: row + 1],
-                                            positions[row: row + 1], split_len=split_len)
+                                            positions[row: row + 1], scale, split_len=split_len)
             if not torch.equal(alone, ours[row: row + 1]):
                 raise AssertionError(f"decode_attention row {row} alone differs from the same row in a batch")
 
@@ -109,12 +134,12 @@ def check_attention(
 def check_prefill_attention(
     device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
     chunks: tuple[tuple[int, int], ...] = ((0, 1), (0, 70), (37, 5), (16, 64), (130, 66)), seed: int = 0,
-    block_size: int = 16, max_seq_len: int = 208,
+    block_size: int = 16, max_seq_len: int = 208, kv_dtype: torch.dtype | None = None,
 ) -> None:
     """The Triton chunk kernel against the torch one: chunks (start, length) that start a prompt or
     continue one, over more than one query tile and across block boundaries, each on its own slot
     whose blocks lie shuffled over the pool (two slots sharing a prefix block, as prefix caching
-    makes them), rows of the step that are not chunks' left untouched."""
+    makes them), rows of the step that are not chunks' left untouched; the cache of kv_dtype."""
     from service.model.kernels.prefill_attention import chunk_tiles, prefill_attention_torch, prefill_attention_triton
 
     gen = torch.Generator(device).manual_seed(seed)
@@ -123,6 +148,7 @@ def check_prefill_attention(
     num_blocks = 1 + slots * per_seq
     k = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, device=device, dtype=dtype, generator=gen)
     v = torch.randn(k.shape, device=device, dtype=dtype, generator=gen)
+    k, v, scale = kv_cache_of(k, v, kv_dtype)
     table = (1 + torch.randperm(num_blocks - 1, device=device, generator=gen)).view(slots, per_seq)
     if slots > 1:
         table[1, 0] = table[0, 0]
@@ -132,11 +158,11 @@ def check_prefill_attention(
     spec = [(row, n, start, slot) for slot, (row, (start, n)) in enumerate(zip(rows, chunks))]
     q = torch.randn(rows[-1] + 2, num_heads, head_dim, device=device, dtype=dtype, generator=gen)
     ref = torch.full((q.shape[0], num_heads * head_dim), 7.0, device=device)
-    prefill_attention_torch(q.float(), k.float(), v.float(), table, spec, ref)
+    prefill_attention_torch(q.float(), *_float_kv(k, v, scale), table, spec, ref)
     ours = torch.full(ref.shape, 7.0, device=device, dtype=dtype)
     chunk_table = torch.tensor([x for c in spec for x in c], device=device).view(-1, 4)
     tiles = torch.tensor(chunk_tiles([n for _, n in chunks]), device=device).view(-1, 2)
-    prefill_attention_triton(q, k, v, table, chunk_table, tiles, ours)
+    prefill_attention_triton(q, k, v, table, chunk_table, tiles, ours, scale)
     _close(ours, ref.to(dtype), "prefill_attention", atol=2e-2, rtol=2e-2)
 
 
@@ -156,8 +182,10 @@ def check_norm(device: torch.device, dtype: torch.dtype, hidden: int, rows: int 
 
 def check_rope_kv(
     device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-    batch: int = 3, max_seq_len: int = 16, seed: int = 0,
+    batch: int = 3, max_seq_len: int = 16, seed: int = 0, kv_dtype: torch.dtype | None = None,
 ) -> None:
+    """The fused RoPE and KV write against torch's, into caches of kv_dtype (None: the model's): an
+    FP8 cache's entries within one E4M3 step of torch's (the two may round a bf16 rotation apart)."""
     from service.model.kernels.rope import rope_kv_write_torch, rope_kv_write_triton
 
     gen = torch.Generator(device).manual_seed(seed)
@@ -168,12 +196,16 @@ def check_rope_kv(
     angles = positions[:, None].float() * (1.0 / 10000 ** (torch.arange(0, head_dim, 2, device=device) / head_dim))
     emb = torch.cat((angles, angles), dim=-1)[:, None, :]
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-    caches = [torch.zeros(slots + 1, num_kv_heads, max_seq_len, head_dim, device=device, dtype=dtype) for _ in range(4)]
-    q_ref = rope_kv_write_torch(qkv, cos, sin, caches[0], caches[1], slot_ids, positions, num_heads, num_kv_heads)
-    q = rope_kv_write_triton(qkv, cos, sin, caches[2], caches[3], slot_ids, positions, num_heads, num_kv_heads)
+    shape = (slots + 1, num_kv_heads, max_seq_len, head_dim)
+    caches = [torch.zeros(shape, device=device, dtype=kv_dtype or dtype) for _ in range(4)]
+    scale = check_scales(kv_dtype, device)
+    q_ref = rope_kv_write_torch(qkv, cos, sin, caches[0], caches[1], slot_ids, positions, num_heads, num_kv_heads,
+                                scale)
+    q = rope_kv_write_triton(qkv, cos, sin, caches[2], caches[3], slot_ids, positions, num_heads, num_kv_heads, scale)
     _close(q, q_ref, "rope q", atol=1e-2, rtol=1e-2)
-    _close(caches[2], caches[0], "rope k cache", atol=1e-2, rtol=1e-2)
-    _close(caches[3], caches[1], "v cache", atol=0, rtol=0)
+    fp8_kv = kv_dtype == FP8  # one E4M3 step: 2^-3 of a normal value, 2^-9 for a subnormal one
+    _close(caches[2], caches[0], "rope k cache", atol=2.0**-9 if fp8_kv else 1e-2, rtol=2.0**-3 if fp8_kv else 1e-2)
+    _close(caches[3], caches[1], "v cache", atol=2.0**-9 if fp8_kv else 0, rtol=2.0**-3 if fp8_kv else 0)
 
 
 def check_silu_mul(device: torch.device, dtype: torch.dtype, intermediate: int, rows: int = 3, seed: int = 0) -> None:

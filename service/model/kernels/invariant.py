@@ -35,11 +35,11 @@ Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tenso
 
 def decode_attention_fixed_split(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, slot_ids: torch.Tensor,
-    positions: torch.Tensor,
+    positions: torch.Tensor, kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton decode kernel with its KV split fixed by the table's span (fixed_split_len)."""
     span = block_table.shape[1] * k_cache.shape[2]
-    return decode_attention_triton(q, k_cache, v_cache, block_table, slot_ids, positions,
+    return decode_attention_triton(q, k_cache, v_cache, block_table, slot_ids, positions, kv_scale,
                                    split_len=fixed_split_len(span))
 
 
@@ -55,11 +55,12 @@ class InvariantKernels:
     @classmethod
     def build(
         cls, device: torch.device | str, dtype: torch.dtype, fast: FastPath, weights: set[tuple[int, int, bool]],
-        heads: tuple[int, int, int],
+        heads: tuple[int, int, int], kv_dtype: torch.dtype | None = None,
     ) -> InvariantKernels:
         """weights: (N, K, has bias) of every linear layer and the LM head; heads: (num_heads,
-        num_kv_heads, head_dim). On CUDA each weight shape's matmul and the attention with its fixed
-        split are compiled and self-checked here (against torch, and row by row across the batch)."""
+        num_kv_heads, head_dim); kv_dtype: what the KV cache stores (None: dtype). On CUDA each weight
+        shape's matmul and the attention with its fixed split are compiled and self-checked here
+        (against torch, and row by row across the batch)."""
         device = torch.device(device)
         if device.type != "cuda":
             return cls(matmul_blocked_torch, decode_attention_torch, "torch")
@@ -74,7 +75,7 @@ class InvariantKernels:
         checks = {f"matmul [{n}, {k}]": partial(check_matmul, device, dtype, n, k, bias)
                   for n, k, bias in sorted(weights)}
         checks["attention"] = partial(check_attention, device, dtype, *heads, batch=5, max_seq_len=600,
-                                      split_len=fixed_split_len(600))
+                                      split_len=fixed_split_len(600), kv_dtype=kv_dtype)
         for name, check in checks.items():
             try:
                 with torch.cuda.device(device), torch.inference_mode():

@@ -13,7 +13,8 @@ BLOCK_M queries of one chunk, query head); each program walks the keys [0, the t
 position] in BLOCK_N steps, each key read in place through the block table, the softmax online in
 float32. Its per-chunk and per-tile tables are device tensors of the step's one host-to-device copy
 (service.model.step_batch), so it needs no host sync and compiles once per model shape: no
-argument that follows the step's lengths is a compile-time constant.
+argument that follows the step's lengths is a compile-time constant. An FP8 cache is read with the
+layer's (k, v) scales, as the decode kernel reads it (service/model/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from service.model.kernels._triton import LOG2E, cdiv, interpreting, next_pow2, tl, triton
+from service.model.kernels.decode_attention import check_kv_dtypes
+from service.model.kv_quant import load_kv
 
 if triton is not None:
-    from service.model.kernels._triton import online_softmax
+    from service.model.kernels._triton import kv_scales, kv_tile, online_softmax
 
 BLOCK_M = 64  # queries per program (one chunk's, one head's)
 BLOCK_N = 64  # keys per inner step
@@ -49,17 +52,18 @@ def chunk_tiles(lengths: Sequence[int]) -> list[int]:
 
 def prefill_attention_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-    chunks: Sequence[tuple[int, int, int, int]], out: torch.Tensor,
+    chunks: Sequence[tuple[int, int, int, int]], out: torch.Tensor, kv_scale: torch.Tensor | None = None,
 ) -> None:
     """q: [S, H, D] rows of the step; k_cache, v_cache: [num_blocks, KVH, block_size, D];
-    block_table [rows, MB] int32; chunks: (row, length, start, slot) each (host ints).
-    Writes each chunk's rows of out [S, H * D]."""
+    block_table [rows, MB] int32; chunks: (row, length, start, slot) each (host ints); kv_scale: the
+    layer's (k, v) float32 [2], read for an FP8 cache. Writes each chunk's rows of out [S, H * D]."""
     heads, kvh, bs = q.shape[1], k_cache.shape[1], k_cache.shape[2]
     for row, length, start, slot in chunks:
         end = start + length
         table = block_table[slot, : cdiv(end, bs)].long()
         k, v = (c.index_select(0, table).transpose(0, 1).reshape(kvh, -1, c.shape[3])[:, :end]
                 for c in (k_cache, v_cache))  # [KVH, end, D]
+        k, v = load_kv(k, v, kv_scale, q.dtype)
         k, v = (x.repeat_interleave(heads // kvh, dim=0)[None] for x in (k, v))
         with sdpa_kernel(_SDPA_BACKENDS):
             o = F.scaled_dot_product_attention(q[row: row + length].transpose(0, 1)[None], k, v,
@@ -69,13 +73,14 @@ def prefill_attention_torch(
 
 def prefill_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-    chunk_table: torch.Tensor, tiles: torch.Tensor, out: torch.Tensor,
+    chunk_table: torch.Tensor, tiles: torch.Tensor, out: torch.Tensor, kv_scale: torch.Tensor | None = None,
 ) -> None:
     """As prefill_attention_torch, the chunks given as device tensors: chunk_table [C, 4] and tiles
     [T, 2] long (chunk_tiles)."""
     s, h, d = q.shape
     kvh, block_size = k_cache.shape[1], k_cache.shape[2]
-    assert h % kvh == 0 and q.dtype == k_cache.dtype == v_cache.dtype == out.dtype
+    fp8_kv = check_kv_dtypes(q, k_cache, v_cache, kv_scale)
+    assert h % kvh == 0 and q.dtype == out.dtype
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert block_table.dtype == torch.int32 and block_table.stride(-1) == 1
     assert chunk_table.is_contiguous() and tiles.is_contiguous() and out.shape[1] == h * d and out.stride(1) == 1
@@ -84,14 +89,14 @@ def prefill_attention_triton(
     q = q.contiguous()
     max_keys = block_table.shape[1] * block_size
     _prefill_attn_kernel[(tiles.shape[0], h)](
-        q, k_cache, v_cache, block_table, chunk_table, tiles, out,
+        q, k_cache, v_cache, k_cache if kv_scale is None else kv_scale, block_table, chunk_table, tiles, out,
         d**-0.5 * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0), out.stride(0),
         GROUPS=h // kvh, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         KV_BLOCK=block_size, DYNAMIC_LOOP=not interpreting(), MAX_KEYS=cdiv(max_keys, BLOCK_N) * BLOCK_N,
-        num_warps=4, num_stages=2,
+        FP8_KV=fp8_kv, num_warps=4, num_stages=2,
     )
 
 
@@ -99,13 +104,14 @@ if triton is not None:
 
     @triton.jit
     def _prefill_attn_kernel(
-        q_ptr, k_ptr, v_ptr, table_ptr, chunks_ptr, tiles_ptr, out_ptr,
+        q_ptr, k_ptr, v_ptr, scale_ptr, table_ptr, chunks_ptr, tiles_ptr, out_ptr,
         qk_scale,
         stride_qs, stride_qh,
         stride_kb, stride_kh, stride_kt,
         stride_tb, stride_os,
         GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, MAX_KEYS: tl.constexpr,
+        FP8_KV: tl.constexpr,
     ):
         tile = tl.program_id(0)
         head = tl.program_id(1)
@@ -127,6 +133,7 @@ if triton is not None:
         end = start + tl.minimum(first + BLOCK_M, length)  # keys [0, end) are all the tile can see
         table = table_ptr + slot * stride_tb
         kv_off = (head // GROUPS) * stride_kh
+        k_scale, v_scale = kv_scales(scale_ptr, FP8_KV)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -135,19 +142,19 @@ if triton is not None:
             for n0 in range(0, end, BLOCK_N):
                 m_i, l_i, acc = _attend_keys(q, k_ptr, v_ptr, table, kv_off, n0 + tl.arange(0, BLOCK_N), end,
                                              q_pos, offs_d, d_mask, stride_kb, stride_kt, KV_BLOCK, qk_scale,
-                                             m_i, l_i, acc)
+                                             m_i, l_i, acc, k_scale, v_scale, FP8_KV)
         else:  # the interpreter cannot loop over runtime bounds: every key tile of the table, masked
             for n0 in range(0, MAX_KEYS, BLOCK_N):
                 m_i, l_i, acc = _attend_keys(q, k_ptr, v_ptr, table, kv_off, n0 + tl.arange(0, BLOCK_N), end,
                                              q_pos, offs_d, d_mask, stride_kb, stride_kt, KV_BLOCK, qk_scale,
-                                             m_i, l_i, acc)
+                                             m_i, l_i, acc, k_scale, v_scale, FP8_KV)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * stride_os + head * HEAD_DIM + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
     @triton.jit
     def _attend_keys(q, k_ptr, v_ptr, table, kv_off, offs_n, end, q_pos, offs_d, d_mask, stride_kb, stride_kt,
-                     KV_BLOCK: tl.constexpr, qk_scale, m_i, l_i, acc):
+                     KV_BLOCK: tl.constexpr, qk_scale, m_i, l_i, acc, k_scale, v_scale, FP8_KV: tl.constexpr):
         # BLOCK_N keys, each read through the chunk's block table: causal scores, the online-softmax
         # rescale (base 2), accumulate p @ v.
         n_mask = offs_n < end
@@ -155,8 +162,8 @@ if triton is not None:
         kv_rows = kv_off + blocks * stride_kb + (offs_n % KV_BLOCK) * stride_kt
         tile = kv_rows[:, None] + offs_d[None, :]
         tile_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + tile, mask=tile_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = kv_tile(tl.load(k_ptr + tile, mask=tile_mask, other=0.0), k_scale, FP8_KV).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N] float32
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
-        v = tl.load(v_ptr + tile, mask=tile_mask, other=0.0)
+        v = kv_tile(tl.load(v_ptr + tile, mask=tile_mask, other=0.0), v_scale, FP8_KV).to(q.dtype)
         return online_softmax(s, v, m_i, l_i, acc)

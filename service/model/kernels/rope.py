@@ -4,16 +4,19 @@ Input is the fused qkv projection [B, (H + 2 * KVH) * D]. Writes rotated k and v
 (slot_ids[i], :, positions[i]) of the layer's cache and returns rotated q [B, H, D]. cos/sin are
 computed once per step by the caller (float32, cast to the model dtype, like transformers); the
 kernel repeats the torch op order: x * cos and rotate_half(x) * sin each rounded, then summed.
+An FP8 cache gets k / k_scale and v / v_scale, clamped and rounded to E4M3 (service/model/kv_quant.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from service.model.fp8 import FP8, FP8_MAX
 from service.model.kernels._triton import pdl, pdl_launch, tl, triton
+from service.model.kv_quant import store_kv
 
 if triton is not None:
-    from service.model.kernels._triton import pdl_wait
+    from service.model.kernels._triton import kv_quantize, pdl_wait
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -41,11 +44,14 @@ def rope_kv_write_torch(
     positions: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """cos, sin: [B, 1, D]; caches [num_slots + 1, KVH, T, D]; slot_ids, positions [B] -> q [B, H, D]."""
+    """cos, sin: [B, 1, D]; caches [num_slots + 1, KVH, T, D]; slot_ids, positions [B]; kv_scale: the
+    layer's (k, v) float32 [2] (an FP8 cache's) -> q [B, H, D]."""
     head_dim = k_cache.shape[-1]
     q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k, v = store_kv(k, v, kv_scale, k_cache.dtype)
     k_cache[slot_ids, :, positions] = k  # [B, KVH, D] into (slot, :, position)
     v_cache[slot_ids, :, positions] = v
     return q
@@ -61,22 +67,25 @@ def rope_kv_write_triton(
     positions: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     b = qkv.shape[0]
     head_dim = k_cache.shape[-1]
     assert head_dim % 2 == 0 and qkv.stride(-1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and k_cache.dtype == v_cache.dtype
+    fp8_kv = k_cache.dtype == FP8
+    assert not fp8_kv or (kv_scale is not None and kv_scale.dtype == torch.float32), "an FP8 cache needs its scales"
     cos2, sin2 = cos.reshape(b, head_dim), sin.reshape(b, head_dim)
     assert cos2.stride(-1) == 1 and sin2.stride() == cos2.stride()
     q = torch.empty((b, num_heads, head_dim), device=qkv.device, dtype=qkv.dtype)
     half = head_dim // 2
     on = pdl(qkv.device, b)
     _rope_kv_kernel[(b, num_heads + num_kv_heads)](
-        qkv, cos2, sin2, slot_ids, positions, q, k_cache, v_cache,
+        qkv, cos2, sin2, slot_ids, positions, q, k_cache, v_cache, k_cache if kv_scale is None else kv_scale,
         qkv.stride(0), cos2.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
-        BLOCK=triton.next_power_of_2(half), PDL=on,
+        BLOCK=triton.next_power_of_2(half), FP8_KV=fp8_kv, FP8_MAX=FP8_MAX, PDL=on,
         num_warps=1, **pdl_launch(on),
     )
     return q
@@ -86,11 +95,11 @@ if triton is not None:
 
     @triton.jit
     def _rope_kv_kernel(
-        qkv_ptr, cos_ptr, sin_ptr, slot_ptr, pos_ptr, q_ptr, k_ptr, v_ptr,
+        qkv_ptr, cos_ptr, sin_ptr, slot_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, scale_ptr,
         stride_qkv, stride_cs, stride_qb, stride_qh,
         stride_ks, stride_kh, stride_kt,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-        BLOCK: tl.constexpr, PDL: tl.constexpr,
+        BLOCK: tl.constexpr, FP8_KV: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -119,8 +128,18 @@ if triton is not None:
             slot = tl.load(slot_ptr + row).to(tl.int64)
             pos = tl.load(pos_ptr + row).to(tl.int64)
             cache_off = slot * stride_ks + kh * stride_kh + pos * stride_kt
-            tl.store(k_ptr + cache_off + offs, o1, mask=mask)
-            tl.store(k_ptr + cache_off + HALF + offs, o2, mask=mask)
             vsrc = qkv_ptr + row * stride_qkv + (NUM_HEADS + NUM_KV_HEADS + kh) * HEAD_DIM
-            tl.store(v_ptr + cache_off + offs, tl.load(vsrc + offs, mask=mask, other=0.0), mask=mask)
-            tl.store(v_ptr + cache_off + HALF + offs, tl.load(vsrc + HALF + offs, mask=mask, other=0.0), mask=mask)
+            # New names, not o1 / o2: a value live into this branch must keep its type through it
+            k1, k2 = o1, o2
+            v1 = tl.load(vsrc + offs, mask=mask, other=0.0)
+            v2 = tl.load(vsrc + HALF + offs, mask=mask, other=0.0)
+            if FP8_KV:  # x / scale, clamped to +-FP8_MAX, rounded to E4M3 by the store's cast
+                k_scale = tl.load(scale_ptr)
+                v_scale = tl.load(scale_ptr + 1)
+                k1, k2 = kv_quantize(k1, k_scale, FP8_MAX), kv_quantize(k2, k_scale, FP8_MAX)
+                v1, v2 = kv_quantize(v1, v_scale, FP8_MAX), kv_quantize(v2, v_scale, FP8_MAX)
+            ty = k_ptr.dtype.element_ty
+            tl.store(k_ptr + cache_off + offs, k1.to(ty), mask=mask)
+            tl.store(k_ptr + cache_off + HALF + offs, k2.to(ty), mask=mask)
+            tl.store(v_ptr + cache_off + offs, v1.to(ty), mask=mask)
+            tl.store(v_ptr + cache_off + HALF + offs, v2.to(ty), mask=mask)
