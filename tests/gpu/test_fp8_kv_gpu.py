@@ -41,10 +41,20 @@ def test_decode_kernel_on_fp8_kv_matches_torch_on_the_same_cache(heads, batch, m
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: "x".join(map(str, h)))
-def test_prompt_chunk_kernel_and_kv_write_on_fp8_kv_match_torch(heads):
-    from service.model.kernels.fast_path import check_prefill_attention, check_rope_kv
+def test_prompt_chunk_kernel_on_fp8_kv_matches_torch(heads):
+    from service.model.kernels.fast_path import check_prefill_attention
 
     check_prefill_attention(DEVICE, torch.bfloat16, *heads, kv_dtype=FP8)
+
+
+# Measured on the H200: the Triton RoPE + KV write puts some entries two E4M3 steps from torch's
+# (max abs diff 8 on values below 64), so the start-up self-check keeps it off for an FP8 cache and
+# the torch write runs instead (correct, slower). Strict: the day the kernel agrees, this says so.
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="the Triton KV write into E4M3 disagrees with torch's")
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: "x".join(map(str, h)))
+def test_kv_write_on_fp8_kv_matches_torch(heads):
+    from service.model.kernels.fast_path import check_rope_kv
+
     check_rope_kv(DEVICE, torch.bfloat16, *heads, batch=64, max_seq_len=64, kv_dtype=FP8)
 
 
