@@ -92,7 +92,9 @@ class ServeConfig:
     max_waiting_requests: int = 256
     max_waiting_tokens: int = 1 << 20
     max_concurrent_streams: int = 1024
-    max_streams_per_connection: int = 100  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS
+    # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS (at most half of max_concurrent_streams): room far above what one
+    # client holds, as a client that opens streams past it, or while the server closes the last ones, is refused
+    max_streams_per_connection: int = 512
     max_stream_backlog_tokens: int = 128  # undelivered tokens per stream before it is paused
     stream_stall_timeout: float = 30.0  # seconds a client may accept no data before its stream is aborted
     max_receive_message_bytes: int = 4 << 20

@@ -119,3 +119,34 @@ def test_a_request_waiting_for_an_adapter_slot_does_not_block_base_requests(mode
         first.join(30)
         assert not first.is_alive()
         assert [r.WhichOneof("kind") for r in waiting][-1] == "finished"
+
+
+def test_one_channel_with_a_hundred_and_fifty_streams_at_once_loses_none(model_cache_dir) -> None:  # noqa: ANN001
+    """The official client on one channel, 150 streams open at once, in waves that end together (the
+    closed loop of a load generator, a gateway's connection): every stream completes. A client that
+    opens more streams than the connection's HTTP/2 limit, or opens new ones while the server is
+    still closing the last wave's, gets REFUSED_STREAM (UNAVAILABLE) from the server, which is why
+    the default limit leaves room far above what one client holds."""
+    import asyncio
+
+    async def drive(address: str) -> list[object]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            gate = asyncio.Semaphore(150)
+
+            async def one(i: int) -> object:
+                async with gate:
+                    try:
+                        messages = [m async for m in stub.Generate(inference_pb2.GenerateRequest(
+                            **greedy(f"stream {i}", 4)), timeout=120)]
+                    except grpc.aio.AioRpcError as exc:
+                        return exc.code()
+                    return messages[-1].finished.usage.completion_tokens
+
+            return await asyncio.gather(*(one(i) for i in range(450)))
+
+    with running_server(["--model-cache-dir", str(model_cache_dir), "--max-running-seqs", "150",
+                         "--max-seq-len", "256"]) as server:
+        results = asyncio.run(drive(server.address))
+        assert results == [4] * 450, {r for r in results if r != 4}
+        _wait(lambda: server.app.engine.num_running == 0 and not server.app.streams.active)

@@ -69,7 +69,7 @@ def test_one_connection_cannot_take_every_stream_slot(start) -> None:  # noqa: A
 
 
 def test_by_default_one_connection_gets_at_most_half_the_streams(start) -> None:  # noqa: ANN001
-    # The per-connection default (100) used to be above this global cap: one connection took all 16.
+    # The per-connection default (512) is above this global cap: without the halving one connection would take all 16.
     server = start("--max-concurrent-streams", "16", "--stream-stall-timeout", "60")
     hostile = StallingClient(server.address)
     try:
