@@ -22,6 +22,7 @@ import re
 import torch
 
 from service.config import KV_CACHE_DTYPES
+from service.model import fp8
 from service.model.fp8 import FP8, FP8_MAX
 
 # model.layers.N.self_attn.<name>, each name the scale of k, v, or both
@@ -40,14 +41,9 @@ def cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def unsupported_reason(device: torch.device) -> str | None:
-    """None when `device` serves an FP8 KV cache, else what it lacks. A CPU does (the torch paths)."""
-    if device.type != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
-        return (f"the Triton attention kernels read E4M3 on compute capability 8.9+ (Ada, Hopper); "
-                f"{torch.cuda.get_device_name(device)} has {major}.{minor}")
-    return None
+    """None when `device` serves an FP8 KV cache, else what it lacks. A CPU does (the torch paths);
+    a GPU needs what FP8 weights need (the Triton kernels' E4M3 loads)."""
+    return None if device.type != "cuda" else fp8.unsupported_reason(device)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor | None,
