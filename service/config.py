@@ -97,6 +97,10 @@ class ServeConfig:
     max_streams_per_connection: int = 512
     max_stream_backlog_tokens: int = 128  # undelivered tokens per stream before it is paused
     stream_stall_timeout: float = 30.0  # seconds a client may accept no data before its stream is aborted
+    # Messages per second the server writes across all streams: each of S open streams gets one at most
+    # every S / rate seconds, its tokens in between merged (0: no limit). A write is most of the gRPC
+    # process's work, so this keeps it below saturation, where it would hold the engine back instead.
+    stream_message_rate: float = 12000.0
     max_receive_message_bytes: int = 4 << 20
     # Transport security
     tls_cert: Path | None = None
@@ -209,6 +213,8 @@ class ServeConfig:
         need(self.watchdog_timeout > 0, "--watchdog-timeout must be > 0 seconds")
         need(self.engine_stop_timeout > 0, "--engine-stop-timeout must be > 0 seconds")
         need(self.stream_stall_timeout > 0, "--stream-stall-timeout must be > 0 seconds")
+        need(math.isfinite(self.stream_message_rate) and self.stream_message_rate >= 0,
+             "--stream-message-rate must be a number of messages per second >= 0 (0: no limit)")
         need(
             (self.tls_cert is None) == (self.tls_key is None), "--tls-cert and --tls-key must be given together"
         )
@@ -386,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     g.add_argument("--stream-stall-timeout", type=float, default=d.stream_stall_timeout,
                    help="seconds a client may accept no data before its stream is aborted")
+    g.add_argument("--stream-message-rate", type=float, default=d.stream_message_rate,
+                   help="messages per second written across all streams: with S streams open each gets one at "
+                        "most every S/rate seconds, the tokens in between merged; 0: no limit")
     g.add_argument("--allow-chat-special-tokens", dest="allow_chat_special_tokens", action="store_true",
                    default=d.allow_chat_special_tokens,
                    help="special tokens written in chat message content (e.g. <|eot_id|>) become control tokens; "

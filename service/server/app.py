@@ -90,7 +90,8 @@ class App:
         # One set of streams behind both protocols: the limits and the drain count them all.
         self.streams = Streams(
             AdmissionLimits(config.max_waiting_requests, config.max_waiting_tokens, config.max_concurrent_streams,
-                            config.stream_stall_timeout, config.max_stream_backlog_tokens),
+                            config.stream_stall_timeout, config.max_stream_backlog_tokens,
+                            config.stream_message_rate),
             metrics=self.metrics,
         )
         self.servicer = InferenceServicer(self.streams)

@@ -8,6 +8,12 @@ events as its messages (`StreamWriter`).
 The event loop never waits on the engine: each step's events arrive from the engine process in one
 message (see engine_process.py), and each stream drains its own queue. A client that falls behind
 gets the tokens that piled up merged into one message instead of one message per token.
+
+Writes are paced: the loop writes at most `stream_message_rate` messages per second across the open
+streams, so with S streams each gets a message at most every S / rate seconds and the tokens of the
+steps in between go out merged. A write is most of what this process does per token; unpaced, a loop
+that saturates reads the engine's pipe late, the pipe fills and the engine waits on it. A stream's
+first message (its first token) and its finish are never held.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class AdmissionLimits:
     max_concurrent_streams: int
     stream_stall_timeout: float = 30.0  # seconds a client may accept no data before its stream is aborted
     max_stream_backlog_tokens: int = 128  # undelivered tokens per stream before its sequence is paused
+    stream_message_rate: float = 0.0  # messages per second across all streams (0: every step's tokens at once)
 
 
 class _Stalled(Exception):
@@ -104,13 +111,17 @@ class Stream:
         self.sent: dict[int, int] = {}  # tokens delivered (taken, or queued) per sample
         self.backlog = 0  # tokens queued, not yet written, of every sample
         self.paused = False
+        self.last_chunk_at = float("-inf")  # loop time of the last chunk written (pacing)
+        self.woken: asyncio.Future[None] | None = None  # set while a chunk is held: a sample's end wakes it
 
     def sink(self, index: int) -> Callable[[RequestEvent], None]:
         return lambda event: self.put(event, index)
 
     def put(self, event: RequestEvent, index: int = 0) -> None:
         self.queue.put_nowait((index, event))
-        if isinstance(event, TokenDelta):
+        if not isinstance(event, TokenDelta):
+            _wake(self.woken)
+        else:
             self.backlog += len(event.token_ids)
             self.sent[index] = self.sent.get(index, 0) + len(event.token_ids)
             if self.backlog > self.max_backlog and not self.paused and self.keys:
@@ -282,11 +293,13 @@ class Streams:
             while True:
                 index, event = await stream.queue.get()
                 if isinstance(event, TokenDelta):
+                    await self._pace(stream)
                     event = _merge_ready(event, index, stream.queue)
                 if isinstance(event, TokenDelta):
                     stream.taken(event)
                     message = writer.chunk(event, index)
                     if message is not None:
+                        stream.last_chunk_at = asyncio.get_running_loop().time()
                         await self._write(context, message)
                 elif isinstance(event, Finish):
                     stream.ended.add(index)
@@ -322,6 +335,24 @@ class Streams:
                               f"the client accepted no data for {self.admission.stream_stall_timeout:g} s "
                               "(--stream-stall-timeout): the stream was aborted")
 
+    async def _pace(self, stream: Stream) -> None:
+        """Hold the stream's next chunk until its share of the message rate allows it (tokens that
+        arrive meanwhile join it); not when its end is already queued: the finish is never held."""
+        rate = self.admission.stream_message_rate
+        if not rate:
+            return
+        loop = asyncio.get_running_loop()
+        wait = stream.last_chunk_at + len(self.active) / rate - loop.time()
+        if wait <= 0 or _end_queued(stream.queue):
+            return
+        stream.woken = loop.create_future()
+        timer = loop.call_later(wait, _wake, stream.woken)  # a timer and a future: no task per message
+        try:
+            await stream.woken
+        finally:
+            timer.cancel()
+            stream.woken = None
+
     async def _write(self, context: grpc.aio.ServicerContext, message: Any) -> None:
         """Send one message; a client that accepts none of it (HTTP/2 window closed) for the stall
         timeout loses the stream."""
@@ -330,6 +361,16 @@ class Streams:
                 await context.write(message)
         except TimeoutError:
             raise _Stalled from None
+
+
+def _wake(future: asyncio.Future[None] | None) -> None:
+    if future is not None and not future.done():
+        future.set_result(None)
+
+
+def _end_queued(queue: asyncio.Queue[tuple[int, RequestEvent]]) -> bool:
+    """Whether the newest queued event ends a sample (a stream's queue is short: a few steps' deltas)."""
+    return not queue.empty() and not isinstance(queue._queue[-1][1], TokenDelta)  # noqa: SLF001 - peek
 
 
 def _merge_ready(first: TokenDelta, index: int, queue: asyncio.Queue[tuple[int, RequestEvent]]) -> TokenDelta:

@@ -37,6 +37,8 @@ def test_admin_token_file_is_read_and_an_empty_one_refused(tmp_path) -> None:  #
     (["--max-num-batched-tokens", "16", "--max-running-seqs", "32"], "--max-num-batched-tokens"),
     (["--quantization", "fp8", "--device", "cpu"], "--quantization fp8 needs an NVIDIA GPU"),
     (["--quantization", "fp8", "--batch-invariant"], "--quantization fp8"),
+    (["--stream-message-rate", "-1"], "--stream-message-rate"),
+    (["--stream-message-rate", "inf"], "--stream-message-rate"),
 ])
 def test_bad_values_fail_at_start_naming_the_flag(argv: list[str], flag: str) -> None:
     with pytest.raises(ConfigError, match=flag):
