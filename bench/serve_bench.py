@@ -7,12 +7,16 @@ request and token throughput, and serving overhead = gRPC token throughput / eng
 throughput. By default it starts `graphserve serve` as a separate process, as a client would meet
 it (a load generator in the server's process would share its GIL); --target uses a running one.
 --client-procs spreads the streams over several client processes so that the load generator is
-not the bottleneck at high message rates. The engine-alone run starts the server's engine process
+not the bottleneck at high message rates. A list of concurrencies (--concurrency 1,64,128,256) runs
+each level in turn against the same server and the same engine process, --requests (default
+4 x the level) at each. The engine-alone run starts the server's engine process
 and drives it over its pipe from this process, without gRPC.
 
     python bench/serve_bench.py --device cpu --concurrency 8 --requests 32 --output-tokens 32
     python bench/serve_bench.py --model builtin:llama-1b --device cuda --dtype bfloat16 \
         --concurrency 64 --requests 256 --output-tokens 128
+    python bench/serve_bench.py --model builtin:llama-1b --device cuda --concurrency 1,64,128,256 \
+        --prompt-tokens 32 --output-tokens 256 --client-procs 4
 """
 
 from __future__ import annotations
@@ -62,8 +66,9 @@ def build_parser(description: str | None = __doc__, engine: bool = True) -> argp
     p.add_argument("--max-running-seqs", type=int, default=None, help="default: --concurrency")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) the served model is split across")
     p.add_argument("--target", default=None, help="HOST:PORT of a running server (default: start one here)")
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--concurrency", type=_levels, default=[64],
+                   help="streams in flight; a list (1,64,128) runs each level against the same server")
+    p.add_argument("--requests", type=int, default=None, help="per level (default: 4 x the concurrency)")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--rate", type=float, default=None, help="requests/s, Poisson arrivals (default: closed loop)")
@@ -83,8 +88,25 @@ def build_parser(description: str | None = __doc__, engine: bool = True) -> argp
     return p
 
 
+def _levels(text: str) -> list[int]:
+    levels = [int(x) for x in text.split(",")]
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"concurrency must be a list of integers >= 1, not {text!r}")
+    return levels
+
+
+def at_level(args: argparse.Namespace, concurrency: int) -> argparse.Namespace:
+    """The flags of one concurrency level: its streams and (unless given) 4 requests per stream."""
+    requests = args.given_requests if args.given_requests is not None else 4 * concurrency
+    return argparse.Namespace(**{**vars(args), "concurrency": concurrency, "requests": requests})
+
+
 def finish_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Defaults that depend on other flags."""
+    """Defaults that depend on other flags. args.concurrency becomes the largest level (what the server is
+    sized for), args.levels the list."""
+    args.levels, args.concurrency = args.concurrency, max(args.concurrency)
+    args.given_requests = args.requests
+    args.requests = args.requests if args.requests is not None else 4 * args.concurrency
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.max_running_seqs = args.max_running_seqs or args.concurrency
     args.warmup_requests = args.concurrency if args.warmup_requests is None else args.warmup_requests
@@ -378,30 +400,39 @@ def workload(args: argparse.Namespace, n: int, output_tokens: int, seed: int) ->
     return prompts, arrival_offsets(n, args.rate, seed)
 
 
-def bench_grpc(args: argparse.Namespace) -> dict[str, Any]:
+def bench_grpc(args: argparse.Namespace) -> list[dict[str, Any]]:
     server = None if args.target else start_server(args)
     address = args.target or server.address
+    rows = []
     try:
         if args.warmup_requests:
             warm = argparse.Namespace(**{**vars(args), "output_tokens": 8, "rate": None})
             run_grpc(address, *workload(warm, args.warmup_requests, 8, args.seed + 100), warm)
-        traces, wall = run_grpc(address, *workload(args, args.requests, args.output_tokens, args.seed), args)
+        for level in args.levels:
+            a = at_level(args, level)
+            traces, wall = run_grpc(address, *workload(a, a.requests, a.output_tokens, a.seed), a)
+            rows.append({"streams": level, **summarize("grpc" if args.target is None else f"grpc {args.target}",
+                                                       traces, wall, args.output_tokens)})
     finally:
         if server is not None:
             stop_server(server)
-    return summarize("grpc" if args.target is None else f"grpc {args.target}", traces, wall, args.output_tokens)
+    return rows
 
 
-def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
+def bench_engine(args: argparse.Namespace) -> list[dict[str, Any]]:
     engine = EngineAlone(args)
+    rows = []
     try:
         if args.warmup_requests:
             warm = argparse.Namespace(**{**vars(args), "output_tokens": 8, "rate": None})
             run_engine(engine, *workload(warm, args.warmup_requests, 8, args.seed + 100), warm, "warm")
-        traces, wall = run_engine(engine, *workload(args, args.requests, args.output_tokens, args.seed), args, "run")
+        for level in args.levels:
+            a = at_level(args, level)
+            traces, wall = run_engine(engine, *workload(a, a.requests, a.output_tokens, a.seed), a, f"run{level}")
+            rows.append({"streams": level, **summarize("engine", traces, wall, args.output_tokens)})
     finally:
         engine.close()
-    return summarize("engine", traces, wall, args.output_tokens)
+    return rows
 
 
 def free_device(args: argparse.Namespace) -> None:
@@ -417,35 +448,38 @@ def main(argv: list[str] | None = None) -> int:
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    rows = []
-    if not args.skip_grpc:
-        rows.append(bench_grpc(args))
-        free_device(args)
-    if not args.skip_engine:
-        rows.append(bench_engine(args))
-        free_device(args)
-    overhead = rows[0]["tok_per_s"] / rows[1]["tok_per_s"] if len(rows) == 2 and rows[1]["tok_per_s"] else None
-    workload_info = {k: getattr(args, k) for k in ("model", "device", "dtype", "concurrency", "requests",
+    grpc_rows = [] if args.skip_grpc else bench_grpc(args)
+    free_device(args)
+    engine_rows = [] if args.skip_engine else bench_engine(args)
+    free_device(args)
+    rows = sorted(grpc_rows + engine_rows, key=lambda r: r["streams"])
+    overhead = {g["streams"]: g["tok_per_s"] / e["tok_per_s"] for g, e in zip(grpc_rows, engine_rows)
+                if e["tok_per_s"]}
+    workload_info = {k: getattr(args, k) for k in ("model", "device", "dtype", "levels", "requests",
                                                    "prompt_tokens", "output_tokens", "rate", "stream_interval",
                                                    "max_running_seqs", "max_seq_len", "warmup_requests", "target",
-                                                   "client_procs", "overlap_steps")}
+                                                   "client_procs", "overlap_steps", "server_args")}
+    workload_info["requests"] = args.given_requests if args.given_requests is not None else "4 x streams"
     path = write_result("serve", {
         "workload": workload_info,
         "results": rows,
-        "grpc_over_engine_token_throughput": overhead,
+        "grpc_over_engine_token_throughput": {str(k): v for k, v in overhead.items()},
         "notes": "client-side receive times (engine path: the engine process without gRPC, sink times where "
                  "its pipe is read); ITL is one "
                  "sample per chunk, coalesced_chunks counts chunks carrying more than one token",
     }, device=args.device)
-    print_table(rows, ["path", "ok", "errors", "wall_s", "req_per_s", "tok_per_s", "ttft_p50_ms", "ttft_p99_ms",
-                       "itl_p50_ms", "itl_p99_ms", "coalesced_chunks", "tokens_per_chunk"],
-                title=f"\n{args.model} {args.dtype} on {args.device}: {args.requests} requests, concurrency "
-                      f"{args.concurrency}, {args.prompt_tokens} prompt + {args.output_tokens} output tokens"
-                      f"{'' if args.rate is None else f', Poisson {args.rate}/s'}")
-    if overhead is not None:
-        print(f"serving overhead: gRPC / engine-alone token throughput = {overhead:.3f}")
-    if rows[0]["errors"]:
-        print("first gRPC error:", rows[0]["first_error"])
+    requests = args.given_requests if args.given_requests is not None else "4 x streams"
+    print_table(rows, ["streams", "path", "ok", "errors", "wall_s", "req_per_s", "tok_per_s", "ttft_p50_ms",
+                       "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms", "tpot_p50_ms", "tokens_per_chunk"],
+                title=f"\n{args.model} {args.dtype} on {args.device}: {requests} requests per level, "
+                      f"{args.prompt_tokens} prompt + {args.output_tokens} output tokens"
+                      f"{'' if args.rate is None else f', Poisson {args.rate}/s'}"
+                      f"{f' (server: {args.server_args})' if args.server_args else ''}")
+    for streams, ratio in overhead.items():
+        print(f"serving overhead at {streams} streams: gRPC / engine-alone token throughput = {ratio:.3f}")
+    for row in rows:
+        if row["errors"]:
+            print(f"first error at {row['streams']} streams ({row['path']}):", row["first_error"])
     print(f"wrote {path}")
     return 0 if all(r["errors"] == 0 for r in rows) else 1
 

@@ -42,22 +42,25 @@ def test_decode_bench(tmp_path: pathlib.Path) -> None:
 
 def test_serve_bench(tmp_path: pathlib.Path) -> None:
     record = _run("serve_bench.py", [
-        "--device", "cpu", "--cache-dir", str(tmp_path / "models"), "--concurrency", "4", "--requests", "8",
+        "--device", "cpu", "--cache-dir", str(tmp_path / "models"), "--concurrency", "1,4",
         "--prompt-tokens", "16", "--output-tokens", "8", "--warmup-requests", "0"], tmp_path)
-    grpc_row, engine_row = record["results"]
-    for row in (grpc_row, engine_row):
-        assert row["ok"] == 8 and row["tokens"] == 64 and row["short_requests"] == 0
+    rows = record["results"]
+    assert [(r["streams"], r["path"]) for r in rows] == [(1, "grpc"), (1, "engine"), (4, "grpc"), (4, "engine")]
+    for row in rows:  # 4 requests per stream at each level, on one server and one engine process
+        assert row["ok"] == 4 * row["streams"] and row["tokens"] == 8 * row["ok"] and row["short_requests"] == 0
         assert {"ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "req_per_s", "tok_per_s"} <= row.keys()
-    assert record["grpc_over_engine_token_throughput"] > 0
+    assert set(record["grpc_over_engine_token_throughput"]) == {"1", "4"}
+    assert all(v > 0 for v in record["grpc_over_engine_token_throughput"].values())
 
 
 def test_serving_load(tmp_path: pathlib.Path) -> None:
     record = _run("serving_load.py", [
-        "--device", "cpu", "--cache-dir", str(tmp_path / "models"), "--rates", "8", "--requests", "6",
+        "--device", "cpu", "--cache-dir", str(tmp_path / "models"), "--rates", "8,16", "--requests", "6",
         "--starts", "cold,warm", "--warm-requests", "3", "--prompt-median", "16", "--output-median", "6",
         "--max-prompt", "64", "--max-output", "16", "--max-running-seqs", "8", "--burst", "3:32"], tmp_path)
-    cold, warm, burst = record["results"]
-    assert [r["run"] for r in record["results"]] == ["cold 8/s", "warm 8/s", "burst 3x32"]
+    cold, _, warm, _, burst = record["results"]
+    assert [r["run"] for r in record["results"]] == ["cold 8/s", "cold 16/s", "warm 8/s", "warm 16/s", "burst 3x32"]
+    assert (tmp_path / record["plot"]).is_file()  # the rate curve
     for row, n in ((cold, 6), (warm, 6), (burst, 3)):
         assert row["ok"] == n and row["errors"] == 0
         assert row["start_to_serving_s"] > 0 and row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0
