@@ -19,6 +19,9 @@
 #     (text and token-id streams), and its output processing alone (bench/output_budget.py)
 #   bash bench/h200_session.sh gen-1b closed-loop  # 64 / 128 / 256 streams through gRPC, 32 + 256 tokens (and the engine alone at 128)
 #   bash bench/h200_session.sh gen-1b prefix-load  # a shared 1,024-token prefix at 20 req/s, prefix cache on and off
+#   bash bench/h200_session.sh gen-1b message-rate  # the closed loop at 1 / 64 / 128 / 256 streams, one server per
+#     --stream-message-rate in $MSG_RATES (default "0 6000 12000 24000"; 0: unpaced), the engine alone with the first
+#   bash bench/h200_session.sh gen-1b chat-curve  # the chat-like Poisson load, warm, at $RATES (default 25,50,100,150,200)
 #   bash bench/h200_session.sh fp8      # FP8 weights: GPU tests, decode steps in bf16 and FP8 at the 1B and 8B shapes
 #   bash bench/h200_session.sh fp8-kv   # FP8 KV cache: GPU tests, decode steps at context 4096 with bf16 and FP8 KV (1B, 8B)
 #   bash bench/h200_session.sh chunk-attention  # prompt-chunk attention of one layer: the Triton kernel against torch / flash
@@ -99,6 +102,18 @@ for part in "$@"; do
         TAIL=8 run closed-loop-$c 240 python3 bench/serve_bench.py $M --dtype bfloat16 --cache-dir .cache/models $skip \
           --concurrency "$c" --requests $((2 * c)) --prompt-tokens 32 --output-tokens 256 --client-procs 4
       done ;;
+    message-rate)  # issue 28: the closed loop through gRPC (32 + 256 tokens) against the engine alone
+      skip=
+      for r in ${MSG_RATES:-0 6000 12000 24000}; do
+        TAIL=12 run closed-loop-rate-$r 400 python3 bench/serve_bench.py $M --dtype bfloat16 --cache-dir .cache/models $skip \
+          --concurrency 1,64,128,256 --prompt-tokens 32 --output-tokens 256 --client-procs 4 \
+          --server-args "--stream-message-rate $r"
+        skip=--skip-engine
+      done ;;
+    chat-curve)  # issue 28: the chat-like load's rate curve, warm starts, 400 requests per rate
+      run chat-curve${TAG:+-$TAG} 570 python3 bench/serving_load.py $M --cache-dir .cache/models --starts warm \
+        --rates ${RATES:-25,50,100,150,200} --requests ${REQUESTS:-400} --max-running-seqs 256 \
+        --log-dir $OUT/chat-curve${TAG:+-$TAG} ${LOAD_ARGS:-} ;;
     prefix-load)
       eval "run prefix-load${TAG:+-$TAG} 570 python3 bench/serving_load.py $M --cache-dir .cache/models \
         --rates ${RATES:-20} --starts ${STARTS:-warm} --requests ${REQUESTS:-200} --shared-prefix 1024 --prefix-caching on,off \

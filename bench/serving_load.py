@@ -258,6 +258,39 @@ class RunningPeak:
                 self.value = max(self.value, running)
 
 
+def curve_figure(rows: list[dict[str, Any]]) -> Any | None:
+    """Rate -> output tokens/s, TTFT and ITL p50 / p99, one line per start (and prefix mode): the curve
+    the load is read by. None with fewer than two rates."""
+    series: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row.get("rate") is not None:
+            series.setdefault(f"{row['start']}" + (f", prefix cache {row['prefix_cache']}"
+                                                   if len({r.get('prefix_cache') for r in rows}) > 1 else ""), []).append(row)
+    if not any(len(points) > 1 for points in series.values()):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (tput, ttft, itl) = plt.subplots(1, 3, figsize=(15, 4.2))
+    for name, points in series.items():
+        rates = [r["rate"] for r in points]
+        tput.plot(rates, [r["out_tok_per_s"] for r in points], "o-", label=name)
+        for ax, key in ((ttft, "ttft"), (itl, "itl")):
+            ax.plot(rates, [r[f"{key}_p50_ms"] for r in points], "o-", label=f"{name} p50")
+            ax.plot(rates, [r[f"{key}_p99_ms"] for r in points], "s--", label=f"{name} p99")
+    for ax, title in ((tput, "output tokens/s"), (ttft, "TTFT (ms)"), (itl, "ITL, per message (ms)")):
+        ax.set_xlabel("requests/s (Poisson)")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in (ttft, itl):
+        ax.set_yscale("log")
+    fig.tight_layout()
+    return fig
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = pathlib.Path(tempfile.mkdtemp(prefix="serving-load-"))
@@ -298,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         "notes": "a fresh server process per run; TTFT from the client's send to its first token; ITL one sample "
                  "per chunk; step_gap_max from the server's /metrics (every running stream's gap), capture "
                  "counts and stalls from its log",
-    }, device=args.device)
+    }, device=args.device, figure=curve_figure(rows))
     print_table(rows, ["run", "ok", "errors", "start_to_serving_s", "graphs_before_serving", "captures_while_serving",
                        "ttft_p50_ms", "ttft_p99_ms", "ttft_max_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms",
                        "step_gap_max_ms", "step_gap_max_capturing_ms", "out_tok_per_s", "prefix_hit_rate",
