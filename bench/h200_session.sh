@@ -106,8 +106,9 @@ for part in "$@"; do
       skip=
       for r in ${MSG_RATES:-0 6000 12000 24000}; do
         TAIL=12 run closed-loop-rate-$r 400 python3 bench/serve_bench.py $M --dtype bfloat16 --cache-dir .cache/models $skip \
-          --concurrency 1,64,128,256 --prompt-tokens 32 --output-tokens 256 --client-procs 4 \
-          --server-args "--stream-message-rate $r"
+          --concurrency ${LEVELS:-1,64,128,256} --prompt-tokens 32 --output-tokens 256 --client-procs 4 \
+          --server-log "$OUT/closed-loop-rate-$r-server.log" --server-args "--stream-message-rate $r --log-level info --log-format json"
+        grep -o '"event": "[a-z_]*"' "$OUT/closed-loop-rate-$r-server.log" | sort | uniq -c | grep -v request_finished
         skip=--skip-engine
       done ;;
     chat-curve)  # issue 28: the chat-like load's rate curve, warm starts, 400 requests per rate

@@ -148,6 +148,11 @@ def summarize(label: str, traces: list[Trace], wall_s: float, output_tokens: int
             if (after := sum(k for _, k in t.chunks[1:])) > 0]
     chunks = [k for t in ok for _, k in t.chunks]
     tokens = sum(chunks)
+    # Gaps over 50 ms: when in the run (s after its first send) and where in their stream (the chunk
+    # they end); one time shared by many streams is a server-wide stall, times spread out are not.
+    start = min((t.sent for t in ok), default=0.0)
+    long_gaps = sorted((round(b[0] - start, 3), i + 1) for t in ok for i, (a, b) in enumerate(zip(t.chunks, t.chunks[1:]))
+                       if b[0] - a[0] > 0.05)
     return {
         "path": label,
         "requests": len(traces),
@@ -168,6 +173,8 @@ def summarize(label: str, traces: list[Trace], wall_s: float, output_tokens: int
         "chunks": len(chunks),
         "coalesced_chunks": sum(1 for k in chunks if k > 1),
         "tokens_per_chunk": tokens / max(len(chunks), 1),
+        "long_gaps": len(long_gaps),
+        "long_gap_at_s_and_chunk": long_gaps[:: max(1, len(long_gaps) // 40)],  # at most ~40 samples
     }
 
 
@@ -470,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     }, device=args.device)
     requests = args.given_requests if args.given_requests is not None else "4 x streams"
     print_table(rows, ["streams", "path", "ok", "errors", "wall_s", "req_per_s", "tok_per_s", "ttft_p50_ms",
-                       "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms", "tpot_p50_ms", "tokens_per_chunk"],
+                       "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms", "long_gaps", "tpot_p50_ms", "tokens_per_chunk"],
                 title=f"\n{args.model} {args.dtype} on {args.device}: {requests} requests per level, "
                       f"{args.prompt_tokens} prompt + {args.output_tokens} output tokens"
                       f"{'' if args.rate is None else f', Poisson {args.rate}/s'}"

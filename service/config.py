@@ -100,7 +100,7 @@ class ServeConfig:
     # Messages per second the server writes across all streams: each of S open streams gets one at most
     # every S / rate seconds, its tokens in between merged (0: no limit). A write is most of the gRPC
     # process's work, so this keeps it below saturation, where it would hold the engine back instead.
-    stream_message_rate: float = 12000.0
+    stream_message_rate: float = 6000.0
     max_receive_message_bytes: int = 4 << 20
     # Transport security
     tls_cert: Path | None = None
