@@ -114,6 +114,31 @@ def test_the_kv_kernels_compile_for_hopper_with_either_cache(fp8_kv: bool, tmp_p
         assert ".target sm_90" in compiled.asm["ptx"], fn.__name__
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (not a project dependency)")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_kv_write_rounds_each_product_of_the_rotation_as_torch_does(head_dim: int, tmp_path: pathlib.Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled for sm_90 with its launch's NO_FP_FUSION, the RoPE + KV write has no fused multiply-add
+    (with Triton's default FP fusion one bf16 product skips its rounding: k two E4M3 steps off torch's)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from service.model.kernels import rope
+    from service.model.kernels._triton import NO_FP_FUSION
+
+    constants = {"NUM_HEADS": 8, "NUM_KV_HEADS": 2, "HEAD_DIM": head_dim, "HALF": head_dim // 2, "BLOCK": head_dim // 2,
+                 "FP8_KV": True, "FP8_MAX": FP8_MAX, "PDL": False}
+    ptrs = {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "slot_ptr": "*i64", "pos_ptr": "*i64"}
+    fn = rope._rope_kv_kernel
+    signature = {a: "constexpr" if a in constants else ptrs.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+                 for a in fn.arg_names}
+    ptx = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 1, **NO_FP_FUSION}).asm["ptx"]
+    assert "fma." not in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+
+
 def test_an_fp8_block_costs_half_a_bf16_one_so_the_same_memory_holds_twice_the_blocks(model_cache_dir) -> None:  # noqa: ANN001
     from service.model.loader import read_model_spec
 

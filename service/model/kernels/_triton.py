@@ -14,9 +14,18 @@ except Exception:  # noqa: BLE001  (ImportError, or a broken install that fails 
     triton = None
     tl = None
 
-__all__ = ["LOG2E", "cdiv", "interpreting", "next_pow2", "pdl", "pdl_launch", "sm_count", "tl", "triton"]
+__all__ = ["LOG2E", "NO_FP_FUSION", "cdiv", "interpreting", "next_pow2", "pdl", "pdl_launch", "sm_count", "tl",
+           "triton"]
 
 LOG2E = 1.4426950408889634  # attention kernels scale scores by it and take the softmax in exp2
+
+# The launch option of a kernel that repeats torch's rounding step by step (x * a + y * b with each
+# product rounded to bf16 / fp16, then the sum). Triton compiles with FP fusion on by default: LLVM
+# narrows the products and the sum to bf16 ops and contracts one product with the sum into a single
+# fma.rn.bf16, so that product is never rounded. The result is then up to half an ulp of the product
+# away from torch's, many ulps of a sum that cancels (and two or more E4M3 steps once an FP8 cache
+# scales it up). Without fusion each product is its own mul.rn and the result is torch's, bit for bit.
+NO_FP_FUSION = {"enable_fp_fusion": False}
 
 _num_sms: dict[int, int] = {}
 _pdl: dict[int, bool] = {}

@@ -180,14 +180,11 @@ def check_norm(device: torch.device, dtype: torch.dtype, hidden: int, rows: int 
         _close(h, h_ref, "rmsnorm", atol=1e-2, rtol=1e-2)
 
 
-def check_rope_kv(
+def rope_kv_inputs(
     device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-    batch: int = 3, max_seq_len: int = 16, seed: int = 0, kv_dtype: torch.dtype | None = None,
-) -> None:
-    """The fused RoPE and KV write against torch's, into caches of kv_dtype (None: the model's): an
-    FP8 cache's entries within one E4M3 step of torch's (the two may round a bf16 rotation apart)."""
-    from service.model.kernels.rope import rope_kv_write_torch, rope_kv_write_triton
-
+    batch: int = 3, max_seq_len: int = 16, seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """check_rope_kv's inputs: (qkv, cos, sin, slot_ids, positions, the caches' shape)."""
     gen = torch.Generator(device).manual_seed(seed)
     slots = max(4, batch)  # distinct slots: two rows writing one (slot, position) would race
     qkv = torch.randn(batch, (num_heads + 2 * num_kv_heads) * head_dim, device=device, dtype=dtype, generator=gen)
@@ -196,7 +193,19 @@ def check_rope_kv(
     angles = positions[:, None].float() * (1.0 / 10000 ** (torch.arange(0, head_dim, 2, device=device) / head_dim))
     emb = torch.cat((angles, angles), dim=-1)[:, None, :]
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-    shape = (slots + 1, num_kv_heads, max_seq_len, head_dim)
+    return qkv, cos, sin, slot_ids, positions, (slots + 1, num_kv_heads, max_seq_len, head_dim)
+
+
+def check_rope_kv(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+    batch: int = 3, max_seq_len: int = 16, seed: int = 0, kv_dtype: torch.dtype | None = None,
+) -> None:
+    """The fused RoPE and KV write against torch's, into caches of kv_dtype (None: the model's): an
+    FP8 cache's entries within one E4M3 step of torch's (the two may round a bf16 rotation apart)."""
+    from service.model.kernels.rope import rope_kv_write_torch, rope_kv_write_triton
+
+    qkv, cos, sin, slot_ids, positions, shape = rope_kv_inputs(device, dtype, num_heads, num_kv_heads, head_dim,
+                                                               batch, max_seq_len, seed)
     caches = [torch.zeros(shape, device=device, dtype=kv_dtype or dtype) for _ in range(4)]
     scale = check_scales(kv_dtype, device)
     q_ref = rope_kv_write_torch(qkv, cos, sin, caches[0], caches[1], slot_ids, positions, num_heads, num_kv_heads,

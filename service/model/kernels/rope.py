@@ -3,8 +3,10 @@
 Input is the fused qkv projection [B, (H + 2 * KVH) * D]. Writes rotated k and v into
 (slot_ids[i], :, positions[i]) of the layer's cache and returns rotated q [B, H, D]. cos/sin are
 computed once per step by the caller (float32, cast to the model dtype, like transformers); the
-kernel repeats the torch op order: x * cos and rotate_half(x) * sin each rounded, then summed.
-An FP8 cache gets k / k_scale and v / v_scale, clamped and rounded to E4M3 (service/model/kv_quant.py).
+kernel repeats the torch op order: x * cos and rotate_half(x) * sin each rounded, then summed, and
+is compiled without FP fusion (`NO_FP_FUSION`: a fused multiply-add would skip one product's rounding),
+so q, k and v are torch's bit for bit. An FP8 cache gets k / k_scale and v / v_scale, clamped and
+rounded to E4M3 (service/model/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from service.model.fp8 import FP8, FP8_MAX
-from service.model.kernels._triton import pdl, pdl_launch, tl, triton
+from service.model.kernels._triton import NO_FP_FUSION, pdl, pdl_launch, tl, triton
 from service.model.kv_quant import store_kv
 
 if triton is not None:
@@ -86,7 +88,7 @@ def rope_kv_write_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK=triton.next_power_of_2(half), FP8_KV=fp8_kv, FP8_MAX=FP8_MAX, PDL=on,
-        num_warps=1, **pdl_launch(on),
+        num_warps=1, **NO_FP_FUSION, **pdl_launch(on),
     )
     return q
 
@@ -116,7 +118,8 @@ if triton is not None:
         s2 = tl.load(sin_ptr + row * stride_cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
         f1 = x1.to(tl.float32)
         f2 = x2.to(tl.float32)
-        # torch: x * cos + cat(-x2, x1) * sin, each product rounded to the model dtype, then the sum
+        # torch: x * cos + cat(-x2, x1) * sin, each product rounded to the model dtype, then the sum (no
+        # FMA may fuse a product into the sum: the launch turns FP fusion off)
         o1 = ((f1 * c1).to(dt).to(tl.float32) + ((-f2) * s1).to(dt).to(tl.float32)).to(dt)
         o2 = ((f2 * c2).to(dt).to(tl.float32) + (f1 * s2).to(dt).to(tl.float32)).to(dt)
         if head < NUM_HEADS:
