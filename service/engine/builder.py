@@ -157,7 +157,8 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
         log.info("kv_cache", blocks=kv.num_blocks - 1, block_size=kv.block_size, tokens=kv.tokens,
                  gib=round(kv.nbytes / 2**30, 3), dtype=str(kv_dtype).removeprefix("torch."),
                  checkpoint_scales=loaded.kv_scales is not None,
-                 sequences_at_max_seq_len=(kv.num_blocks - 1) // -(-max_seq_len // kv.block_size), prefix_caching=c.prefix_caching, sized_by=kv.source)
+                 sequences_at_max_seq_len=(kv.num_blocks - 1) // -(-max_seq_len // kv.block_size),
+                 prefix_caching=c.prefix_caching, sized_by=kv.source)
     runner = ModelRunner(loaded, c.max_running_seqs, max_seq_len, graph_config,
                          max_loras=c.lora_slots, max_lora_rank=c.max_lora_rank, lora_kernel=c.lora_kernel,
                          block_size=kv.block_size, num_blocks=kv.num_blocks)

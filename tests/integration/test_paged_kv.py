@@ -72,7 +72,7 @@ def test_an_oversubscribed_pool_preempts_and_every_stream_completes_exactly(mode
         with running_server(argv, environ={"GRAPHSERVE_ADMIN_TOKEN": TOKEN}) as server:
             stub = server.stub()
             with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-                runs = list(pool.map(lambda p: generate(stub, timeout=120, **ids_request(p, 120)), prompts))
+                runs = list(pool.map(lambda p, stub=stub: generate(stub, timeout=120, **ids_request(p, 120)), prompts))
             m = metrics(server.app.metrics_port)
             admin = admin_pb2_grpc.GraphCacheAdminStub(grpc.insecure_channel(f"127.0.0.1:{server.app.admin_port}"))
             state = admin.GetCacheState(admin_pb2.GetCacheStateRequest(),
