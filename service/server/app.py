@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import os
 import signal
 import threading
@@ -41,6 +42,7 @@ from service.server.transport import add_port
 from service.server.validation import Limits
 from service.server.vllm_servicer import SERVICE_NAME as VLLM_SERVICE
 from service.server.vllm_servicer import ModelFacts, VllmEngineServicer
+from service.telemetry.gc_pauses import freeze_startup_heap, watch_gc_pauses
 from service.telemetry.metrics import Metrics
 
 log = structlog.get_logger("graphserve.app")
@@ -106,11 +108,13 @@ class App:
         self.ready = asyncio.Event()
         self.stopping = asyncio.Event()
         self.exit_code = 0
+        self._gc_watch: Any = None
 
     # ---- start --------------------------------------------------------------------------------
 
     async def start(self) -> None:
         c = self.config
+        self._gc_watch = watch_gc_pauses("grpc")
         options = [
             ("grpc.max_receive_message_length", c.max_receive_message_bytes),
             ("grpc.so_reuseport", 0),
@@ -161,9 +165,12 @@ class App:
             ready.kv_cache_dtype),
             control)
         self.servicer.adapter_names = control.adapter_names
+        # What start-up made lives as long as the process: out of every collection from now on, so a
+        # full collection does not stop the event loop (and, through the pipe, the engine) for long.
+        frozen = freeze_startup_heap()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.ready.set()
-        log.info("serving", model=c.model, port=self.port, graph_mode=ready.graph_mode)
+        log.info("serving", model=c.model, port=self.port, graph_mode=ready.graph_mode, gc_frozen_objects=frozen)
 
     def _model_info(self, ready: WorkerReady) -> inference_pb2.ModelInfo:
         c, spec = self.config, ready.spec
@@ -259,6 +266,8 @@ class App:
         if self.server is not None:
             await self.server.stop(grace=1.0)
         self.metrics.close()
+        if self._gc_watch in gc.callbacks:
+            gc.callbacks.remove(self._gc_watch)
         log.info("stopped", exit_code=self.exit_code)
 
     async def _streams_idle_within(self, seconds: float) -> bool:

@@ -47,6 +47,7 @@ from service.server.engine_messages import (
 )
 from service.server.gil import shorten_switch_interval  # torch-free, like everything imported at the top here
 from service.telemetry.engine_metrics import EngineMetrics
+from service.telemetry.gc_pauses import freeze_startup_heap, watch_gc_pauses
 
 _STATUS_INTERVAL_S = 0.2
 _RANK_DEATH_GRACE_S = 10.0
@@ -268,6 +269,9 @@ def worker_main(conn: Any, spec: WorkerSpec) -> None:
             conn.send(LoadFailed(message, model))
         finally:
             os._exit(0)
+    # As in the gRPC process: what loading made is out of every later collection; long pauses are logged.
+    freeze_startup_heap()
+    watch_gc_pauses("engine")
     worker.engine.start()
     worker.send(ready)
     stop = threading.Event()
