@@ -79,7 +79,7 @@ class ModelRunner:
         fingerprint = Fingerprint(
             # Other kernels, other graph sizes: the batch-invariant mode keeps its own statistics.
             model=loaded.name + ("+batch-invariant" if loaded.model.batch_invariant else ""),
-            dtype=str(loaded.dtype).removeprefix("torch."),
+            dtype=stats_dtype(loaded),
             device_name=device_name,
             torch_version=torch.__version__,
             capture_sizes=graph_config.sizes,
@@ -451,3 +451,15 @@ class PromptLogprobs:
             out.append((key, start, unpack_logprobs(rows[at: at + n], [k] * n)))
             at += n
         return tuple(out)
+
+
+def stats_dtype(loaded: LoadedModel) -> str:
+    """The fingerprint's dtype: the model's, and what its weights and KV cache store when that differs
+    (FP8 weights or KV make other graphs, of other sizes: their statistics are kept apart). A
+    plain run's stays the model's dtype alone, so the stats files written before still match."""
+    name = str(loaded.dtype).removeprefix("torch.")
+    if loaded.model.fp8:
+        name += "+fp8-weights"
+    if loaded.kv_cache_dtype != loaded.dtype:
+        name += "+kv-" + str(loaded.kv_cache_dtype).removeprefix("torch.")
+    return name

@@ -12,9 +12,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from cache_manager import Fingerprint, StatsStore
+from service.proto import admin_pb2, admin_pb2_grpc
 from tests.support.server import generate, greedy, running_server
 
 BAD_CONTENTS = {
@@ -75,3 +77,24 @@ def test_sigkill_while_saving_in_a_loop_never_leaves_an_unloadable_file(tmp_path
         tables = StatsStore(path, fingerprint).load()
         assert tables.requested, "the file must load with the saved counters"
         assert not [p for p in tmp_path.iterdir() if ".bad-" in p.name or ".foreign-" in p.name]
+
+
+def test_stats_of_another_kv_cache_dtype_are_set_aside_and_the_same_dtype_keeps_them(model_cache_dir, tmp_path) -> None:  # noqa: ANN001
+    """FP8 KV makes other graphs (other sizes in bytes): a warm start must not read a bf16 cache's
+    statistics as its own. A server of the same KV dtype keeps the file. The admin state names the
+    cache's dtype."""
+    stats = tmp_path / "stats.json"
+    base = ["--model-cache-dir", str(model_cache_dir), "--stats-file", str(stats)]
+    for argv in ([], []):  # auto, then auto again: the file is read, not set aside
+        with running_server(base + argv) as server:
+            generate(server.stub(), **greedy("the same cache dtype", 4))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("stats.json.")]
+    assert json.loads(stats.read_text())["fingerprint"]["dtype"] == "float32"
+    with running_server(base + ["--kv-cache-dtype", "fp8"], environ={"GRAPHSERVE_ADMIN_TOKEN": "t"}) as server:
+        generate(server.stub(), **greedy("an FP8 KV cache", 4))
+        admin = admin_pb2_grpc.GraphCacheAdminStub(grpc.insecure_channel(f"127.0.0.1:{server.app.admin_port}"))
+        state = admin.GetCacheState(admin_pb2.GetCacheStateRequest(), metadata=[("authorization", "Bearer t")])
+        assert state.kv_cache.dtype == "float8_e4m3fn"
+    set_aside = [p for p in tmp_path.iterdir() if p.name.startswith("stats.json.foreign-")]
+    assert len(set_aside) == 1 and json.loads(set_aside[0].read_text())["fingerprint"]["dtype"] == "float32"
+    assert json.loads(stats.read_text())["fingerprint"]["dtype"] == "float32+kv-float8_e4m3fn"
