@@ -164,7 +164,8 @@ def format_state(s: admin_pb2.CacheState) -> str:
 
 
 def _kv_line(kv: admin_pb2.KVCacheState) -> str:
-    line = (f"KV cache: {kv.used_blocks} of {kv.total_blocks} blocks used ({kv.block_size} tokens each), "
+    line = (f"KV cache ({kv.dtype or 'dtype unknown'}): {kv.used_blocks} of {kv.total_blocks} blocks used "
+            f"({kv.block_size} tokens each), "
             f"{kv.free_blocks} free, {kv.cached_blocks} cached; preemptions {kv.preemptions}")
     if not kv.prefix_caching:
         return line + "; prefix caching off"

@@ -89,7 +89,7 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
             lora_buckets=[_bucket_entry(b) for b in lora.buckets] if lora is not None else [],
             lora_used_bytes=lora.used_bytes if lora is not None else 0,
             ranks=[_rank_memory(r) for r in ranks],
-            kv_cache=_kv_cache_state(kv) if kv is not None else None,
+            kv_cache=_kv_cache_state(kv, control.kv_cache_dtype) if kv is not None else None,
         )
 
     async def GetCaptureStats(self, request: admin_pb2.GetCaptureStatsRequest,
@@ -290,11 +290,11 @@ def _bucket_entry(b: BucketEntry) -> admin_pb2.BucketEntry:
     )
 
 
-def _kv_cache_state(kv: PoolStats) -> admin_pb2.KVCacheState:
+def _kv_cache_state(kv: PoolStats, dtype: str) -> admin_pb2.KVCacheState:
     return admin_pb2.KVCacheState(
         block_size=kv.block_size, total_blocks=kv.num_blocks, used_blocks=kv.used, free_blocks=kv.free,
         cached_blocks=kv.cached, prefix_caching=kv.prefix_caching, prefix_query_tokens=kv.prefix_queries,
-        prefix_hit_tokens=kv.prefix_hits, preemptions=kv.preemptions)
+        prefix_hit_tokens=kv.prefix_hits, preemptions=kv.preemptions, dtype=dtype)
 
 
 def _rank_memory(r: RankMemory) -> admin_pb2.RankMemory:

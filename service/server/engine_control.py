@@ -72,6 +72,7 @@ class EngineControl:
         self.max_loras = ready.max_loras  # adapter slots; 0: no adapters, and no LoRA graphs
         self.max_lora_rank = ready.max_lora_rank
         self.adapter_names: set[str] = set(ready.adapters)  # what Generate accepts
+        self.kv_cache_dtype = ready.kv_cache_dtype or ready.dtype  # what the KV cache stores
 
     @property
     def alive(self) -> bool:

@@ -80,6 +80,7 @@ def test_an_oversubscribed_pool_preempts_and_every_stream_completes_exactly(mode
         outputs[memory] = [tokens_of(chunks) for chunks, _ in runs]
         assert all(len(t) == 120 and f.usage.completion_tokens == 120 for t, (_, f) in zip(outputs[memory], runs))
         assert state.kv_cache.block_size == 16 and state.kv_cache.used_blocks == 0
+        assert state.kv_cache.dtype == server.app.model.dtype  # --kv-cache-dtype auto: the model's
         if memory == "1966080":
             assert state.kv_cache.total_blocks == 59
             assert m["graphserve_preemptions_total"] > 0 and state.kv_cache.preemptions == m["graphserve_preemptions_total"]
