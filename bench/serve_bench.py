@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench.common import percentile, print_table, write_result
+from service.telemetry.gc_pauses import freeze_startup_heap
 
 
 @dataclass
@@ -242,6 +243,7 @@ Driver = Callable[[str, list[Any], list[float], argparse.Namespace], Awaitable[t
 
 def _client_worker(drive: Driver, target: str, prompts: list[Any], offsets: list[float],
                    args: argparse.Namespace, start_at: float) -> tuple[list[Trace], float, float]:
+    freeze_startup_heap()  # a full collection here would delay the receive times it records
     time.sleep(max(0.0, start_at - time.perf_counter()))  # every client process starts together
     start = time.perf_counter()
     traces, wall = asyncio.run(drive(target, prompts, offsets, args))
@@ -255,6 +257,7 @@ def run_clients(drive: Driver, target: str, prompts: list[Any], offsets: list[fl
     CLOCK_MONOTONIC, shared by the processes. `drive` must be a module-level function (pickled)."""
     n = max(1, min(args.client_procs, args.concurrency, len(prompts)))
     if n == 1:
+        freeze_startup_heap()
         return asyncio.run(drive(target, prompts, offsets, args))
     import concurrent.futures
     import multiprocessing
@@ -332,6 +335,8 @@ class EngineAlone:
         except BaseException:
             self.close()
             raise
+        # This process reads the engine's pipe, as the gRPC process does: keep its collections short too.
+        freeze_startup_heap()
 
     def submit(self, request: Any, sink: Any) -> str:
         return self.process.submit(request, sink)
