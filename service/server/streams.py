@@ -111,7 +111,7 @@ class Stream:
         self.sent: dict[int, int] = {}  # tokens delivered (taken, or queued) per sample
         self.backlog = 0  # tokens queued, not yet written, of every sample
         self.paused = False
-        self.last_chunk_at = float("-inf")  # loop time of the last chunk written (pacing)
+        self.last_chunk_at: dict[int, float] = {}  # per sample: loop time of its last chunk written (pacing)
         self.woken: asyncio.Future[None] | None = None  # set while a chunk is held: a sample's end wakes it
 
     def sink(self, index: int) -> Callable[[RequestEvent], None]:
@@ -293,13 +293,13 @@ class Streams:
             while True:
                 index, event = await stream.queue.get()
                 if isinstance(event, TokenDelta):
-                    await self._pace(stream)
+                    await self._pace(stream, index)
                     event = _merge_ready(event, index, stream.queue)
                 if isinstance(event, TokenDelta):
                     stream.taken(event)
                     message = writer.chunk(event, index)
                     if message is not None:
-                        stream.last_chunk_at = asyncio.get_running_loop().time()
+                        stream.last_chunk_at[index] = asyncio.get_running_loop().time()
                         await self._write(context, message)
                 elif isinstance(event, Finish):
                     stream.ended.add(index)
@@ -335,14 +335,15 @@ class Streams:
                               f"the client accepted no data for {self.admission.stream_stall_timeout:g} s "
                               "(--stream-stall-timeout): the stream was aborted")
 
-    async def _pace(self, stream: Stream) -> None:
-        """Hold the stream's next chunk until its share of the message rate allows it (tokens that
-        arrive meanwhile join it); not when its end is already queued: the finish is never held."""
+    async def _pace(self, stream: Stream, index: int) -> None:
+        """Hold a sample's next chunk until its share of the message rate allows it (its tokens that
+        arrive meanwhile join it); not when an end is already queued: the finish is never held. Each
+        sample of an n-sample stream has its own share."""
         rate = self.admission.stream_message_rate
-        if not rate:
+        if not rate or index not in stream.last_chunk_at:
             return
         loop = asyncio.get_running_loop()
-        wait = stream.last_chunk_at + len(self.active) / rate - loop.time()
+        wait = stream.last_chunk_at[index] + len(self.active) / rate - loop.time()
         if wait <= 0 or _end_queued(stream.queue):
             return
         stream.woken = loop.create_future()
@@ -374,18 +375,25 @@ def _end_queued(queue: asyncio.Queue[tuple[int, RequestEvent]]) -> bool:
 
 
 def _merge_ready(first: TokenDelta, index: int, queue: asyncio.Queue[tuple[int, RequestEvent]]) -> TokenDelta:
-    """Merge the deltas of the same sample already queued behind `first`; stop at (and keep) anything else."""
+    """Merge into `first` the deltas of the same sample already queued, up to that sample's next other
+    event (a finish or an error, which stays queued); the other samples' events keep their order."""
     if queue.empty():
         return first
     ids, text = list(first.token_ids), first.text
     logprobs = None if first.logprobs is None else list(first.logprobs)
-    while not queue.empty():
-        nxt_index, nxt = queue._queue[0]  # noqa: SLF001 - peek: a Finish must stay queued for the next get()
-        if nxt_index != index or not isinstance(nxt, TokenDelta):
+    items = queue._queue  # noqa: SLF001 - a deque; asyncio.Queue has no way to take from its middle
+    kept = []
+    while items:
+        nxt_index, nxt = items[0]
+        if nxt_index == index and not isinstance(nxt, TokenDelta):
             break
-        queue.get_nowait()
+        items.popleft()
+        if nxt_index != index:
+            kept.append((nxt_index, nxt))
+            continue
         ids += nxt.token_ids
         text += nxt.text
         if logprobs is not None:
             logprobs += nxt.logprobs or ()
+    items.extendleft(reversed(kept))
     return TokenDelta(ids, text, logprobs, first.prompt_logprobs)  # only a sample's first delta has them

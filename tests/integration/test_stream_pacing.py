@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from service.proto import inference_pb2
-from tests.support.server import ServerThread, generate, greedy
+from tests.support.server import ServerThread, generate, generate_samples, greedy
 
 RATE = 4.0  # messages per second across all streams: one open stream gets one every 0.25 s
 
@@ -88,3 +88,20 @@ def test_cancelling_held_streams_frees_their_sequences_and_others_finish(paced, 
         time.sleep(0.05)
     assert (engine.num_running, engine.num_waiting, engine.num_free_slots) == (0, 0, 8)
     assert not paced.app.streams.active
+
+
+def test_each_sample_of_an_n_sample_stream_is_paced_and_merged_on_its_own(paced, server) -> None:
+    """Samples' deltas interleave in one stream: each sample still gets its share of messages with its
+    own tokens merged, so an n-sample stream is not held back (nor paused for its backlog)."""
+    request = dict(text="Once upon a time", sampling=inference_pb2.SamplingParams(temperature=1.0, seed=9),
+                   stopping=inference_pb2.StoppingCriteria(max_tokens=150, ignore_eos=True))
+    expected, _ = generate_samples(server.stub(), 4, **request)
+    start = time.monotonic()
+    chunks, finished = generate_samples(paced.stub(), 4, **request)
+    elapsed = time.monotonic() - start
+    for i in range(4):
+        ids = [t for c in chunks if c.index == i for t in c.token_ids]
+        assert ids == [t for c in expected if c.index == i for t in c.token_ids] and len(ids) == 150
+        assert len([c for c in chunks if c.index == i]) < 150 / 4  # merged
+    # Not slowed to one message per sample per 4 gaps (~40 s for 150 tokens): the engine's pace
+    assert elapsed < max(10.0, 3 * max(f.timings.total_seconds for f in finished))
