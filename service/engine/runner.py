@@ -25,6 +25,7 @@ import torch
 from cache_manager import Fingerprint, GraphBackend, GraphCache, GraphCacheConfig
 from cache_manager.sizes import FULL, PIECEWISE
 from service.engine.block_pool import BlockPool
+from service.engine.decode_rows import DecodeRows
 from service.engine.decode_step import LoraDecodeStep, ModelDecodeStep, fed_back
 from service.engine.piecewise_step import LoraPiecewiseStep, PiecewiseStep
 from service.engine.rank_memory import RankMemory
@@ -126,6 +127,7 @@ class ModelRunner:
         self._turn = 0
         # The latest launch: each sequence's row in it and its sampled tokens (on device).
         self._previous: tuple[dict[str, int], torch.Tensor] = ({}, torch.zeros(0, dtype=torch.long))
+        self.decode_rows = DecodeRows()  # the last launch's decode rows, reused while they continue
 
     def new_block_pool(self, prefix_caching: bool = True) -> BlockPool:
         """The scheduler's block pool over this runner's KV cache."""
@@ -188,6 +190,7 @@ class ModelRunner:
             tokens, sampling, logprobs, prompt = self.mixed(decodes, prefills, before_sampling)
             self.role.sampled(tokens)
         except Exception as exc:
+            self.decode_rows.reset()  # its rows were not launched
             error = self.role.explain(exc)
             if error is exc:
                 raise
@@ -230,18 +233,10 @@ class ModelRunner:
         decode, then each chunk that completes its prompt), the packed log-probabilities of those
         that asked for them (sampler.Sampled), and the prompt logprobs the chunks computed."""
         rows, previous_tokens = self._previous
-        # The decode rows in one pass (per-row work is what grows with the batch): a row whose token
-        # is still in flight takes it from the previous launch's row on the device (token id 0 here).
-        token_ids, positions, slots, pending_rows = [], [], [], []
-        for s in decodes:
-            if s.num_pending:
-                token_ids.append(0)
-                pending_rows.append(rows[s.key])
-            else:
-                token_ids.append(s.last_token_id())
-                pending_rows.append(-1)
-            positions.append(s.next_position())
-            slots.append(_slot(s))
+        # A row whose token is still in flight takes it from the previous launch's row on the device
+        # (token id 0 here); rows that continue the last launch's are not rebuilt (decode_rows.py).
+        d = self.decode_rows.build(decodes, rows)
+        token_ids, positions, slots, pending_rows = d.token_ids, d.positions, d.slots, d.pending_rows
         sampling = decodes + [c.seq for c in chunks if c.completes_prompt]
         lora_slots = None
         if any(s.lora_slot for s in decodes) or any(c.seq.lora_slot for c in chunks):

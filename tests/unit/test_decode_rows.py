@@ -1,0 +1,77 @@
+"""The persistent decode rows: whatever the engine does between launches (sequences joining after
+their prompt, finishing, preempted, reordered, tokens read early), each launch's rows equal the rows
+built from the sequences themselves."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from service.engine.decode_rows import DecodeRows, rebuild
+from service.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from service.engine.sequence import Sequence, SequenceStatus
+
+OPS = st.sampled_from(["step", "step", "step", "step", "join", "finish", "preempt", "swap", "drain"])
+
+
+def _seq(i: int, slot: int) -> Sequence:
+    request = GenerationRequest(f"r{i}", list(range(1, 3 + i % 5)), SamplingParams(), StoppingParams(max_tokens=10**6))
+    return Sequence(request, status=SequenceStatus.RUNNING, slot=slot)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(OPS, min_size=1, max_size=60), st.integers(0, 2**16))
+def test_reused_rows_equal_rows_rebuilt_from_the_sequences(ops: list[str], seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    rows, decodes, prefilling = DecodeRows(), [], []  # prefilling: a prompt chunk in the next launch
+    previous: dict[str, int] = {}  # the last launch's sampling row of each key
+    made = 0
+    for op in ops:
+        if op == "join" or not decodes and not prefilling:
+            made += 1
+            prefilling.append(_seq(made, slot=made))
+        elif op == "finish" and decodes:
+            decodes.pop(rng.randrange(len(decodes)))
+        elif op == "preempt" and decodes:  # back to waiting; re-admitted, its KV recomputed by a prompt chunk
+            s = decodes.pop(rng.randrange(len(decodes)))
+            s.num_pending, s.slot = 0, s.slot + 1000
+            prefilling.append(s)
+        elif op == "swap" and len(decodes) > 1:
+            i, j = rng.sample(range(len(decodes)), 2)
+            decodes[i], decodes[j] = decodes[j], decodes[i]
+        elif op == "drain":  # the step in flight is read before the next launch (operator calls)
+            for s in decodes:
+                if s.num_pending:
+                    s.num_pending = 0
+                    s.completion_token_ids.append(7)
+        # A launch: its decodes, then the prompt chunks that complete (each samples a first token).
+        expected = rebuild(decodes, previous)
+        assert rows.build(decodes, previous) == expected
+        sampling = decodes + prefilling
+        previous = {s.key: r for r, s in enumerate(sampling)}
+        for s in decodes:  # this launch's token is in flight; the last launch's is read now
+            if s.num_pending:
+                s.completion_token_ids.append(5)
+            else:
+                s.num_pending = 1
+        for s in prefilling:
+            s.num_pending = 1
+        decodes, prefilling = sampling, []
+
+
+def test_steady_decoding_reuses_the_rows_and_advances_them() -> None:
+    seqs = [_seq(i, slot=i) for i in range(3)]
+    rows = DecodeRows()
+    previous: dict[str, int] = {}
+    for step in range(10):
+        built = rows.build(seqs, previous)
+        assert built == rebuild(seqs, previous)
+        assert built.positions == [s.num_prompt_tokens - 1 + step for s in seqs]  # one further per launch
+        previous = {s.key: r for r, s in enumerate(seqs)}
+        for s in seqs:
+            if s.num_pending:
+                s.completion_token_ids.append(5)
+            s.num_pending = 1
+    assert rows.reused == 9  # every launch after the first
