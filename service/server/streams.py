@@ -11,9 +11,10 @@ gets the tokens that piled up merged into one message instead of one message per
 
 Writes are paced: the loop writes at most `stream_message_rate` messages per second across the open
 streams, so with S streams each gets a message at most every S / rate seconds (each sample of an
-n-sample stream its own) and the tokens of the steps in between go out merged. A write is most of what this process does per token; unpaced, a loop
-that saturates reads the engine's pipe late, the pipe fills and the engine waits on it. A stream's
-first message (its first token) and its finish are never held.
+n-sample stream its own) and the tokens of the steps in between go out merged. A write is most of
+what this process does per token; unpaced, a loop that saturates reads the engine's pipe late, the
+pipe fills and the engine waits on it. A stream's first message (its first token) and its finish
+are never held.
 """
 
 from __future__ import annotations
