@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    "prompt_tokens", "output_tokens", "rate", "stream_interval",
                                                    "max_running_seqs", "max_seq_len", "warmup_requests", "target",
                                                    "client_procs", "overlap_steps", "server_args")}
-    workload_info["requests"] = args.given_requests if args.given_requests is not None else "4 x streams"
+    requests = workload_info["requests"] = args.given_requests if args.given_requests is not None else "4 x streams"
     path = write_result("serve", {
         "workload": workload_info,
         "results": rows,
@@ -480,7 +480,6 @@ def main(argv: list[str] | None = None) -> int:
                  "its pipe is read); ITL is one "
                  "sample per chunk, coalesced_chunks counts chunks carrying more than one token",
     }, device=args.device)
-    requests = args.given_requests if args.given_requests is not None else "4 x streams"
     print_table(rows, ["streams", "path", "ok", "errors", "wall_s", "req_per_s", "tok_per_s", "ttft_p50_ms",
                        "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms", "long_gaps", "tpot_p50_ms", "tokens_per_chunk"],
                 title=f"\n{args.model} {args.dtype} on {args.device}: {requests} requests per level, "

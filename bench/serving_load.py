@@ -264,10 +264,11 @@ def curve_figure(rows: list[dict[str, Any]]) -> Any | None:
     """Rate -> output tokens/s, TTFT and ITL p50 / p99, one line per start (and prefix mode): the curve
     the load is read by. None with fewer than two rates."""
     series: dict[str, list[dict[str, Any]]] = {}
+    both_modes = len({r.get("prefix_cache") for r in rows}) > 1
     for row in rows:
         if row.get("rate") is not None:
-            series.setdefault(f"{row['start']}" + (f", prefix cache {row['prefix_cache']}"
-                                                   if len({r.get('prefix_cache') for r in rows}) > 1 else ""), []).append(row)
+            name = row["start"] + (f", prefix cache {row['prefix_cache']}" if both_modes else "")
+            series.setdefault(name, []).append(row)
     if not any(len(points) > 1 for points in series.values()):
         return None
     import matplotlib
