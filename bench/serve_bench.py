@@ -27,6 +27,9 @@ import gc
 import pathlib
 import random
 import shlex
+import shutil
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -83,6 +86,9 @@ def build_parser(description: str | None = __doc__, engine: bool = True) -> argp
                    help="the server and the engine read each step's tokens before launching the next")
     p.add_argument("--client-procs", type=int, default=1, help="client processes sharing the streams")
     p.add_argument("--server-log", type=pathlib.Path, default=None, help="where the started server logs")
+    p.add_argument("--py-spy", type=pathlib.Path, default=None, metavar="DIR",
+                   help="record the started server's gRPC process with py-spy (raw, per thread, idle included) "
+                        "during each level into DIR/grpc-<streams>.txt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-args", default="",
                    help="more flags for the started server, e.g. '--cudagraph-mode full --stats-file s.json'")
@@ -298,6 +304,18 @@ def start_server(args: argparse.Namespace) -> Any:
     return server
 
 
+def py_spy(pid: int, out: pathlib.Path) -> subprocess.Popen:
+    """py-spy recording process `pid` until SIGINT: raw stacks (one line per stack and count, for
+    flamegraph.pl or a grep), every thread, idle samples kept (where the event loop waits)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    exe = shutil.which("py-spy") or str(pathlib.Path(sys.executable).parent / "py-spy")
+    for site in sys.path:  # pip --target puts the binary in <target>/bin, off PATH
+        if (pathlib.Path(site) / "bin" / "py-spy").exists():
+            exe = str(pathlib.Path(site) / "bin" / "py-spy")
+    return subprocess.Popen([exe, "record", "-p", str(pid), "-f", "raw", "--threads", "--idle", "-r", "200",
+                             "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
 def stop_server(server: Any) -> None:
     server.terminate()
     try:
@@ -422,7 +440,13 @@ def bench_grpc(args: argparse.Namespace) -> list[dict[str, Any]]:
             run_grpc(address, *workload(warm, args.warmup_requests, 8, args.seed + 100), warm)
         for level in args.levels:
             a = at_level(args, level)
-            traces, wall = run_grpc(address, *workload(a, a.requests, a.output_tokens, a.seed), a)
+            spy = None if args.py_spy is None or server is None else py_spy(server.proc.pid, args.py_spy / f"grpc-{level}.txt")
+            try:
+                traces, wall = run_grpc(address, *workload(a, a.requests, a.output_tokens, a.seed), a)
+            finally:
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)  # py-spy writes its samples and exits
+                    spy.wait(60)
             rows.append({"streams": level, **summarize("grpc" if args.target is None else f"grpc {args.target}",
                                                        traces, wall, args.output_tokens)})
     finally:
