@@ -114,7 +114,6 @@ class App:
 
     async def start(self) -> None:
         c = self.config
-        self._gc_watch = watch_gc_pauses("grpc")
         options = [
             ("grpc.max_receive_message_length", c.max_receive_message_bytes),
             ("grpc.so_reuseport", 0),
@@ -168,6 +167,8 @@ class App:
         # What start-up made lives as long as the process: out of every collection from now on, so a
         # full collection does not stop the event loop (and, through the pipe, the engine) for long.
         frozen = freeze_startup_heap()
+        # Watched from here: a start-up collection (that one included) pauses no stream.
+        self._gc_watch = watch_gc_pauses("grpc")
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.ready.set()
         log.info("serving", model=c.model, port=self.port, graph_mode=ready.graph_mode, gc_frozen_objects=frozen)
