@@ -1,21 +1,12 @@
-"""Batch-1 FP8 GEMV: which kernel streams E4M3 weights at the copy rate?
-
-The served GEMV (service.model.kernels.gemv) reads an FP8 weight at 43% (1B) and 61% (8B) of the
-copy rate against bf16's 65% and 90% (bench/NOTES.md, "FP8 weights"). Each FP8 element is converted
-to float32 by Triton's cast (cvt instructions, a fraction of the FMA rate) and every K step ends in a
-cross-warp sum. Candidates, each with the served PDL launch (first weight tile loaded before the wait):
-
-- served: the served kernel;
-- acc2d-cast: float32 products accumulated per lane, one sum at the end, Triton's cast;
-- acc2d-bits: the same, the E4M3 byte turned into float32 with integer ops: sign to bit 31, exponent
-  and mantissa to bits 20-26, which is the value times 2^-120 (denormals included) -- the 2^120
-  goes into the row scale;
-- dot-cast / dot-bits: the weight tile converted to bf16 (cast, or the same bit move into bf16's
-  bits) and multiplied on the tensor cores against the row padded to 16 columns.
+"""Batch-1 FP8 GEMV: the served kernel in each of a few tile configurations, against bf16.
 
 Times one decode step's projections at batch 1 as one dependent chain in a CUDA graph (each output
 the next input), 1B (16 layers) and 8B (4 layers) shapes, us per layer and share of the copy-rate
-floor; each candidate is first checked against a float32 product of the dequantized weights.
+floor of the FP8 bytes; each configuration is first checked against a float32 product of the
+dequantized weights. The served GEMV (service.model.kernels.gemv) with bf16 weights is the
+reference row. The kernels this replaced (Triton's cast to float32, a per-element bit move, the
+tensor cores on the row padded to 16 columns) are in this file's history and
+bench/results/h200-20261204-fp8-gemv/.
 
     python bench/fp8_gemv_sweep.py
 """
@@ -34,99 +25,29 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench.common import graph_ms, print_table, write_result
 from bench.decode_bench import copy_rate
 from service.model import fp8
-from service.model.kernels._triton import cdiv, pdl_launch, tl, triton
+from service.model.kernels._triton import triton
 from service.model.kernels.gemv import GemvConfig, gemv_triton
 
 SHAPES = {"1b": ([(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)], 16),
           "8b": ([(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)], 4)}
-TWO_120 = float(2**120)
-LANE = {"acc2d-cast": [(2, 2048, 4), (2, 4096, 4), (4, 2048, 4), (4, 4096, 8), (8, 1024, 4), (1, 4096, 4)],
-        "dot": [(16, 256, 4), (16, 512, 4), (32, 256, 4), (16, 1024, 4), (32, 512, 4), (64, 256, 4)]}
+SWEEP = [GemvConfig(*c) for c in ((8, 1024, 4, 1), (4, 2048, 4, 1), (2, 4096, 4, 1), (8, 2048, 8, 1),
+                                   (16, 1024, 8, 1), (16, 512, 4, 1), (4, 4096, 8, 1), (8, 512, 4, 1))]
 
 
-def gemv_candidate(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, kind: str, cfg: tuple[int, int, int]) -> torch.Tensor:
-    n, k = q.shape
-    bn, bk, warps = cfg
-    y = torch.empty((1, n), device=x.device, dtype=x.dtype)
-    bits = kind.endswith("bits")
-    w = q.view(torch.uint8) if bits else q
-    kernel = _dot_kernel if kind.startswith("dot") else _lane_kernel
-    kernel[(cdiv(n, bn),)](x, w, scale, y, n, k, q.stride(0), BITS=bits, BLOCK_N=bn, BLOCK_K=min(bk, k),
-                           num_warps=warps, num_stages=1, **pdl_launch(True))
-    return y
-
-
-if triton is not None:
-
-    @triton.jit
-    def _to_f32(w, BITS: tl.constexpr):
-        if BITS:
-            v = w.to(tl.int32)
-            return (((v & 0x80) << 24) | ((v & 0x7F) << 20)).to(tl.float32, bitcast=True)
-        return w.to(tl.float32)
-
-    @triton.jit
-    def _to_bf16(w, BITS: tl.constexpr):
-        if BITS:
-            v = w.to(tl.int32)
-            return (((v & 0x80) << 8) | ((v & 0x7F) << 4)).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        return w.to(tl.bfloat16)
-
-    @triton.jit
-    def _lane_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        n_mask = offs_n < N
-        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x = tl.load(x_ptr + k0 + offs_k, mask=offs_k < K - k0, other=0.0).to(tl.float32)
-            acc += _to_f32(w, BITS) * x[None, :]
-            next_k = k0 + BLOCK_K
-            w = tl.load(w_ptrs + next_k, mask=n_mask[:, None] & (offs_k[None, :] < K - next_k), other=0.0)
-        s = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
-        if BITS:
-            s = s * 1.329227995784916e36  # 2^120: the bit move's exponent offset
-        tl.store(y_ptr + offs_n, (tl.sum(acc, 1) * s).to(y_ptr.dtype.element_ty), mask=n_mask)
-
-    @triton.jit
-    def _dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_c = tl.arange(0, 16)
-        n_mask = offs_n < N
-        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-        acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            # the row as column 0 of a [BLOCK_K, 16] tile, the other columns zero
-            xt = tl.load(x_ptr + k0 + offs_k[:, None] + offs_c[None, :] * 0,
-                         mask=(offs_c[None, :] == 0) & (offs_k[:, None] < K - k0), other=0.0).to(tl.bfloat16)
-            acc = tl.dot(_to_bf16(w, BITS), xt, acc)
-            next_k = k0 + BLOCK_K
-            w = tl.load(w_ptrs + next_k, mask=n_mask[:, None] & (offs_k[None, :] < K - next_k), other=0.0)
-        s = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
-        if BITS:
-            s = s * 1.329227995784916e36
-        tl.store(y_ptr + offs_n, (tl.sum(acc, 1) * s).to(y_ptr.dtype.element_ty), mask=n_mask)
-
-
-def variants() -> dict[str, partial]:
-    out = {"served": None}
-    for kind in ("acc2d-cast", "acc2d-bits"):
-        for cfg in LANE["acc2d-cast"]:
-            out[f"{kind} bn{cfg[0]} bk{cfg[1]} w{cfg[2]}"] = partial(gemv_candidate, kind=kind, cfg=cfg)
-    for kind in ("dot-cast", "dot-bits"):
-        for cfg in LANE["dot"]:
-            out[f"{kind} bn{cfg[0]} bk{cfg[1]} w{cfg[2]}"] = partial(gemv_candidate, kind=kind, cfg=cfg)
+def variants() -> dict[str, object]:
+    out = {"served": lambda x, q, s: gemv_triton(x, q, scale=s)}
+    for c in SWEEP:
+        out[f"bn{c.block_n} bk{c.block_k} w{c.num_warps}"] = partial(
+            lambda x, q, s, c: gemv_triton(x, q, scale=s, config=c), c=c)
     return out
+
+
+def chain(project, x: torch.Tensor, weights: list) -> torch.Tensor:
+    """Every layer's projections in order, each output the next input (its first K elements)."""
+    for layer in weights:
+        for w in layer:
+            x = project(x[:, : w[0].shape[1]], *w) if isinstance(w, tuple) else project(x[:, : w.shape[1]], w, None)
+    return x
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,32 +73,20 @@ def main(argv: list[str] | None = None) -> int:
         fp8_bytes = sum(n * k for n, k in layer)
         floor_us = fp8_bytes / rate * 1e6
 
-        def chain(project, x=x0):
-            for lw in weights:
-                for q, s in lw:
-                    x = project(x[:, : q.shape[1]], q, s)
-            return x
-
-        served = lambda x, q, s: gemv_triton(x, q, scale=s)  # noqa: E731
         with torch.inference_mode():
             # bf16 weights through the served GEMV, 2 layers repeated to the same count: the reference speed
-            def chain_bf16(x=x0):
-                for i in range(layers):
-                    for w in bf16[i % 2]:
-                        x = gemv_triton(x[:, : w.shape[1]], w)
-                return x
-            ms = graph_ms([chain_bf16], stream, args.replays, warmup=2)
+            ms = graph_ms([partial(chain, lambda x, w, _: gemv_triton(x, w), x0, [bf16[i % 2] for i in range(layers)])],
+                          stream, args.replays, warmup=2)
             rows.append({"shape": shape, "variant": "bf16 served (2 layers' weights cycled)", "us_per_layer": ms * 1000 / layers,
                          "of_floor": floor_us * 2 / (ms * 1000 / layers)})
-            for name, fn in variants().items():
-                project = served if fn is None else fn
+            for name, project in variants().items():
                 try:
                     errs = []
                     for q, s in weights[0]:
                         x = x0[:, : q.shape[1]]
                         ref = x.float() @ fp8.dequantize_rows(q, s).t()
                         errs.append(((project(x, q, s).float() - ref).norm() / ref.norm()).item())
-                    ms = graph_ms([partial(chain, project)], stream, args.replays, warmup=2)
+                    ms = graph_ms([partial(chain, project, x0, weights)], stream, args.replays, warmup=2)
                 except Exception as e:  # noqa: BLE001 - a candidate that fails to compile is a result too
                     rows.append({"shape": shape, "variant": name, "error": f"{type(e).__name__}: {e}"[:200]})
                     torch.cuda.synchronize()
