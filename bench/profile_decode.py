@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--without", default="", help="fast-path kernels to turn off, as decode_bench.py's")
+    p.add_argument("--quantization", choices=["none", "fp8"], default="none", help="as decode_bench.py's")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
     args.dtype = getattr(torch, args.dtype)

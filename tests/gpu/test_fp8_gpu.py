@@ -53,6 +53,23 @@ def test_fp8_products_match_float32_of_the_dequantized_weights(n, k, bias, rows)
     assert _rel(ours.float(), bf16.float()) < 0.08  # what FP8 costs against bf16 weights
 
 
+def test_the_fp8_gemv_reads_every_e4m3_value_exactly() -> None:
+    """The GEMV moves E4M3 bits into bf16's rather than converting: each of the 254 finite codes
+    (denormals, both zeros, every sign), in each byte of a 32-bit word, comes out as its value."""
+    from service.model.kernels.gemv import gemv_triton
+
+    codes = torch.arange(256, dtype=torch.int32)
+    codes[(codes & 0x7F) == 0x7F] = 0  # the two NaN codes: no weight holds them
+    k = 16  # row r holds its code at column r % 16: all four byte positions of a word
+    w = torch.zeros(256, k, dtype=torch.uint8)
+    w[torch.arange(256), torch.arange(256) % k] = codes.to(torch.uint8)
+    q = w.view(torch.float8_e4m3fn).to(DEVICE)
+    x = torch.ones(1, k, device=DEVICE, dtype=torch.bfloat16)
+    y = gemv_triton(x, q, scale=torch.ones(256, device=DEVICE))
+    expected = q.float().sum(dim=1)  # every E4M3 value is a bf16 value too
+    assert torch.equal(y.float()[0], expected), (y.float()[0] - expected).abs().max()
+
+
 def test_an_fp8_model_decodes_close_to_bf16_and_its_graph_replay_equals_eager():
     from service.model.kv_cache import KVCache
 
