@@ -56,6 +56,10 @@ class Trace:
     text_chunks: list[tuple[float, int]] = field(default_factory=list)
     done: float | None = None
     error: str | None = None
+    # The engine's own times of the request (its Finish timings): from arrival in the server to the
+    # first scheduling step, and to the first token
+    server_queue_s: float | None = None
+    server_ttft_s: float | None = None
 
 
 def build_parser(description: str | None = __doc__, engine: bool = True) -> argparse.ArgumentParser:
@@ -173,6 +177,8 @@ def summarize(label: str, traces: list[Trace], wall_s: float, output_tokens: int
         "short_requests": sum(1 for t in ok if sum(k for _, k in t.chunks) != output_tokens),
         "ttft_p50_ms": percentile(ttft, 50),
         "ttft_p99_ms": percentile(ttft, 99),
+        "server_queue_p50_ms": percentile([t.server_queue_s * 1000.0 for t in ok if t.server_queue_s is not None], 50),
+        "server_ttft_p50_ms": percentile([t.server_ttft_s * 1000.0 for t in ok if t.server_ttft_s is not None], 50),
         "itl_p50_ms": percentile(itl, 50),
         "itl_p99_ms": percentile(itl, 99),
         "itl_max_ms": max(itl, default=None),
@@ -199,6 +205,9 @@ async def _one_grpc(stub: Any, pb: Any, prompt: list[int], args: argparse.Namesp
     try:
         async for response in stub.Generate(request, timeout=600):
             if response.WhichOneof("kind") != "chunk":
+                if response.WhichOneof("kind") == "finished" and response.finished.HasField("timings"):
+                    trace.server_queue_s = response.finished.timings.queue_seconds
+                    trace.server_ttft_s = response.finished.timings.time_to_first_token_seconds
                 continue
             now, k = time.perf_counter(), len(response.chunk.token_ids)
             if k:
@@ -391,6 +400,8 @@ def run_engine(engine: Any, prompts: list[list[int]], offsets: list[float],
                     trace.chunks.append((now, len(event.final_delta.token_ids)))
                 if isinstance(event, EngineError):
                     trace.error = event.message
+                else:
+                    trace.server_queue_s, trace.server_ttft_s = event.queue_seconds, event.time_to_first_token_seconds
                 trace.done = now
                 gate.release()
                 finished.release()
@@ -505,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
                  "sample per chunk, coalesced_chunks counts chunks carrying more than one token",
     }, device=args.device)
     print_table(rows, ["streams", "path", "ok", "errors", "wall_s", "req_per_s", "tok_per_s", "ttft_p50_ms",
-                       "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms", "long_gaps", "tpot_p50_ms", "tokens_per_chunk"],
+                       "ttft_p99_ms", "server_queue_p50_ms", "server_ttft_p50_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms", "long_gaps", "tpot_p50_ms", "tokens_per_chunk"],
                 title=f"\n{args.model} {args.dtype} on {args.device}: {requests} requests per level, "
                       f"{args.prompt_tokens} prompt + {args.output_tokens} output tokens"
                       f"{'' if args.rate is None else f', Poisson {args.rate}/s'}"

@@ -114,6 +114,10 @@ class Stream:
         self.paused = False
         self.last_chunk_at: dict[int, float] = {}  # per sample: loop time of its last chunk written (pacing)
         self.woken: asyncio.Future[None] | None = None  # set while a chunk is held: a sample's end wakes it
+        # Where a first token's time goes in this process (monotonic): when the engine's event for it
+        # arrived here, and when its message was written (request_finished logs both)
+        self.first_token_in: float | None = None
+        self.first_written: float | None = None
 
     def sink(self, index: int) -> Callable[[RequestEvent], None]:
         return lambda event: self.put(event, index)
@@ -123,6 +127,8 @@ class Stream:
         if not isinstance(event, TokenDelta):
             _wake(self.woken)
         else:
+            if self.first_token_in is None:
+                self.first_token_in = time.monotonic()
             self.backlog += len(event.token_ids)
             self.sent[index] = self.sent.get(index, 0) + len(event.token_ids)
             if self.backlog > self.max_backlog and not self.paused and self.keys:
@@ -149,6 +155,18 @@ class Stream:
             if index not in self.ended:
                 self.queue.put_nowait((index, Finish(FinishReason.ABORT, self.prompt_tokens, self.sent.get(index, 0),
                                                      total_seconds=max(0.0, time.monotonic() - self.arrival))))
+
+
+def _first_token_times(stream: Stream) -> dict[str, float]:
+    """Seconds from the stream's arrival until its first token's event reached this process
+    (`first_token_in_s`: the engine's time to first token plus the pipe) and until that token's
+    message was written (`first_written_s`: plus this process's queue and the write)."""
+    out = {}
+    if stream.first_token_in is not None:
+        out["first_token_in_s"] = round(stream.first_token_in - stream.arrival, 4)
+    if stream.first_written is not None:
+        out["first_written_s"] = round(stream.first_written - stream.arrival, 4)
+    return out
 
 
 class StreamWriter(Protocol):
@@ -302,6 +320,8 @@ class Streams:
                     if message is not None:
                         stream.last_chunk_at[index] = asyncio.get_running_loop().time()
                         await self._write(context, message)
+                        if stream.first_written is None:
+                            stream.first_written = time.monotonic()
                 elif isinstance(event, Finish):
                     stream.ended.add(index)
                     for message in writer.finished(event, index):
@@ -309,7 +329,8 @@ class Streams:
                     log.info("request_finished", request_id=request_id, reason=event.reason.value,
                              prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                              queue_s=round(event.queue_seconds, 4), ttft_s=round(event.time_to_first_token_seconds, 4),
-                             total_s=round(event.total_seconds, 4), **({"sample": index} if len(gens) > 1 else {}))
+                             total_s=round(event.total_seconds, 4), **_first_token_times(stream),
+                             **({"sample": index} if len(gens) > 1 else {}))
                     if len(stream.ended) == len(gens):
                         finished = True
                         return
