@@ -66,6 +66,11 @@ class ReleaseJob:
 Job = CaptureJob | ReleaseJob
 
 
+def ops_of(jobs: list[Job]) -> list[GraphOp]:
+    """What jobs do, in order: what the other ranks must do at the same point (inline capture)."""
+    return [GraphOp(CAPTURE if isinstance(job, CaptureJob) else RELEASE, job.key) for job in jobs]
+
+
 class Capturer:
     """One background thread that runs capture and release jobs for the cache, in submission order."""
 
@@ -99,11 +104,28 @@ class Capturer:
 
     def queued_ops(self) -> list[GraphOp]:
         """Inline: what the queued jobs do, in order (what the other ranks must do at the same point)."""
-        return [GraphOp(CAPTURE if isinstance(job, CaptureJob) else RELEASE, job.key) for job in self.queued]
+        return ops_of(self.queued)
+
+    def take_queued(self, max_captures: int) -> list[Job]:
+        """Inline: the queued jobs up to and including the max_captures-th capture, in order (taken
+        off the queue: the caller runs them with `run_jobs`)."""
+        taken, captures = 0, 0
+        for job in self.queued:
+            if isinstance(job, CaptureJob):
+                if captures == max_captures:
+                    break
+                captures += 1
+            taken += 1
+        jobs, self.queued = self.queued[:taken], self.queued[taken:]
+        return jobs
 
     def run_queued(self) -> int:
-        """Inline: run the queued jobs on this thread, in order; `take_done` then has them. Returns how many."""
+        """Inline: run every queued job on this thread, in order; `take_done` then has them. Returns how many."""
         jobs, self.queued = self.queued, []
+        return self.run_jobs(jobs)
+
+    def run_jobs(self, jobs: list[Job]) -> int:
+        """Inline: run these jobs (taken from the queue) on this thread, in order; `take_done` then has them."""
         if jobs and not self._bound:
             self.backend.bind_thread()
             self._bound = True

@@ -16,7 +16,7 @@ import torch
 
 from cache_manager.backend import CudaGraphBackend, GraphBackend, replay_rows
 from cache_manager.budget import choose_victims, resolve_budget
-from cache_manager.capturer import CaptureJob
+from cache_manager.capturer import CaptureJob, ops_of
 from cache_manager.config import DEFAULT_BUDGET_FRACTION, GraphCacheConfig
 from cache_manager.mirror import GraphOp
 from cache_manager.ops import GraphsUnavailableError, OpOutcome, OpResult
@@ -52,9 +52,14 @@ class GraphCache:
 
     `run` is `plan` (which graph, or eager; queue captures and evictions) then `execute`. With
     `config.inline_capture` (tensor parallelism) captures and releases wait in a queue until the
-    engine thread runs them: rank 0 plans a step, sends the queued ops and the planned descriptor
-    with it (`queued_ops`), runs them (`run_queued`), then executes; `poll` first hands the queued
-    ops to `publish_ops` (the other ranks) and runs them, then commits.
+    engine thread runs them, on every rank at the same point: `poll` hands the queued ops to
+    `publish_ops` (the other ranks) and runs them here, then commits. A capture there stops every
+    rank's step loop (85-196 ms a graph on two H200s), so with `engine_busy` set (the engine's) they
+    run only while it has no work, one capture at a time, and meanwhile steps pad into a larger
+    graph: a cold start captures a cover of sizes (the largest, then about half of it, and so on),
+    so a step pads to at most about twice its size. Without `engine_busy` (no engine: tests, the
+    start) the queued ops travel with the next step instead: rank 0 sends them with the planned
+    descriptor (`queued_ops`) and runs them (`run_queued`) before it executes.
     """
 
     def __init__(
@@ -121,6 +126,9 @@ class GraphCache:
         )
         # Inline capture with other ranks: called with the queued ops just before `poll` runs them here.
         self.publish_ops: Callable[[list[GraphOp]], None] | None = None
+        # Inline capture: whether the engine has work now (requests queued, running or in flight); set,
+        # captures and releases wait for it to have none (a capture stops every rank's steps).
+        self.engine_busy: Callable[[], bool] | None = None
         # Both settable after construction: the engine that wakes and the metrics come later.
         self.notify = notify
         self.on_capture_stall = on_capture_stall
@@ -131,8 +139,12 @@ class GraphCache:
             if not self._warm_queue:
                 # A cold start: the largest size of each kind first, so that while traffic asks for
                 # its own sizes, their steps pad into a graph instead of running eagerly (an eager
-                # step beside a capture shares the interpreter with it and slows most).
-                self._warm_queue.extend(BatchDescriptor(k, self._tables[k].largest) for k in self.mode.kinds)
+                # step beside a capture shares the interpreter with it and slows most). Inline
+                # (tensor parallelism), where serving captures wait for an idle engine: a cover.
+                covers = {k: _cover(self._tables[k].sizes) if config.inline_capture else [self._tables[k].largest]
+                          for k in self.mode.kinds}
+                for i in range(max(map(len, covers.values()), default=0)):
+                    self._warm_queue.extend(BatchDescriptor(k, c[i]) for k, c in covers.items() if i < len(c))
         self._warming: BatchDescriptor | None = None  # the warm-start capture in flight
         self.sharing: GraphCache | None = None  # the cache under the same budget (share_budget_with)
 
@@ -243,22 +255,26 @@ class GraphCache:
         if capturer is None or not capturer.inline:
             return self._commit_done()
         count = self._commit_done()  # what the last step ran (it travelled with the step)
-        while capturer.queued:
+        # One capture at a time, the engine asked before each: a request that arrives meanwhile
+        # waits for one capture at most.
+        while capturer.queued and not (self.engine_busy is not None and self.engine_busy()):
+            jobs = capturer.take_queued(max_captures=1)
             if self.publish_ops is not None:
-                self.publish_ops(capturer.queued_ops())
-            capturer.run_queued()
+                self.publish_ops(ops_of(jobs))
+            capturer.run_jobs(jobs)
             count += self._commit_done()
         return count
 
     def queued_ops(self) -> list[GraphOp]:
-        """Inline capture: the captures and releases waiting to run, in order (for the other ranks)."""
+        """Inline capture: the captures and releases to run with the next step, in order (for the
+        other ranks); none while they wait for an idle engine (`engine_busy`): `poll` runs them."""
         capturer = self.residency.capturer
-        return capturer.queued_ops() if capturer is not None else []
+        return capturer.queued_ops() if capturer is not None and self.engine_busy is None else []
 
     def run_queued(self) -> None:
-        """Inline capture: run the queued captures and releases now, on this thread; the next `poll`
-        or `plan` commits them."""
-        if self.residency.capturer is not None:
+        """Inline capture: run what `queued_ops` named, on this thread; the next `poll` or `plan`
+        commits them."""
+        if self.residency.capturer is not None and self.engine_busy is None:
             self.residency.capturer.run_queued()
 
     def _commit_done(self) -> int:
@@ -517,6 +533,15 @@ class GraphCache:
                 stats_file=str(self.stats.store.path) if self.stats.store else None,
                 last_save_time=self.stats.last_save_time,
             )
+
+
+def _cover(sizes: tuple[int, ...]) -> list[int]:
+    """Sizes from `sizes` (sorted) that every size pads into at about twice itself or less: the
+    largest, then the largest at most half of it, and so on down."""
+    out = [sizes[-1]]
+    while smaller := [s for s in sizes if s <= out[-1] // 2]:
+        out.append(smaller[-1])
+    return out
 
 
 @dataclass

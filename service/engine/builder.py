@@ -134,10 +134,11 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
     max_seq_len = min(c.max_seq_len, loaded.spec.max_position_embeddings)
     mode = CudaGraphMode.parse(c.cudagraph_mode) if device.type == "cuda" else CudaGraphMode.NONE
     # Tensor parallelism: every rank captures, replays and releases the same graphs in the same
-    # order, as rank 0 decides; captures run on the engine thread (service/engine/roles.py).
+    # order, as rank 0 decides; captures run on the engine thread (service/engine/roles.py), while
+    # serving only when the engine has no work (cache_manager/manager.py).
     inline = tp is not None and tp.world_size > 1
     if inline and mode is not CudaGraphMode.NONE and not follower:
-        log.info("tensor_parallel_graphs", world_size=tp.world_size, mode=mode.value, capture="inline",
+        log.info("tensor_parallel_graphs", world_size=tp.world_size, mode=mode.value, capture="inline, when idle",
                  budget="per rank")
     largest = max(c.max_running_seqs, c.max_num_batched_tokens)
     graph_config = GraphCacheConfig(
@@ -201,6 +202,8 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
                     between_steps=between_steps, overlap=c.overlap_steps, grammars=grammars)
     for graphs in caches:
         graphs.notify = engine.wake  # a finished capture is committed between steps, even when idle
+        if graphs.config.inline_capture:  # every rank's steps stop for a capture: only when no request waits
+            graphs.engine_busy = engine.has_pending_work
     if ranks is not None:
         ranks.on_death = engine.wake
     return engine

@@ -54,9 +54,9 @@ class OneDevice:
 
 class TensorParallelLeader(OneDevice):
     """Rank 0 of N > 1: its graph cache plans every step; the step's inputs go to the other ranks
-    with the queued graph operations and the planned graph, and the sampled tokens follow (the
-    other ranks may feed them back next step). Graph operations decided between steps (warm start,
-    operators) go out in a message of their own."""
+    with the planned graph, and the sampled tokens follow (the other ranks may feed them back next
+    step). Graph operations go out in a message of their own when the cache runs them: between steps,
+    while the engine is idle (or, with no engine to ask, with the next step's inputs)."""
 
     def __init__(self, ranks: Ranks, tp: TensorParallel, graphs: GraphCache) -> None:
         self.ranks = ranks

@@ -3,8 +3,9 @@
 cache decide; rank 1 mirrors them from the step messages. Both ranks must capture, replay and
 release the same graphs in the same order (a mismatch would pair collectives of different steps),
 through traffic, the warm start, an operator capture and evictions under a tiny budget; the tokens
-must equal one rank's; the engine thread's stall must include the inline capture; and rank 0's view
-of every rank's graph memory (the admin state's) must show what rank 1's mirror holds."""
+must equal one rank's; no capture may run while the engine has a request (a capture stops every
+rank's steps), though the engine thread's stall still counts it; and rank 0's view of every rank's
+graph memory (the admin state's) must show what rank 1's mirror holds."""
 
 from __future__ import annotations
 
@@ -50,8 +51,12 @@ class RecordingBackend(FakeGraphBackend):
         super().__init__()
         self.delay_s = delay_s
         self.log: list[tuple[str, str, int]] = []
+        self.engine_busy = None  # rank 0: the engine's has_pending_work, once it exists
+        self.captured_while_busy: list[tuple[str, int]] = []
 
     def capture(self, step, size: int) -> _LoggedGraph:  # noqa: ANN001
+        if self.engine_busy is not None and self.engine_busy():
+            self.captured_while_busy.append((_kind(step), size))
         time.sleep(self.delay_s)
         graph = super().capture(step, size)
         kind = _kind(step)
@@ -119,7 +124,7 @@ def _rank(rank: int, world: int, port: int, cache_dir: str) -> dict:
 
 def _lead(rank: int, world: int, port: int, cache_dir: str) -> dict:
     from service.config import load_config
-    from service.engine.builder import LoadedRunner, new_engine
+    from service.engine.builder import LoadedRunner, new_engine, prepare_graphs
     from service.engine.request import GenerationRequest, SamplingParams, StoppingParams
     from tests.unit.test_overlap import Results
 
@@ -130,7 +135,11 @@ def _lead(rank: int, world: int, port: int, cache_dir: str) -> dict:
     stalls: list[float] = []
     runner.graphs.on_capture_stall = stalls.append
     c = load_config(["--max-running-seqs", str(SLOTS), "--max-num-batched-tokens", str(MAX_TOKENS)], {})
-    engine = new_engine(c, LoadedRunner(loaded, runner, MAX_SEQ, CudaGraphMode.FULL_AND_PIECEWISE))
+    lr = LoadedRunner(loaded, runner, MAX_SEQ, CudaGraphMode.FULL_AND_PIECEWISE)
+    prepare_graphs(lr, 30)  # as a server does before SERVING: the cold start's cover of sizes
+    startup = list(backend.log)
+    engine = new_engine(c, lr)
+    backend.engine_busy = engine.has_pending_work
     engine.start()
     out = Results()
 
@@ -167,7 +176,9 @@ def _lead(rank: int, world: int, port: int, cache_dir: str) -> dict:
         operator(lambda: graphs.evict_async([2], "full"))
         captured = operator(lambda: graphs.capture_async([2], "full"))
         second = serve("second")
-        snap = engine.call(graphs.snapshot).result(30)  # between steps: every decided op has run everywhere
+        # Between steps, once what traffic queued has been captured (the engine is idle now): every
+        # decided op has run everywhere
+        snap = engine.call(lambda: (graphs.wait_idle(30), graphs.snapshot())[1]).result(60)
         memory_last = memory()
     finally:
         engine.stop()
@@ -175,7 +186,8 @@ def _lead(rank: int, world: int, port: int, cache_dir: str) -> dict:
     channel.send(None)
     held = sorted((b.kind, b.size) for b in snap.buckets if b.state is BucketState.CAPTURED)
     return {"log": backend.log, "held": held, "used": snap.used_bytes, "tokens": [first, second], "stalls": stalls,
-            "evicted": evicted, "captured": captured[2].outcome, "memory": [memory_first, memory_last]}
+            "evicted": evicted, "captured": captured[2].outcome, "memory": [memory_first, memory_last],
+            "startup": startup, "captured_while_busy": backend.captured_while_busy}
 
 
 def _one_rank_tokens(cache_dir: pathlib.Path) -> list[list[int]]:
@@ -231,12 +243,26 @@ def test_operator_capture_and_budget_evictions_reach_every_rank(two_ranks) -> No
     assert releases_of_2 and captures_of_2 and captures_of_2[-1] > releases_of_2[0]
 
 
-def test_greedy_tokens_equal_one_rank_and_the_stall_shows_the_inline_capture(two_ranks, model_cache_dir) -> None:  # noqa: ANN001
+def test_greedy_tokens_equal_one_rank_and_no_capture_runs_while_a_request_does(two_ranks, model_cache_dir) -> None:  # noqa: ANN001
     one = _one_rank_tokens(model_cache_dir)
     first, second = two_ranks[0]["tokens"]
     assert first == one and second == one
-    stalls = two_ranks[0]["stalls"]
+    lead = two_ranks[0]
+    assert lead["captured_while_busy"] == []
+    captures = [e for e in lead["log"] if e[0] == "capture"]
+    startup = [e for e in lead["startup"] if e[0] == "capture"]
+    assert len(captures) > len(startup), "traffic's own sizes were never captured (in the idle gaps)"
+    stalls = lead["stalls"]  # the engine thread still spends each capture: counted, though no step waited
     assert stalls and min(stalls) >= CAPTURE_DELAY_S
+
+
+def test_a_cold_start_captures_a_cover_of_sizes_largest_first(two_ranks) -> None:  # noqa: ANN001
+    startup = [(kind, size) for action, kind, size in two_ranks[0]["startup"] if action == "capture"]
+    full = [size for kind, size in startup if kind == "full"]
+    # every decode batch of 1 .. SLOTS then pads into a graph at most twice its size
+    assert full == [4, 2, 1]
+    piecewise = [size for kind, size in startup if kind == "piecewise"]
+    assert piecewise[0] == MAX_TOKENS and piecewise == sorted(piecewise, reverse=True)
 
 
 def test_rank_0_sees_what_every_rank_s_graphs_hold(two_ranks) -> None:  # noqa: ANN001
