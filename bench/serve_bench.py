@@ -516,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
                  "sample per chunk, coalesced_chunks counts chunks carrying more than one token",
     }, device=args.device)
     print_table(rows, ["streams", "path", "ok", "errors", "wall_s", "req_per_s", "tok_per_s", "ttft_p50_ms",
-                       "ttft_p99_ms", "server_queue_p50_ms", "server_ttft_p50_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms", "long_gaps", "tpot_p50_ms", "tokens_per_chunk"],
+                       "ttft_p99_ms", "server_queue_p50_ms", "server_ttft_p50_ms", "itl_p50_ms", "itl_p99_ms",
+                       "itl_max_ms", "long_gaps", "tpot_p50_ms", "tokens_per_chunk"],
                 title=f"\n{args.model} {args.dtype} on {args.device}: {requests} requests per level, "
                       f"{args.prompt_tokens} prompt + {args.output_tokens} output tokens"
                       f"{'' if args.rate is None else f', Poisson {args.rate}/s'}"
