@@ -92,7 +92,8 @@ def test_grpc_server_on_two_gpus_serves_bf16(model_cache_dir) -> None:  # noqa: 
 def test_grpc_server_on_two_gpus_with_graphs_streams_what_one_gpu_with_graphs_streams(
         model_cache_dir, tmp_path, capsys) -> None:  # noqa: ANN001
     """float32, both kinds of graph: each prompt's prefill replays (or pads into) piecewise graphs and
-    its decodes full ones, captured inline on both ranks; a second pass replays what the first captured."""
+    its decodes full ones, captured on both ranks (the cold start's cover before serving, other sizes
+    between requests); a second pass replays what the first captured."""
     from tests.gpu.test_admin_gpu import Ctl
 
     token_file = tmp_path / "token"
