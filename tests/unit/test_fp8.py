@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from service.model import ModelLoadError, ensure_builtin, load_model
 from service.model.fp8 import FP8, FP8_MAX, checkpoint_scales, dequantize_rows, quantize_rows
+from tests.support.ranks import run_ranks
 
 CPU = torch.device("cpu")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -118,3 +119,25 @@ def test_serve_with_fp8_on_a_cpu_fails_the_start_saying_what_to_change(tmp_path:
         capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "--quantization fp8 needs an NVIDIA GPU" in proc.stdout + proc.stderr
+
+
+def _fp8_rank(rank: int, world: int, port: int, model_dir: str) -> torch.Tensor:
+    from service.engine.ranks import join_group
+
+    tp, _ = join_group(rank, world, port, CPU)
+    model = load_model(model_dir, CPU, torch.float32, tp=tp).model
+    return model.forward_full(torch.tensor([[5, 17, 300, 42, 9, 1, 2]]))
+
+
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["per-channel", "per-tensor"])
+def test_an_fp8_checkpoint_splits_across_two_ranks_with_its_scales(tmp_path: pathlib.Path, per_tensor: bool) -> None:
+    """Each rank reads its rows of a column-parallel weight with those rows' scales, and all of a
+    row-parallel weight's scales (one per output channel) beside its columns: two gloo ranks give
+    the logits of the whole checkpoint on one."""
+    src = ensure_builtin("tiny", tmp_path / "cache")
+    _fp8_checkpoint(src, tmp_path / "fp8", per_tensor)
+    whole = load_model(str(tmp_path / "fp8"), CPU, torch.float32).model.forward_full(
+        torch.tensor([[5, 17, 300, 42, 9, 1, 2]]))
+    ranks = run_ranks(_fp8_rank, 2, str(tmp_path / "fp8"))
+    for rank in (0, 1):
+        torch.testing.assert_close(ranks[rank], whole, atol=1e-5, rtol=1e-5)
