@@ -19,6 +19,8 @@
 #     (text and token-id streams), and its output processing alone (bench/output_budget.py)
 #   bash bench/h200_session.sh gen-1b closed-loop  # 64 / 128 / 256 streams through gRPC, 32 + 256 tokens (and the engine alone at 128)
 #   bash bench/h200_session.sh gen-1b prefix-load  # a shared 1,024-token prefix at 20 req/s, prefix cache on and off
+#   (closed-loop and message-rate: $CLIENT_PROCS client processes, default 8: with 4 the Python clients
+#   held part of the first-token time at 128+ streams, bench/results/h200-20261204-ttft/)
 #   bash bench/h200_session.sh gen-1b message-rate  # the closed loop at 1 / 64 / 128 / 256 streams, one server per
 #     --stream-message-rate in $MSG_RATES (default "0 6000 12000 24000"; 0: unpaced), the engine alone with the first
 #   bash bench/h200_session.sh gen-1b chat-curve  # the chat-like Poisson load, warm, at $RATES (default 25,50,100,150,200)
@@ -100,13 +102,13 @@ for part in "$@"; do
       for c in ${STREAMS:-64 128 256}; do
         skip=--skip-engine; [ "$c" = 128 ] && skip=
         TAIL=8 run closed-loop-$c 240 python3 bench/serve_bench.py $M --dtype bfloat16 --cache-dir .cache/models $skip \
-          --concurrency "$c" --requests $((2 * c)) --prompt-tokens 32 --output-tokens 256 --client-procs 4
+          --concurrency "$c" --requests $((2 * c)) --prompt-tokens 32 --output-tokens 256 --client-procs ${CLIENT_PROCS:-8}
       done ;;
     message-rate)  # issue 28: the closed loop through gRPC (32 + 256 tokens) against the engine alone
       skip=
       for r in ${MSG_RATES:-0 6000 12000 24000}; do
         TAIL=12 run closed-loop-rate-$r 400 python3 bench/serve_bench.py $M --dtype bfloat16 --cache-dir .cache/models $skip \
-          --concurrency ${LEVELS:-1,64,128,256} --prompt-tokens 32 --output-tokens 256 --client-procs 4 \
+          --concurrency ${LEVELS:-1,64,128,256} --prompt-tokens 32 --output-tokens 256 --client-procs ${CLIENT_PROCS:-8} \
           --server-log "$OUT/closed-loop-rate-$r-server.log" --server-args "--stream-message-rate $r --log-level info --log-format json"
         grep -o '"event": "[a-z_]*"' "$OUT/closed-loop-rate-$r-server.log" | sort | uniq -c | grep -v request_finished
         skip=--skip-engine
