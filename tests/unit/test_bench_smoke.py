@@ -43,14 +43,22 @@ def test_decode_bench(tmp_path: pathlib.Path) -> None:
 def test_serve_bench(tmp_path: pathlib.Path) -> None:
     record = _run("serve_bench.py", [
         "--device", "cpu", "--cache-dir", str(tmp_path / "models"), "--concurrency", "1,4",
-        "--prompt-tokens", "16", "--output-tokens", "8", "--warmup-requests", "0"], tmp_path)
+        "--prompt-tokens", "16", "--output-tokens", "8", "--warmup-requests", "0",
+        "--server-log", str(tmp_path / "server.log"), "--server-args", "--log-level info"], tmp_path)
     rows = record["results"]
     assert [(r["streams"], r["path"]) for r in rows] == [(1, "grpc"), (1, "engine"), (4, "grpc"), (4, "engine")]
     for row in rows:  # 4 requests per stream at each level, on one server and one engine process
         assert row["ok"] == 4 * row["streams"] and row["tokens"] == 8 * row["ok"] and row["short_requests"] == 0
         assert {"ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "req_per_s", "tok_per_s"} <= row.keys()
+        # the engine's own times, through gRPC (the Finished message) and on the engine alone (Finish)
+        assert 0 <= row["server_queue_p50_ms"] <= row["server_ttft_p50_ms"] <= row["ttft_p50_ms"], row
     assert set(record["grpc_over_engine_token_throughput"]) == {"1", "4"}
     assert all(v > 0 for v in record["grpc_over_engine_token_throughput"].values())
+    # the server's log splits its first tokens by level
+    split = subprocess.run([sys.executable, "bench/first_token_split.py", str(tmp_path / "server.log"), "--levels", "1,4",
+                            "--min-tokens", "8"], check=True, cwd=REPO, capture_output=True, text=True, timeout=60)
+    levels = [line.split() for line in split.stdout.splitlines() if line.split()[:1] in (["1"], ["4"])]
+    assert [(cells[0], cells[1]) for cells in levels] == [("1", "4"), ("4", "16")], split.stdout
 
 
 def test_serving_load(tmp_path: pathlib.Path) -> None:
