@@ -12,9 +12,9 @@ it without waiting for traffic. The thread starts with the first job and is stop
 
 Inline (tensor parallelism): no thread. NCCL communicators are not thread-safe, and a capture's
 warm-up collectives beside the serving stream's could meet other ranks' collectives in another
-order and deadlock. Jobs wait in `queued` until the engine thread runs them with `run_queued`, at a
-step boundary, after rank 0 has told the other ranks to run the same ones (mirror.py); the engine
-thread stalls for the capture, and the stall is what the job reports (`stall_s`).
+order and deadlock. Jobs wait in `queued` until the engine thread takes and runs them (`take_queued`,
+`run_jobs`) between steps, after rank 0 has told the other ranks to run the same ones (mirror.py);
+the engine thread stalls for the capture, and the stall is what the job reports (`stall_s`).
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ class Capturer:
         return ops_of(self.queued)
 
     def take_queued(self, max_captures: int) -> list[Job]:
-        """Inline: the queued jobs up to and including the max_captures-th capture, in order (taken
-        off the queue: the caller runs them with `run_jobs`)."""
+        """Inline: the queued jobs before the (max_captures + 1)-th capture, in order (max_captures 0:
+        the releases at the head of the queue), taken off the queue: the caller runs them with `run_jobs`."""
         taken, captures = 0, 0
         for job in self.queued:
             if isinstance(job, CaptureJob):

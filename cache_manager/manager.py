@@ -37,7 +37,8 @@ class GraphCache:
 
     Contract: only the engine thread calls `run`, `poll`, `warm_step`, `maybe_save`, `save`, `close`
     and the operator operations (`capture_async`, `evict_async`, `set_budget_async`, `reset_stats`,
-    and their blocking forms), between steps; `snapshot()` may be called from any thread. Before
+    and their blocking forms, which with deferred inline captures return only once the engine has
+    been idle), between steps; `snapshot()` may be called from any thread. Before
     `run(n)` the caller has written rows [0, n) of the step's static inputs; the cache pads rows
     [n, S). The returned tensor may be a view of a graph's static output: it is valid until the next
     call into the cache (clone to keep it).
@@ -54,12 +55,14 @@ class GraphCache:
     `config.inline_capture` (tensor parallelism) captures and releases wait in a queue until the
     engine thread runs them, on every rank at the same point: `poll` hands the queued ops to
     `publish_ops` (the other ranks) and runs them here, then commits. A capture there stops every
-    rank's step loop (85-196 ms a graph on two H200s), so with `engine_busy` set (the engine's) they
-    run only while it has no work, one capture at a time, and meanwhile steps pad into a larger
-    graph: a cold start captures a cover of sizes (the largest, then about half of it, and so on),
-    so a step pads to at most about twice its size. Without `engine_busy` (no engine: tests, the
-    start) the queued ops travel with the next step instead: rank 0 sends them with the planned
-    descriptor (`queued_ops`) and runs them (`run_queued`) before it executes.
+    rank's step loop (85-196 ms a graph on two H200s), so with `engine_busy` set (the engine's)
+    captures run only while it has no work, one at a time (releases at the head of the queue run at
+    once); meanwhile steps pad into a larger graph, a capture that traffic asks for evicts nothing
+    (an idle `poll` asks again, evicting by policy), and the warm start waits. A cold start captures
+    a cover of sizes (the largest, then the smallest at least half of it, and so on), so that a step
+    pads to at most twice its size where the allowed sizes allow. Without `engine_busy` (a cache no
+    engine drives: tests) the queued ops may instead travel with the next step: rank 0 sends them
+    with the planned descriptor (`queued_ops`) and runs them (`run_queued`) before it executes.
     """
 
     def __init__(
@@ -129,6 +132,7 @@ class GraphCache:
         # Inline capture: whether the engine has work now (requests queued, running or in flight); set,
         # captures and releases wait for it to have none (a capture stops every rank's steps).
         self.engine_busy: Callable[[], bool] | None = None
+        self._wanted: dict[BatchDescriptor, None] = {}  # sizes traffic asked for that need evictions (in order)
         # Both settable after construction: the engine that wakes and the metrics come later.
         self.notify = notify
         self.on_capture_stall = on_capture_stall
@@ -240,8 +244,13 @@ class GraphCache:
         else:
             in_use = self.residency.last_replayed
             protect = {key} | ({in_use} if in_use is not None else set())
-            outcome, _ = self.residency.request_capture(key, protect, evict="policy")
+            # Deferred captures (tensor parallelism) would hold their victims out of service until the
+            # engine is idle: none now; an idle `poll` asks again, evicting by policy.
+            deferred = self.engine_busy is not None
+            outcome, _ = self.residency.request_capture(key, protect, evict="none" if deferred else "policy")
             reason = "capturing" if outcome is None else "budget"
+            if outcome is not None and deferred:
+                self._wanted[key] = None
         larger = self.residency.larger_captured(key)
         return (larger, "") if larger is not None else (None, reason)
 
@@ -249,21 +258,41 @@ class GraphCache:
 
     def poll(self) -> int:
         """Between steps: commit finished captures and account finished releases; returns how many.
-        Inline capture: first runs the queued captures and releases (after `publish_ops`), and again
-        for what the commits queued (evictions), until none is left."""
+        Inline capture: first runs queued releases and captures (after `publish_ops`), and again for
+        what the commits queued (evictions), until none is left or, with `engine_busy`, the engine
+        has work (then only the releases at the head of the queue run)."""
         capturer = self.residency.capturer
         if capturer is None or not capturer.inline:
             return self._commit_done()
         count = self._commit_done()  # what the last step ran (it travelled with the step)
-        # One capture at a time, the engine asked before each: a request that arrives meanwhile
+        if self._wanted and not self._busy():
+            self._request_wanted()
+        # Releases at the head of the queue run now (no rank waits on them); captures one at a time
+        # while the engine is idle, the engine asked before each: a request that arrives meanwhile
         # waits for one capture at most.
-        while capturer.queued and not (self.engine_busy is not None and self.engine_busy()):
-            jobs = capturer.take_queued(max_captures=1)
+        while capturer.queued:
+            jobs = capturer.take_queued(max_captures=0 if self._busy() else 1)
+            if not jobs:
+                break
             if self.publish_ops is not None:
                 self.publish_ops(ops_of(jobs))
             capturer.run_jobs(jobs)
             count += self._commit_done()
         return count
+
+    def _busy(self) -> bool:
+        return self.engine_busy is not None and self.engine_busy()
+
+    def _request_wanted(self) -> None:
+        """The sizes traffic asked for while the engine was busy that did not fit without evictions:
+        requested again, evicting by policy (most recently asked first)."""
+        now = self._clock()
+        for key in reversed(list(self._wanted)):
+            b = self._buckets[key]
+            if b.graph is None and key not in self.residency.pending and not b.in_backoff(now):
+                in_use = self.residency.last_replayed
+                self.residency.request_capture(key, {key} | ({in_use} if in_use is not None else set()), evict="policy")
+        self._wanted.clear()
 
     def queued_ops(self) -> list[GraphOp]:
         """Inline capture: the captures and releases to run with the next step, in order (for the
@@ -296,16 +325,16 @@ class GraphCache:
         return len(done)
 
     def wait_idle(self, timeout: float = 60.0) -> None:
-        """Block until every capture and release submitted so far is committed (tests, benchmarks and
-        shutdown; never on the serving path)."""
+        """Block until every capture and release submitted so far is committed (tests and benchmarks;
+        never on the serving path: with deferred inline captures it waits for an idle engine)."""
         if not self._poll_until(lambda: not (self.residency.pending or self.residency.releasing_bytes), timeout):
             raise TimeoutError(f"graph captures still pending after {timeout} s")
 
     def warm_step(self) -> bool:
         """Submit at most one hot bucket from the warm-start queue, within budget (no eviction);
         one at a time, so each estimate sees the previous measurement. True if one was submitted."""
-        if not self.graphs_enabled or self._warming is not None:
-            return False
+        if not self.graphs_enabled or self._warming is not None or self._busy():
+            return False  # (busy: a deferred capture would hold its budget until the engine is idle)
         now = self._clock()
         while self._warm_queue:
             key = self._warm_queue.popleft()
@@ -536,11 +565,13 @@ class GraphCache:
 
 
 def _cover(sizes: tuple[int, ...]) -> list[int]:
-    """Sizes from `sizes` (sorted) that every size pads into at about twice itself or less: the
-    largest, then the largest at most half of it, and so on down."""
+    """Sizes from `sizes` (sorted) that every size pads into at twice itself or less (where the list
+    has a size in each such range): the largest, then the smallest at least half of it, and so on
+    down to the smallest."""
     out = [sizes[-1]]
-    while smaller := [s for s in sizes if s <= out[-1] // 2]:
-        out.append(smaller[-1])
+    while below := [s for s in sizes if s < out[-1]]:
+        half = [s for s in below if 2 * s >= out[-1]]
+        out.append(half[0] if half else below[-1])
     return out
 
 

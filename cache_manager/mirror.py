@@ -3,8 +3,9 @@
 With tensor parallelism every rank holds its own graphs (the all-reduces are captured inside), and
 their collectives only meet when every rank captures, replays and releases the same descriptors in
 the same order. Rank 0's GraphCache decides all of it (inline capture, see capturer.py) and sends
-each decision with the step as a `GraphOp`; the other ranks apply them in order with a
-`GraphMirror`, which keeps no stats, no budget and makes no decision.
+each decision as a `GraphOp`, in a message of its own when it runs them (between steps) or with a
+step's inputs; the other ranks apply them in order with a `GraphMirror`, which keeps no stats, no
+budget and makes no decision.
 """
 
 from __future__ import annotations

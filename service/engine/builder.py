@@ -203,7 +203,7 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
     for graphs in caches:
         graphs.notify = engine.wake  # a finished capture is committed between steps, even when idle
         if graphs.config.inline_capture:  # every rank's steps stop for a capture: only when no request waits
-            graphs.engine_busy = engine.has_pending_work
+            graphs.engine_busy = engine.busy
     if ranks is not None:
         ranks.on_death = engine.wake
     return engine

@@ -161,6 +161,11 @@ class Engine:
     def has_pending_work(self) -> bool:
         return bool(self._inbox or self._calls or self.scheduler.has_work() or self._in_flight)
 
+    def busy(self) -> bool:
+        """Pending work (requests queued, running or in flight, an operator call), or a stop asked
+        for: what graph captures under tensor parallelism wait out."""
+        return self._stopping or self.has_pending_work()
+
     def submit(self, request: GenerationRequest, sink: Sink, key: str | None = None) -> str:
         """Queue a request; returns the key that `abort` takes (made here unless the caller, which
         then keeps keys unique, gives one). Raises EngineStopped when the engine no longer accepts work.

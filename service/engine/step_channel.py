@@ -43,8 +43,8 @@ class StepInputs:
     # Rank 0 only (not sent: the other ranks compute the rows' logits and drop them): per chunk row
     # with ChunkSpec.logprob_rows, in order, the prompt token whose log-probability it gives.
     logprob_targets: list[int] | None = None
-    # Rank 0's graph cache's decisions: the captures and releases every rank runs before the step,
-    # in order, and the graph the step replays (None: eager).
+    # Rank 0's graph cache's decisions: the captures and releases every rank runs before the step
+    # (or before nothing: `only_ops`), in order, and the graph the step replays (None: eager).
     graph_ops: list[GraphOp] = field(default_factory=list)
     replay: BatchDescriptor | None = None
     # Block-table rows that changed since the last step: (slot, first entry, block ids); every rank
@@ -53,7 +53,8 @@ class StepInputs:
 
     @classmethod
     def only_ops(cls, ops: list[GraphOp]) -> StepInputs:
-        """A message with graph operations and no step (decided between steps: warm start, operators)."""
+        """A message with graph operations and no step (run between steps: what traffic, the warm start
+        and operators queued, on an idle engine)."""
         return cls([], [], [], [], None, 0, graph_ops=list(ops))
 
     @property

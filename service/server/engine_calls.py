@@ -4,8 +4,9 @@ where it must, and its reply comes back as a future.
 Reads (the metrics, the graph snapshots, every rank's graph memory, the KV pool's counts) run on
 the reply thread: a snapshot may wait for the graph cache's lock (a capture), which the pipe
 thread must not. Graph-cache operations and the prefix-cache reset run on the engine thread
-between two steps; capture, evict and set_budget finish on the capture thread, and their reply is
-that one's. An adapter load reads its files on a thread of its own (one load at a time), then
+between two steps; capture, evict and set_budget finish on the capture thread (with tensor
+parallelism: on the engine thread, a capture once the engine is idle), and their reply is that
+one's. An adapter load reads its files on a thread of its own (one load at a time), then
 registers the adapter on the engine thread (a load costs the engine one short call, not the disk
 read); unload and list only queue a call there.
 """

@@ -506,6 +506,54 @@ def test_inline_capture_runs_on_the_calling_thread_at_the_next_poll_after_publis
     cache.close()
 
 
+def test_deferred_inline_captures_wait_for_an_idle_engine_and_evict_nothing_meanwhile(tmp_path):
+    """Tensor parallelism with an engine (`engine_busy`): while it has work, a capture that traffic
+    asks for evicts nothing (the graphs steps pad into stay in service) and runs no capture; an
+    operator's release still runs at once; the warm start waits. Once idle, `poll` asks again for
+    what did not fit, evicting by policy, and captures it. A cold start's queue is a cover of sizes."""
+    busy = [False]
+    step, fake = CountingStep(8), FakeGraphBackend(lambda s: 2000 + 500 * s)  # 8: 6,000 bytes, 4: 4,000
+    cfg = GraphCacheConfig("full", SIZES, 8, memory_budget=12_000, inline_capture=True,
+                           stats_file=tmp_path / "none-yet.json")
+    cache = GraphCache(step, cfg, torch.device("cpu"), FP, fake)
+    cache.engine_busy = lambda: busy[0]
+    assert full_sizes(cache.snapshot().warm_queue) == (8, 4, 2, 1)  # the cover, largest first
+    for _ in range(2):  # 8 and 4: 10,000 of 12,000 bytes
+        assert cache.warm_step() is True
+        cache.poll()
+    assert fake.captured == [8, 4]
+    busy[0] = True
+    assert cache.warm_step() is False  # 2 and 1 wait for an idle engine
+    for _ in range(5):
+        for n in (1, 2):
+            write(step, n)
+            cache.run(n)  # pads into 4; asks for its own size, which would need an eviction
+        cache.poll()
+    assert fake.released == [] and cache.queued_ops() == []
+    expected = write(step, 7)
+    assert torch.equal(cache.run(7), expected) and (7, 8) in step.padding_calls  # 8 still in service
+    evicted = cache.evict_async([4])  # an operator's release: no rank waits on it
+    cache.poll()
+    assert fake.released == [4] and evicted.result(0)[4].outcome is OpOutcome.EVICTED
+    assert fake.captured == [8, 4]
+    busy[0] = False
+    cache.poll()  # idle: asked again (now within budget without evicting), captured one at a time
+    assert sorted(fake.captured[2:]) == [1, 2] and cache.used_bytes <= 12_000
+    cache.close()
+
+
+def test_the_cold_start_cover_pads_every_allowed_size_at_most_twice_over():
+    from cache_manager.manager import _cover
+    from cache_manager.sizes import PaddingTable
+
+    for sizes in [(1, 2, 4, 8), tuple(range(1, 101)), (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 100),
+                  (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000)]:
+        cover = _cover(sizes)
+        assert cover[0] == sizes[-1] and cover[-1] == sizes[0] and cover == sorted(cover, reverse=True)
+        table = PaddingTable(tuple(sorted(cover)))
+        assert all(table.bucket_for(n) <= 2 * n for n in sizes), (sizes, cover)
+
+
 def test_eviction_while_another_capture_is_pending_takes_the_graph_out_at_once():
     gate = threading.Event()
     cache, step, fake, _ = make(gate=gate)

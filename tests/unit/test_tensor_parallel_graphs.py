@@ -139,11 +139,14 @@ def _lead(rank: int, world: int, port: int, cache_dir: str) -> dict:
     prepare_graphs(lr, 30)  # as a server does before SERVING: the cold start's cover of sizes
     startup = list(backend.log)
     engine = new_engine(c, lr)
-    backend.engine_busy = engine.has_pending_work
+    # what a capture must not run beside: a request (operator calls, which the engine also waits out,
+    # may arrive from this thread while an idle capture runs)
+    backend.engine_busy = lambda: engine.num_running + engine.num_waiting > 0
     engine.start()
     out = Results()
 
     def serve(tag: str) -> list[list[int]]:
+        engine.call(lambda: graphs.wait_idle(30)).result(60)  # what the last phase queued has run
         ids = []
         for i, (prompt, n) in enumerate(JOBS):
             request = GenerationRequest(f"{tag}{i}", prompt, SamplingParams(temperature=0.0),
