@@ -106,6 +106,7 @@ class Engine:
         self.overlap = overlap
         self.grammars = grammars
         self._in_flight: _InFlight | None = None  # launched, not yet collected (overlap only)
+        self._stalled = False  # the last step ran nothing, had nothing in flight and ended nothing
         self._cond = threading.Condition()
         # Requests are known inside the engine by a key unique to this submit, not by the client's
         # request id: a client may cancel and resubmit the same id before the engine has seen the abort.
@@ -226,9 +227,12 @@ class Engine:
         try:
             while True:
                 with self._cond:
+                    # Work that the last step could not run (every slot held by a paused sequence, a
+                    # request waiting behind them) waits for what can change that, not a spin.
                     while not (self._stopping or self._inbox or self._aborts or self._pauses or self._calls
-                               or self.scheduler.has_work() or self._in_flight):
-                        self.last_progress = time.monotonic()  # idle is not stuck
+                               or (self.scheduler.has_work() and not self._stalled) or self._in_flight):
+                        if not self.scheduler.has_work():
+                            self.last_progress = time.monotonic()  # idle is not stuck
                         self._cond.wait(timeout=0.5)
                         if self.between_steps is not None:
                             break
@@ -316,6 +320,7 @@ class Engine:
             self._tokens_read_at = None  # idle time is no stream's gap
         if not batch.empty or events:
             self.last_progress = time.monotonic()
+        self._stalled = batch.empty and not events and self._in_flight is None
         if self.observer is not None and (not batch.empty or events):
             self.observer.on_step(self.scheduler.num_running, self.num_waiting, len(batch.decodes), len(batch.prefills))
 

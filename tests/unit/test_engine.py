@@ -115,3 +115,37 @@ def test_stop_ends_every_running_and_queued_request() -> None:
     engine.stop()
     for name in ("a", "b", "c", "d", "e", "f"):
         assert isinstance(out.terminal(name), EngineError)
+
+
+def test_a_request_waiting_behind_paused_sequences_does_not_spin_the_engine() -> None:
+    """Every slot held by a sequence paused for back-pressure and a request waiting for one: the
+    engine thread waits for what can change that (a resume, an abort, a new request), it does not
+    step in a loop; the waiting request runs once a slot frees."""
+    runner = ScriptedRunner()
+    engine = Engine(runner, Scheduler(1, 1000), LetterTokenizer(), frozenset())
+    schedules = [0]
+    schedule = engine.scheduler.schedule
+
+    def counted():  # noqa: ANN202
+        schedules[0] += 1
+        return schedule()
+
+    engine.scheduler.schedule = counted
+    engine.start()
+    out = Collector()
+    held = engine.submit(request("held"), out.sink("held"))
+    deadline = time.monotonic() + 10
+    while len(out.events.get("held", [])) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.pause(held, True)
+    engine.submit(request("waiting", max_tokens=3), out.sink("waiting"))
+    time.sleep(0.2)
+    before = schedules[0]
+    time.sleep(0.5)
+    assert schedules[0] - before <= 3, f"{schedules[0] - before} steps in 0.5 s with nothing to run"
+    assert "waiting" not in out.events
+    engine.abort(held)
+    assert out.terminal("held").reason is FinishReason.ABORT
+    finished = out.terminal("waiting")
+    assert finished.reason is FinishReason.LENGTH and finished.completion_tokens == 3
+    engine.stop()
