@@ -24,7 +24,8 @@
 #   bash bench/h200_session.sh gen-1b message-rate  # the closed loop at 1 / 64 / 128 / 256 streams, one server per
 #     --stream-message-rate in $MSG_RATES (default "0 6000 12000 24000"; 0: unpaced), the engine alone with the first
 #   bash bench/h200_session.sh gen-1b chat-curve  # the chat-like Poisson load, warm, at $RATES (default 25,50,100,150,200)
-#   bash bench/h200_session.sh fp8      # FP8 weights: GPU tests, decode steps in bf16 and FP8 at the 1B and 8B shapes
+#   bash bench/h200_session.sh fp8      # FP8 weights: GPU tests, decode steps in bf16 and FP8 (our GEMM and cuBLAS's), 1B and 8B
+#   bash bench/h200_session.sh fp8-gemm # FP8 decode GEMMs per weight shape and rows: cuBLAS against ours (bench/fp8_gemm_sweep.py)
 #   bash bench/h200_session.sh fp8-kv   # FP8 KV cache: GPU tests, decode steps at context 4096 with bf16 and FP8 KV (1B, 8B)
 #   bash bench/h200_session.sh chunk-attention  # prompt-chunk attention of one layer: the Triton kernel against torch / flash
 #   bash bench/h200_session.sh gen-1b concurrency  # 1,024 chat-like requests at once in 8 GiB of KV: the most running at once
@@ -123,11 +124,15 @@ for part in "$@"; do
         --log-dir $OUT/prefix-load${TAG:+-$TAG} ${LOAD_ARGS:-}" ;;
     fp8)
       TAIL=8 run fp8-gpu-tests 240 python3 -m pytest -q -m gpu tests/gpu/test_fp8_gpu.py -p no:cacheprovider --timeout 200
-      for q in none fp8; do
-        run decode-1b-$q 100 python3 bench/decode_bench.py $M --random-init --batches 1,64 --no-anchors --no-plot --quantization $q
-        run decode-8b-$q 150 python3 bench/decode_bench.py --model builtin:llama-8b --device cuda --random-init \
-          --batches 1,64 --no-anchors --no-plot --quantization $q
+      for q in none fp8 fp8-cublas; do  # fp8-cublas: FP8 with cuBLAS's GEMM at 2-256 rows (the A/B of ours)
+        GRAPHSERVE_FP8_GEMM=$([ $q = fp8-cublas ] && echo cublas || echo ours) \
+          run decode-1b-$q 100 python3 bench/decode_bench.py $M --random-init --batches 1,64,256 --no-anchors --no-plot \
+          --quantization ${q%-cublas}
+        GRAPHSERVE_FP8_GEMM=$([ $q = fp8-cublas ] && echo cublas || echo ours) \
+          run decode-8b-$q 150 python3 bench/decode_bench.py --model builtin:llama-8b --device cuda --random-init \
+          --batches 1,64,256 --no-anchors --no-plot --quantization ${q%-cublas}
       done ;;
+    fp8-gemm) run fp8-gemm-sweep 420 python3 bench/fp8_gemm_sweep.py ;;  # decode GEMMs: cuBLAS FP8 against ours, per shape
     fp8-kv)
       TAIL=8 run fp8-kv-gpu-tests 420 python3 -m pytest -q -m gpu tests/gpu/test_fp8_kv_gpu.py -p no:cacheprovider --timeout 300
       for kv in auto fp8; do

@@ -10,12 +10,16 @@ per tensor) is taken as it is, its scales broadcast to one per channel.
 The product `fp8_linear`: a one-row input (the batch-1 decode step) through the GEMV of
 service.model.kernels.gemv, which reads the FP8 weight (half the bytes of bf16), dequantizes it in
 registers and applies the row scales at the end (the activation stays in bf16); more rows through
-the FP8 tensor cores (`torch._scaled_mm`), the activation quantized per token on the fly (one
-scale per row, no calibration). Both are graph-safe. FP8 needs an NVIDIA GPU of compute capability
-8.9 or newer (Ada, Hopper): `unsupported_reason` says why a device cannot, for a start-up error.
+the FP8 tensor cores, the activation quantized per token on the fly (one scale per row, no
+calibration): up to 256 rows (decode) through service.model.kernels.fp8_gemm, which spreads a
+weight over every SM, more (prompt chunks) through cuBLAS (`torch._scaled_mm`). All are graph-safe.
+FP8 needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper): `unsupported_reason`
+says why a device cannot, for a start-up error.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -99,6 +103,7 @@ def dequantize_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
     """x [..., K] in bf16 / fp16, weight [N, K] E4M3 (rows contiguous), scale [N] float32 -> [..., N] in x's dtype."""
+    from service.model.kernels.fp8_gemm import fp8_gemm_triton
     from service.model.kernels.gemv import gemv_triton
 
     shape = x.shape
@@ -107,7 +112,22 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         y = gemv_triton(x2, weight, bias, scale=scale)
     else:
         xq, xs = _quantize_tokens(x2)
-        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
-        if bias is not None:
-            y = y + bias
+        config = _gemm_config(x2.shape[0], weight.shape[0], weight.shape[1], x.device)
+        if config is not None:
+            y = fp8_gemm_triton(xq, xs, weight, scale, bias, x.dtype, config)
+        else:
+            y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+            if bias is not None:
+                y = y + bias
     return y.view(*shape[:-1], weight.shape[0])
+
+
+def _gemm_config(m: int, n: int, k: int, device: torch.device):  # noqa: ANN202 - Fp8GemmConfig | None
+    """Our decode-sized GEMM's configuration for these rows, or None for cuBLAS (prompt chunks, or
+    GRAPHSERVE_FP8_GEMM=cublas: the operator's switch and the benchmarks' A/B)."""
+    from service.model.kernels._triton import sm_count
+    from service.model.kernels.fp8_gemm import fp8_gemm_config
+
+    if os.environ.get("GRAPHSERVE_FP8_GEMM", "ours") == "cublas":
+        return None
+    return fp8_gemm_config(m, n, k, sm_count(device))

@@ -53,6 +53,28 @@ def test_fp8_products_match_float32_of_the_dequantized_weights(n, k, bias, rows)
     assert _rel(ours.float(), bf16.float()) < 0.08  # what FP8 costs against bf16 weights
 
 
+@pytest.mark.parametrize("swap, block_n, split", [(True, 64, 1), (True, 64, 2), (True, 128, 4), (False, 32, 1),
+                                                  (False, 64, 2)])
+@pytest.mark.parametrize("rows", [2, 17, 64, 256])
+def test_every_fp8_gemm_configuration_matches_float32(swap, block_n, split, rows):
+    """The decode GEMM in each tile shape the sweep tries (the weight or x as the left operand, K split
+    or not), over rows that fill no tile exactly and a weight of 528 rows with a bias."""
+    from service.model.fp8 import dequantize_rows, quantize_rows, quantize_tokens
+    from service.model.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm_triton
+
+    n, k = 528, 1024
+    gen = torch.Generator(DEVICE).manual_seed(rows + split)
+    q, scale = quantize_rows(torch.randn(n, k, device=DEVICE, generator=gen) / k**0.5)
+    bias = torch.randn(n, device=DEVICE, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+    xq, xs = quantize_tokens(x)
+    config = Fp8GemmConfig(swap, min(64, max(16, 1 << (rows - 1).bit_length())) if swap else 64, block_n, 128, split, 4, 3)
+    ours = fp8_gemm_triton(xq, xs, q, scale, bias, torch.bfloat16, config)
+    ref = (xq.float() * xs) @ dequantize_rows(q, scale).t() + bias.float()
+    assert ours.dtype == torch.bfloat16 and ours.shape == (rows, n)
+    assert _rel(ours.float(), ref) < 5e-3
+
+
 def test_the_fp8_gemv_reads_every_e4m3_value_exactly() -> None:
     """The GEMV moves E4M3 bits into bf16's rather than converting: each of the 254 finite codes
     (denormals, both zeros, every sign), in each byte of a 32-bit word, comes out as its value."""

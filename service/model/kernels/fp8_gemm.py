@@ -1,0 +1,127 @@
+"""Decode-sized FP8 GEMM: y = (xq * xs) (wq * ws)^T for a few to a few hundred rows of x.
+
+At decode the product's cost is reading the weight once. cuBLAS's FP8 GEMM (`torch._scaled_mm`)
+takes a 128 x 128 tile for 64 rows, so a weight of 4,096 rows runs on 32 of an H200's 132 SMs and
+the 8B step's projections stream at 0.55 of the copy rate (bench/NOTES.md, "FP8 weights"). Here the
+weight is the wide operand: a program owns BLOCK_N weight rows and every row of x (BLOCK_M at a
+time, the x tile reread from L2), so narrow BLOCK_N gives every SM a program; SPLIT_K > 1 splits K
+among programs too, for the weights too short in N for that, their float32 partial sums added
+atomically into a zeroed buffer.
+
+With SWAP the weight tile is the dot's left operand (the tensor core's 64-row side) and the x rows
+its right one, as small as 16; without it x is the left operand. Both read E4M3 from shared memory
+into the FP8 tensor cores (wgmma on Hopper), accumulate in float32 and scale by the weight row's and
+the token's scales at the end, as `torch._scaled_mm` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from service.model.kernels._triton import cdiv, next_pow2, tl, triton
+
+MAX_ROWS = 256  # more rows (prompt chunks) go to cuBLAS, whose large tiles are made for them
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    swap: bool  # the weight tile as the dot's left operand
+    block_m: int  # rows of x a tile
+    block_n: int  # weight rows a program
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+def fp8_gemm_config(m: int, n: int, k: int, num_sms: int) -> Fp8GemmConfig | None:
+    """The served configuration for x [m, k] times a weight [n, k], None where cuBLAS serves it.
+    The weight tile is the left operand, 64 rows; x as few rows as the tensor cores take (16, up to
+    64 a tile); K split in two or four while that keeps the programs within 1.5 waves of the SMs."""
+    if m > MAX_ROWS or k % 128:
+        return None
+    block_m = min(64, max(16, next_pow2(m)))
+    block_k = 256 if k % 256 == 0 else 128
+    programs = cdiv(m, block_m) * cdiv(n, 64)
+    split = 1
+    while split < 4 and programs * split * 2 <= num_sms * 3 // 2 and k % (block_k * split * 2) == 0:
+        split *= 2
+    return Fp8GemmConfig(True, block_m, 64, block_k, split, 4, 3 if block_k == 256 else 4)
+
+
+def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
+                    bias: torch.Tensor | None, out_dtype: torch.dtype, config: Fp8GemmConfig) -> torch.Tensor:
+    """xq [M, K] E4M3 (rows contiguous), xs [M, 1] float32, wq [N, K] E4M3, ws [N] float32 -> [M, N]
+    in out_dtype. K must be a multiple of config.block_k * config.split_k."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    c = config
+    assert wq.shape[1] == k and xq.stride(1) == 1 and wq.stride(1) == 1, (xq.shape, wq.shape)
+    assert k % (c.block_k * c.split_k) == 0, (k, c)
+    split = c.split_k > 1
+    y = torch.zeros((m, n), device=xq.device, dtype=torch.float32) if split else \
+        torch.empty((m, n), device=xq.device, dtype=out_dtype)
+    if m == 0:
+        return y.to(out_dtype)
+    grid = (cdiv(m, c.block_m) * cdiv(n, c.block_n), c.split_k)
+    _fp8_gemm_kernel[grid](
+        xq, xs, wq, ws, bias if bias is not None else ws, y,
+        m, n, k, xq.stride(0), wq.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, SWAP=c.swap, SPLIT_K=c.split_k,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+    return y.to(out_dtype) if split else y
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["M"])
+    def _fp8_gemm_kernel(
+        x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,
+        M, N, K, stride_xm, stride_wn, stride_ym,
+        HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, SPLIT_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        num_m = tl.cdiv(M, BLOCK_M)
+        pid_m = pid % num_m  # neighbouring programs share a weight tile: the second read hits L2
+        pid_n = pid // num_m
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        k_len = K // SPLIT_K
+        offs_k = pid_k * k_len + tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        if SWAP:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, k_len, BLOCK_K):
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            if SWAP:
+                acc = tl.dot(w, tl.trans(x), acc)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if SWAP:
+            acc = tl.trans(acc)
+        xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
+        ws = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
+        acc = acc * xs[:, None] * ws[None, :]
+        if HAS_BIAS:
+            if pid_k == 0:
+                acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        if SPLIT_K > 1:
+            tl.atomic_add(y_ptrs, acc, mask=mask, sem="relaxed")
+        else:
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
