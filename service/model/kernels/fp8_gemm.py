@@ -38,17 +38,31 @@ class Fp8GemmConfig:
 
 def fp8_gemm_config(m: int, n: int, k: int, num_sms: int) -> Fp8GemmConfig | None:
     """The served configuration for x [m, k] times a weight [n, k], None where cuBLAS serves it.
-    The weight tile is the left operand, 64 rows; x as few rows as the tensor cores take (16, up to
-    64 a tile); K split in two or four while that keeps the programs within 1.5 waves of the SMs."""
-    if m > MAX_ROWS or k % 128:
+    Chosen from bench/fp8_gemm_sweep.py on an H200 (bench/results/h200-20261204-fp8-gemm/), the 1B
+    and 8B shapes at 16 / 64 / 256 rows, within ~5% of the best configuration of each:
+    - up to 32 rows: the weight tile as the left operand (64 rows, 128 for a wide gate/up), x as 16
+      or 32 rows; more rows: x as the left operand (64 rows), narrow weight tiles (32 rows up to
+      64 rows of x) so that a 4,096-row weight still gives every SM a program;
+    - K split in two or four only for long K (8,192+: the down projection), while the programs stay
+      within one wave; a split costs a zeroed float32 buffer and a cast, more than it saves on
+      shorter K;
+    - past 64 rows, weights of 6,144+ rows go to cuBLAS: its 128-row tiles fill the SMs there and
+      were 5-20% faster at 256 rows."""
+    if m > MAX_ROWS or k % 128 or (m > 64 and n >= 6144):
         return None
-    block_m = min(64, max(16, next_pow2(m)))
-    block_k = 256 if k % 256 == 0 else 128
-    programs = cdiv(m, block_m) * cdiv(n, 64)
+    wide = n >= 16384
+    if m <= 32:
+        swap, block_m, block_n, block_k = True, max(16, next_pow2(m)), 128 if wide else 64, 256
+    else:
+        swap, block_m, block_n = False, 64, 128 if wide else (32 if m <= 64 else 64)
+        block_k = 128 if wide else 256
+    if k % block_k:
+        block_k = 128
+    programs = cdiv(m, block_m) * cdiv(n, block_n)
     split = 1
-    while split < 4 and programs * split * 2 <= num_sms * 3 // 2 and k % (block_k * split * 2) == 0:
+    while k >= 8192 and split < 4 and programs * split * 2 <= num_sms and k % (block_k * split * 2) == 0:
         split *= 2
-    return Fp8GemmConfig(True, block_m, 64, block_k, split, 4, 3 if block_k == 256 else 4)
+    return Fp8GemmConfig(swap, block_m, block_n, block_k, split, 4, 3 if block_k == 256 else 4)
 
 
 def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
