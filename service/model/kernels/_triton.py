@@ -122,11 +122,3 @@ if triton is not None:
             k_scale = tl.load(scale_ptr)
             v_scale = tl.load(scale_ptr + 1)
         return k_scale, v_scale
-
-    @triton.jit
-    def kv_tile(x, scale, FP8_KV: tl.constexpr):
-        """A tile loaded from the KV cache: as stored, or (FP8_KV) E4M3 upcast to float32 times the
-        layer's scale; the caller casts it to the model's dtype for its products."""
-        if FP8_KV:
-            x = x.to(tl.float32) * scale
-        return x

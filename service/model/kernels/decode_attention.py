@@ -12,8 +12,9 @@ query heads of one kv head share its loads (GQA), and the softmax runs online in
 come from the `positions` tensor, so both are graph-safe (fixed grid, no host syncs). The number
 of splits follows the batch by default; the batch-invariant mode fixes the split's length by the
 cache length (`fixed_split_len`). An FP8 cache (service/model/kv_quant.py) is read with the
-layer's (k, v) scales `kv_scale`: the torch path upcasts what it gathers, the kernel each tile in
-registers (a compile-time switch of the same kernel, from the cache's dtype).
+layer's (k, v) scales `kv_scale`: the torch path upcasts what it gathers; the kernel (a compile-time
+switch of the same kernel, from the cache's dtype) converts each tile to fp16, which holds every E4M3
+value exactly, and applies the k scale to the scores and the v scale to the output.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from service.model.kernels._triton import LOG2E, cdiv, interpreting, next_pow2, 
 from service.model.kv_quant import load_kv
 
 if triton is not None:
-    from service.model.kernels._triton import kv_scales, kv_tile, online_softmax, pdl_wait
+    from service.model.kernels._triton import kv_scales, online_softmax, pdl_wait
 
 BLOCK_N = 64  # KV positions per inner step
 
@@ -166,7 +167,7 @@ if triton is not None:
 
     @triton.jit
     def _attend_tile(q, k_ptr, v_ptr, table_ptr, kv_off, offs_n, end, offs_d, d_mask, stride_kb, stride_kt,
-                     KV_BLOCK: tl.constexpr, sm_scale, m_i, l_i, acc, k_scale, v_scale, FP8_KV: tl.constexpr):
+                     KV_BLOCK: tl.constexpr, sm_scale, m_i, l_i, acc):
         # One tile of BLOCK_N positions, each read through the row's block table: scores,
         # online-softmax rescale, accumulate p @ v.
         n_mask = offs_n < end
@@ -174,10 +175,12 @@ if triton is not None:
         rows = blocks * stride_kb + (offs_n % KV_BLOCK) * stride_kt
         tile = kv_off + rows[:, None] + offs_d[None, :]
         tile_mask = n_mask[:, None] & d_mask[None, :]
-        k = kv_tile(tl.load(k_ptr + tile, mask=tile_mask, other=0.0), k_scale, FP8_KV).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+        # E4M3 tiles become q's fp16 as they are (one packed conversion per two values; the scales are
+        # applied to the scores and the output), bf16 tiles are used as loaded
+        k = tl.load(k_ptr + tile, mask=tile_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_G, BLOCK_N] float32, times LOG2E
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        v = kv_tile(tl.load(v_ptr + tile, mask=tile_mask, other=0.0), v_scale, FP8_KV).to(q.dtype)
+        v = tl.load(v_ptr + tile, mask=tile_mask, other=0.0).to(q.dtype)
         return online_softmax(s, v, m_i, l_i, acc)
 
     @triton.jit
@@ -214,6 +217,11 @@ if triton is not None:
         kv_off = kvh * stride_kh
         table = table_ptr + slot * stride_tb
         k_scale, v_scale = kv_scales(scale_ptr, FP8_KV)
+        if FP8_KV:
+            # E4M3 is a subset of fp16: the products run in fp16 on the unscaled tiles, q carrying the
+            # softmax scale (well inside fp16's range), the scores the k scale, the output the v scale
+            q = (q.to(tl.float32) * sm_scale).to(tl.float16)
+            sm_scale = k_scale
 
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -222,17 +230,17 @@ if triton is not None:
             for n0 in range(start, end, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
                     q, k_ptr, v_ptr, table, kv_off, n0 + tl.arange(0, BLOCK_N), end, offs_d, d_mask, stride_kb,
-                    stride_kt, KV_BLOCK, sm_scale, m_i, l_i, acc, k_scale, v_scale, FP8_KV,
+                    stride_kt, KV_BLOCK, sm_scale, m_i, l_i, acc,
                 )
         else:  # the interpreter cannot loop over runtime bounds: every tile of the split, masked
             for i in range(0, SPLIT_LEN, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
                     q, k_ptr, v_ptr, table, kv_off, start + i + tl.arange(0, BLOCK_N), end, offs_d, d_mask,
-                    stride_kb, stride_kt, KV_BLOCK, sm_scale, m_i, l_i, acc, k_scale, v_scale, FP8_KV,
+                    stride_kb, stride_kt, KV_BLOCK, sm_scale, m_i, l_i, acc,
                 )
 
         l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (start >= length) has l = 0
-        o = acc / l_safe[:, None]
+        o = acc * (v_scale / l_safe)[:, None]  # v_scale: 1.0 but for an FP8 cache
         o_mask = g_mask[:, None] & d_mask[None, :]
         if NUM_SPLITS == 1:
             tl.store(

@@ -31,7 +31,7 @@ from service.model.kernels.decode_attention import check_kv_dtypes
 from service.model.kv_quant import load_kv
 
 if triton is not None:
-    from service.model.kernels._triton import kv_scales, kv_tile, online_softmax
+    from service.model.kernels._triton import kv_scales, online_softmax
 
 BLOCK_M = 64  # queries per program (one chunk's, one head's)
 BLOCK_N = 64  # keys per inner step
@@ -134,6 +134,9 @@ if triton is not None:
         table = table_ptr + slot * stride_tb
         kv_off = (head // GROUPS) * stride_kh
         k_scale, v_scale = kv_scales(scale_ptr, FP8_KV)
+        if FP8_KV:  # as the decode kernel: fp16 products on the unscaled E4M3 tiles (exact in fp16)
+            q = (q.to(tl.float32) * qk_scale).to(tl.float16)
+            qk_scale = k_scale
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -142,19 +145,19 @@ if triton is not None:
             for n0 in range(0, end, BLOCK_N):
                 m_i, l_i, acc = _attend_keys(q, k_ptr, v_ptr, table, kv_off, n0 + tl.arange(0, BLOCK_N), end,
                                              q_pos, offs_d, d_mask, stride_kb, stride_kt, KV_BLOCK, qk_scale,
-                                             m_i, l_i, acc, k_scale, v_scale, FP8_KV)
+                                             m_i, l_i, acc)
         else:  # the interpreter cannot loop over runtime bounds: every key tile of the table, masked
             for n0 in range(0, MAX_KEYS, BLOCK_N):
                 m_i, l_i, acc = _attend_keys(q, k_ptr, v_ptr, table, kv_off, n0 + tl.arange(0, BLOCK_N), end,
                                              q_pos, offs_d, d_mask, stride_kb, stride_kt, KV_BLOCK, qk_scale,
-                                             m_i, l_i, acc, k_scale, v_scale, FP8_KV)
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+                                             m_i, l_i, acc)
+        o = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]  # v_scale: 1.0 but for an FP8 cache
         tl.store(out_ptr + rows[:, None] * stride_os + head * HEAD_DIM + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
     @triton.jit
     def _attend_keys(q, k_ptr, v_ptr, table, kv_off, offs_n, end, q_pos, offs_d, d_mask, stride_kb, stride_kt,
-                     KV_BLOCK: tl.constexpr, qk_scale, m_i, l_i, acc, k_scale, v_scale, FP8_KV: tl.constexpr):
+                     KV_BLOCK: tl.constexpr, qk_scale, m_i, l_i, acc):
         # BLOCK_N keys, each read through the chunk's block table: causal scores, the online-softmax
         # rescale (base 2), accumulate p @ v.
         n_mask = offs_n < end
@@ -162,8 +165,8 @@ if triton is not None:
         kv_rows = kv_off + blocks * stride_kb + (offs_n % KV_BLOCK) * stride_kt
         tile = kv_rows[:, None] + offs_d[None, :]
         tile_mask = n_mask[:, None] & d_mask[None, :]
-        k = kv_tile(tl.load(k_ptr + tile, mask=tile_mask, other=0.0), k_scale, FP8_KV).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_ptr + tile, mask=tile_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]; E4M3 -> fp16
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N] float32
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
-        v = kv_tile(tl.load(v_ptr + tile, mask=tile_mask, other=0.0), v_scale, FP8_KV).to(q.dtype)
+        v = tl.load(v_ptr + tile, mask=tile_mask, other=0.0).to(q.dtype)
         return online_softmax(s, v, m_i, l_i, acc)
