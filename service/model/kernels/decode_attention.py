@@ -98,10 +98,12 @@ def decode_attention_triton(
     kv_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
     split_len: int | None = None,
+    tile: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Same contract as decode_attention_torch. `num_splits` overrides the heuristic (tests), which
     picks the split by the batch; `split_len` fixes the split's length instead (fixed_split_len).
-    Splits are over the table's span (blocks_per_seq * block_size positions)."""
+    Splits are over the table's span (blocks_per_seq * block_size positions). `tile` (positions a
+    step, warps, pipeline stages) overrides the served (BLOCK_N, 4, 3): bench/decode_attention_sweep.py."""
     b, h, d = q.shape
     kvh, block_size = k_cache.shape[1], k_cache.shape[2]
     t = block_table.shape[1] * block_size
@@ -128,6 +130,7 @@ def decode_attention_triton(
     block_d = max(16, next_pow2(d))
     block_g = max(16, next_pow2(groups))  # tl.dot needs M >= 16
     on = pdl(q.device, b)
+    block_n, warps, stages = tile or (BLOCK_N, 4, 3)
     _decode_attn_kernel[(b, kvh, num_splits)](
         q, k_cache, v_cache, k_cache if kv_scale is None else kv_scale, block_table, slot_ids, positions, out,
         part, lse,
@@ -136,9 +139,9 @@ def decode_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
         out.stride(0), out.stride(1),
-        GROUPS=groups, HEAD_DIM=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=BLOCK_N, KV_BLOCK=block_size,
+        GROUPS=groups, HEAD_DIM=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, KV_BLOCK=block_size,
         SPLIT_LEN=split_len, NUM_SPLITS=num_splits, DYNAMIC_LOOP=not interpreting(), FP8_KV=fp8_kv, PDL=on,
-        num_warps=4, **pdl_launch(on),
+        num_warps=warps, num_stages=stages, **pdl_launch(on),
     )
     if num_splits > 1:
         _combine_kernel[(b, h)](
