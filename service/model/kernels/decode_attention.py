@@ -29,7 +29,17 @@ from service.model.kv_quant import load_kv
 if triton is not None:
     from service.model.kernels._triton import kv_scales, online_softmax, pdl_wait
 
-BLOCK_N = 64  # KV positions per inner step
+BLOCK_N = 64  # KV positions per inner step: the unit of the batch-invariant mode's splits
+
+
+def served_tile(head_dim: int, fp8_kv: bool) -> tuple[int, int, int]:
+    """(KV positions a step, warps, pipeline stages) of the kernel, from bench/decode_attention_sweep.py
+    on an H200 (batch 64, contexts 512 and 4,096, bench/results/h200-20261204-attention/): an FP8
+    cache 128 positions and two stages (25-30% faster than 64 and three); bf16 128 positions at head
+    dim 64 (10-17% faster), 64 at head dim 128 (128 was up to 6% slower there)."""
+    if fp8_kv:
+        return 128, 4, 2
+    return (128, 4, 3) if head_dim <= 64 else (64, 4, 3)
 
 
 def gather_rows(cache: torch.Tensor, block_table: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
@@ -65,8 +75,10 @@ def decode_attention_torch(
     return out.reshape(b, h * d)
 
 
-def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> tuple[int, int]:
-    """(num_splits, split_len): enough programs to fill the GPU twice over; split_len a multiple of BLOCK_N.
+def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                   block_n: int = BLOCK_N) -> tuple[int, int]:
+    """(num_splits, split_len): enough programs to fill the GPU twice over; split_len a multiple of
+    block_n (the kernel's positions a step).
 
     The split follows the batch rounded up to a power of two. The split is a compile-time constant
     of the kernel, so each distinct one is a Triton compile: per exact batch, every new count of
@@ -75,9 +87,9 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int
     also gives an eager step of b rows the split of the graph it pads into (the default capture sizes
     hold every power of two up to their largest), so both reduce each row in the same pieces."""
     batch = 1 << max(0, batch - 1).bit_length()
-    blocks = cdiv(max_seq_len, BLOCK_N)
+    blocks = cdiv(max_seq_len, block_n)
     want = max(1, min(blocks, cdiv(2 * num_sms, batch * num_kv_heads)))
-    split_len = cdiv(blocks, want) * BLOCK_N
+    split_len = cdiv(blocks, want) * block_n
     return cdiv(max_seq_len, split_len), split_len
 
 
@@ -103,7 +115,7 @@ def decode_attention_triton(
     """Same contract as decode_attention_torch. `num_splits` overrides the heuristic (tests), which
     picks the split by the batch; `split_len` fixes the split's length instead (fixed_split_len).
     Splits are over the table's span (blocks_per_seq * block_size positions). `tile` (positions a
-    step, warps, pipeline stages) overrides the served (BLOCK_N, 4, 3): bench/decode_attention_sweep.py."""
+    step, warps, pipeline stages) overrides `served_tile` (bench/decode_attention_sweep.py)."""
     b, h, d = q.shape
     kvh, block_size = k_cache.shape[1], k_cache.shape[2]
     t = block_table.shape[1] * block_size
@@ -113,13 +125,14 @@ def decode_attention_triton(
     assert block_table.dtype == torch.int32 and block_table.stride(-1) == 1
     q = q.contiguous()
     groups = h // kvh
+    block_n, warps, stages = tile or served_tile(d, fp8_kv)
     if split_len is not None:
         assert num_splits is None and split_len % BLOCK_N == 0
         num_splits = cdiv(t, split_len)
     elif num_splits is None:
-        num_splits, split_len = num_splits_for(b, kvh, t, sm_count(q.device))
+        num_splits, split_len = num_splits_for(b, kvh, t, sm_count(q.device), block_n)
     else:
-        split_len = cdiv(cdiv(t, num_splits), BLOCK_N) * BLOCK_N
+        split_len = cdiv(cdiv(t, num_splits), block_n) * block_n
         num_splits = cdiv(t, split_len)
     out = torch.empty((b, h, d), device=q.device, dtype=q.dtype)
     if num_splits > 1:
@@ -130,7 +143,6 @@ def decode_attention_triton(
     block_d = max(16, next_pow2(d))
     block_g = max(16, next_pow2(groups))  # tl.dot needs M >= 16
     on = pdl(q.device, b)
-    block_n, warps, stages = tile or (BLOCK_N, 4, 3)
     _decode_attn_kernel[(b, kvh, num_splits)](
         q, k_cache, v_cache, k_cache if kv_scale is None else kv_scale, block_table, slot_ids, positions, out,
         part, lse,
