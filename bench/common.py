@@ -165,6 +165,15 @@ def time_ms(fn: Callable[[], Any], device: torch.device, iters: int = 20, warmup
     return statistics.median(samples)
 
 
+def kernel_bench_device() -> torch.device:
+    """The CUDA device a kernel benchmark runs on; exits saying what is missing where there is none."""
+    from service.model.kernels._triton import triton
+
+    if not torch.cuda.is_available() or triton is None:
+        raise SystemExit("needs a CUDA GPU and triton")
+    return torch.device("cuda")
+
+
 def graph_ms(calls: list[Callable[[], Any]], stream: torch.cuda.Stream, replays: int, warmup: int = 1) -> float:
     """Median milliseconds of one replay of a CUDA graph of all the calls, in order (no launch gaps,
     as served). The calls run once on `stream` first: compiles, and lets cuBLAS allocate its

@@ -22,10 +22,9 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench.common import graph_ms, print_table, write_result
+from bench.common import graph_ms, kernel_bench_device, print_table, write_result
 from bench.decode_bench import copy_rate
 from service.model.fp8 import FP8
-from service.model.kernels._triton import triton
 from service.model.kernels.decode_attention import BLOCK_N, decode_attention_torch, decode_attention_triton
 
 HEADS = {"1b": (32, 8, 64), "8b": (32, 8, 128)}  # query heads, kv heads, head dim
@@ -42,9 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv", default="bf16,fp8")
     p.add_argument("--replays", type=int, default=10)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available() or triton is None:
-        raise SystemExit("needs a CUDA GPU and triton")
-    device = torch.device("cuda")
+    device = kernel_bench_device()
     rate = copy_rate(device, 2048)
     stream = torch.cuda.Stream(device)
     gen = torch.Generator(device).manual_seed(0)

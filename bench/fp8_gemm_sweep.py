@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench.common import graph_ms, print_table, write_result
+from bench.common import graph_ms, kernel_bench_device, print_table, write_result
 from service.model import fp8
 from service.model.kernels._triton import cdiv, next_pow2, sm_count, triton
 from service.model.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm_config, fp8_gemm_triton
@@ -63,9 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--m", default="16,64,256", help="rows of x (the decode batch)")
     p.add_argument("--replays", type=int, default=10)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available() or triton is None:
-        raise SystemExit("needs a CUDA GPU and triton")
-    device = torch.device("cuda")
+    device = kernel_bench_device()
     sms = sm_count(device)
     stream = torch.cuda.Stream(device)
     gen = torch.Generator(device).manual_seed(0)

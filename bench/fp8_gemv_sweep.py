@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench.common import graph_ms, print_table, write_result
+from bench.common import graph_ms, kernel_bench_device, print_table, write_result
 from bench.decode_bench import copy_rate
 from service.model import fp8
 from service.model.kernels._triton import triton
@@ -55,9 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--shapes", default="1b,8b")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available() or triton is None:
-        raise SystemExit("needs a CUDA GPU and triton")
-    device = torch.device("cuda")
+    device = kernel_bench_device()
     rate = copy_rate(device, 2048)
     stream = torch.cuda.Stream(device)
     rows = []

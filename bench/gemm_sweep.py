@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench.common import graph_ms, print_table, write_result
+from bench.common import graph_ms, kernel_bench_device, print_table, write_result
 from service.model.kernels._triton import next_pow2, tl, triton
 from service.model.kernels.matmul import MatmulConfig, matmul_triton
 
@@ -102,9 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--replays", type=int, default=10)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available() or triton is None:
-        raise SystemExit("needs a CUDA GPU and triton")
-    device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
+    device, dtype = kernel_bench_device(), getattr(torch, args.dtype)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s.strip()]
     ms = [int(m) for m in args.m.split(",") if m.strip()]
     gen = torch.Generator(device).manual_seed(0)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench.common import graph_ms, print_table, write_result
+from bench.common import graph_ms, kernel_bench_device, print_table, write_result
 from bench.decode_bench import copy_rate
 from service.model.kernels._triton import triton
 from service.model.kernels.gemv import GemvConfig, gemv_triton
@@ -76,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="the served kernel, one projection at a time in other configurations")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available() or triton is None:
-        raise SystemExit("needs a CUDA GPU and triton")
-    device, dtype = torch.device("cuda"), torch.bfloat16
+    device, dtype = kernel_bench_device(), torch.bfloat16
     rate = copy_rate(device, 2048)
     gen = torch.Generator(device).manual_seed(0)
     weights = [[(torch.randn(n, k, device=device, generator=gen) / k**0.5).to(dtype) for n, k in LAYER]
