@@ -115,6 +115,34 @@ def test_an_fp8_model_decodes_close_to_bf16_and_its_graph_replay_equals_eager():
         assert torch.equal(out, eager), rows
 
 
+def test_fp8_prompt_chunks_replayed_as_piecewise_graphs_equal_eager():
+    """FP8 weights under piecewise graphs: the pieces' products (our GEMM up to 256 tokens, cuBLAS's
+    past it) replayed for mixed steps of prompt chunks and decodes equal the eager forward."""
+    from tests.gpu.test_graph_cache import make_model
+    from tests.gpu.test_piecewise_gpu import check_piecewise_equals_eager
+
+    model = make_model()
+    model.use_fp8()
+    check_piecewise_equals_eager(model)
+
+
+@pytest.fixture(scope="module")
+def fp8_eager_streams(model_cache_dir) -> list[tuple]:  # noqa: ANN001
+    from tests.gpu.test_piecewise_gpu import streams
+
+    return streams(model_cache_dir, "none", "--quantization", "fp8")
+
+
+@pytest.mark.parametrize("mode", ["full", "piecewise", "FULL_AND_PIECEWISE"])
+def test_an_fp8_server_streams_in_every_graph_mode_what_it_streams_eagerly(model_cache_dir, fp8_eager_streams, mode):  # noqa: ANN001
+    """A real server with --quantization fp8 (float32 activations, E4M3 weights): greedy streams of
+    short and multi-chunk prompts, twice (the second pass replays what the first captured), are the
+    eager server's in every graph mode."""
+    from tests.gpu.test_piecewise_gpu import streams
+
+    assert streams(model_cache_dir, mode, "--quantization", "fp8") == fp8_eager_streams
+
+
 def decode_side_by_side(ref, model, kvs, bound: float, steps: int = 8):  # noqa: ANN001, ANN201
     """The same prompts prefilled by `ref` into kvs[0] and by `model` into kvs[1] (one per slot), then
     `steps` decode steps both fed ref's greedy tokens: every step's logits within `bound` of ref's

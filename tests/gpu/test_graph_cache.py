@@ -58,6 +58,11 @@ def _spec():
 
 @pytest.fixture(scope="module")
 def model():
+    return make_model()
+
+
+def make_model():  # noqa: ANN201
+    """The tests' bf16 model: random projections (std 0.02), norms at 1."""
     from service.model.llama import LlamaForCausalLM
 
     torch.manual_seed(0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import pathlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import structlog
@@ -52,21 +53,26 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm()).item()
 
 
-@pytest.mark.parametrize("kernel", ["stacked", "gather"])
-def test_mixed_adapter_decode_graph_equals_eager_and_peft(adapters, kernel: str) -> None:
-    model_dir, paths = adapters
-    device = torch.device("cuda")
-    loaded = load_model(str(model_dir), device, torch.bfloat16)
-    kv = KVCache(loaded.spec, 8, 64, device, torch.bfloat16)
-    lora = LoraSlots(loaded.model, 3, 8, kernel)
-    for slot, path in enumerate(paths[:3], start=1):
-        lora.load(slot, read_adapter(path.name, path, loaded.spec, 8, pin=True, dtype=torch.bfloat16))
-    with torch.inference_mode():
-        # Prefill every prompt with its adapter in one mixed step (the eager piecewise path).
-        chunks = [ChunkSpec(i, 0, len(p)) for i, p in enumerate(PROMPTS)]
-        rows = [s for p, s in zip(PROMPTS, SLOTS) for _ in p]
-        from service.model.pieces import PiecewiseForward
+@dataclass
+class MixedStep:
+    pieces: object  # PiecewiseForward
+    base: ModelDecodeStep
+    step: LoraDecodeStep
+    graph: object  # its captured graph
+    eager: torch.Tensor  # the decode step's logits, eager
+    replayed: torch.Tensor  # the same from its graph
 
+
+def _mixed_step(loaded, lora: LoraSlots, slots: list[int]) -> MixedStep:  # noqa: ANN001
+    """Every prompt prefilled with its slot's adapter in one mixed step (the eager piecewise path),
+    then one decode step run eagerly and from a CUDA graph of 8 rows."""
+    from service.model.pieces import PiecewiseForward
+
+    device = torch.device("cuda")
+    kv = KVCache(loaded.spec, 8, 64, device, torch.bfloat16)
+    with torch.inference_mode():
+        chunks = [ChunkSpec(i, 0, len(p)) for i, p in enumerate(PROMPTS)]
+        rows = [s for p, s in zip(PROMPTS, slots) for _ in p]
         pieces = PiecewiseForward(loaded.model, kv)
         pieces.lora = lora
         pieces.forward(build_step_batch([], [], chunks, [t for p in PROMPTS for t in p], kv.max_seq_len,
@@ -74,11 +80,26 @@ def test_mixed_adapter_decode_graph_equals_eager_and_peft(adapters, kernel: str)
         base = ModelDecodeStep(loaded.model, kv, 8, device)
         step = LoraDecodeStep(base, lora)
         n = len(PROMPTS)
-        base.write_rows(NEXT, [len(p) for p in PROMPTS], list(range(n)), lora_slots=SLOTS)
+        base.write_rows(NEXT, [len(p) for p in PROMPTS], list(range(n)), lora_slots=slots)
         eager = step.run(n).clone()
         graph = CudaGraphBackend(device).capture(step, 8)
         step.set_padding_rows(n, 8)
         replayed = graph.replay()[:n].clone()
+    return MixedStep(pieces, base, step, graph, eager, replayed)
+
+
+@pytest.mark.parametrize("kernel", ["stacked", "gather"])
+def test_mixed_adapter_decode_graph_equals_eager_and_peft(adapters, kernel: str) -> None:
+    model_dir, paths = adapters
+    device = torch.device("cuda")
+    loaded = load_model(str(model_dir), device, torch.bfloat16)
+    lora = LoraSlots(loaded.model, 3, 8, kernel)
+    for slot, path in enumerate(paths[:3], start=1):
+        lora.load(slot, read_adapter(path.name, path, loaded.spec, 8, pin=True, dtype=torch.bfloat16))
+    mixed = _mixed_step(loaded, lora, SLOTS)
+    pieces, base, step, graph, eager, replayed = (mixed.pieces, mixed.base, mixed.step, mixed.graph, mixed.eager,
+                                                  mixed.replayed)
+    kv, n = pieces.kv, len(PROMPTS)
     assert _rel(replayed, eager) < 1e-2
     for i, (prompt, slot) in enumerate(zip(PROMPTS, SLOTS)):
         want = _peft_logits(model_dir, paths[slot - 1] if slot else None, prompt + [NEXT[i]])
@@ -96,6 +117,30 @@ def test_mixed_adapter_decode_graph_equals_eager_and_peft(adapters, kernel: str)
         swapped = graph.replay()[3].clone()
     assert _rel(swapped, _peft_logits(model_dir, paths[3], PROMPTS[3] + [NEXT[3]])) < 5e-2
     graph.drop()
+
+
+def test_fp8_weights_with_adapters_graph_equals_eager_and_each_adapter_moves_the_logits_as_peft(adapters) -> None:
+    """--quantization fp8 with LoRA: the base weights in E4M3, the adapters in bf16. The captured
+    mixed-adapter step equals the eager one, and each adapter moves a row's logits as it moves peft's
+    (float32): FP8's own error is in both the row and its base-only twin, so it cancels in the move."""
+    model_dir, paths = adapters
+    loaded = load_model(str(model_dir), torch.device("cuda"), torch.bfloat16, quantization="fp8")
+    assert loaded.model.fp8
+    lora = LoraSlots(loaded.model, 3, 8, "stacked")
+    for slot, path in enumerate(paths[:3], start=1):
+        lora.load(slot, read_adapter(path.name, path, loaded.spec, 8, pin=True, dtype=torch.bfloat16))
+    mixed = _mixed_step(loaded, lora, SLOTS)
+    base_only = _mixed_step(loaded, lora, [0] * len(PROMPTS))
+    assert _rel(mixed.replayed, mixed.eager) < 1e-2
+    for i, (prompt, slot) in enumerate(zip(PROMPTS, SLOTS)):
+        if not slot:
+            continue
+        ids = prompt + [NEXT[i]]
+        peft_move = _peft_logits(model_dir, paths[slot - 1], ids) - _peft_logits(model_dir, None, ids)
+        our_move = mixed.eager[i].float().cpu() - base_only.eager[i].float().cpu()
+        assert _rel(our_move, peft_move) < 0.3, f"row {i} (slot {slot})"
+    mixed.graph.drop()
+    base_only.graph.drop()
 
 
 @pytest.fixture
