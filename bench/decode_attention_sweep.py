@@ -25,7 +25,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench.common import graph_ms, kernel_bench_device, print_table, write_result
 from bench.decode_bench import copy_rate
 from service.model.fp8 import FP8
-from service.model.kernels.decode_attention import BLOCK_N, decode_attention_torch, decode_attention_triton
+from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton, served_tile
 
 HEADS = {"1b": (32, 8, 64), "8b": (32, 8, 128)}  # query heads, kv heads, head dim
 TILES = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         best = min(these, key=lambda r: r["us"])
         best_rows.append({"model": key[0], "batch": key[1], "context": key[2], "kv": key[3], "served_us": served["us"],
                           "best": best["tile"], "best_us": best["us"], "best_of_floor": best["of_floor"]})
-    path = write_result("decode-attention-sweep", {"copy_rate_gbps": rate / 1e9, "served_block_n": BLOCK_N, "rows": rows},
+    served = {m: {kv: served_tile(HEADS[m][2], kv == "fp8") for kv in args.kv.split(",")} for m in args.models.split(",")}
+    path = write_result("decode-attention-sweep", {"copy_rate_gbps": rate / 1e9, "served_tiles": served, "rows": rows},
                         device=device)
     print_table(best_rows, ["model", "batch", "context", "kv", "served_us", "best", "best_us", "best_of_floor"],
                 title="decode attention per layer call, us (CUDA graphs, caches beyond L2)")

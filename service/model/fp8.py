@@ -115,10 +115,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         config = _gemm_config(x2.shape[0], weight.shape[0], weight.shape[1], x.device)
         if config is not None:
             y = fp8_gemm_triton(xq, xs, weight, scale, bias, x.dtype, config)
-        else:
-            y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
-            if bias is not None:
-                y = y + bias
+        else:  # cuBLAS writes bf16 only with per-row scales (fp16 / float32 raise outside recent Hopper builds)
+            y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16)
+            y = y.to(x.dtype) if bias is None else y.to(x.dtype) + bias
     return y.view(*shape[:-1], weight.shape[0])
 
 

@@ -121,8 +121,10 @@ def test_mixed_adapter_decode_graph_equals_eager_and_peft(adapters, kernel: str)
 
 def test_fp8_weights_with_adapters_graph_equals_eager_and_each_adapter_moves_the_logits_as_peft(adapters) -> None:
     """--quantization fp8 with LoRA: the base weights in E4M3, the adapters in bf16. The captured
-    mixed-adapter step equals the eager one, and each adapter moves a row's logits as it moves peft's
-    (float32): FP8's own error is in both the row and its base-only twin, so it cancels in the move."""
+    mixed-adapter step equals the eager one, and each adapter moves a row's logits (against the same
+    row without it) about as it moves peft's float32 logits. The move carries part of FP8's error (the
+    adapter changes what is quantized next; 0.14-0.22 in an emulation on the CPU machine), an adapter
+    not applied would be 1.0 away."""
     model_dir, paths = adapters
     loaded = load_model(str(model_dir), torch.device("cuda"), torch.bfloat16, quantization="fp8")
     assert loaded.model.fp8
@@ -138,7 +140,7 @@ def test_fp8_weights_with_adapters_graph_equals_eager_and_each_adapter_moves_the
         ids = prompt + [NEXT[i]]
         peft_move = _peft_logits(model_dir, paths[slot - 1], ids) - _peft_logits(model_dir, None, ids)
         our_move = mixed.eager[i].float().cpu() - base_only.eager[i].float().cpu()
-        assert _rel(our_move, peft_move) < 0.3, f"row {i} (slot {slot})"
+        assert _rel(our_move, peft_move) < 0.5, f"row {i} (slot {slot})"
     mixed.graph.drop()
     base_only.graph.drop()
 

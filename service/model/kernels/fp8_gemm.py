@@ -10,8 +10,9 @@ atomically into a zeroed buffer.
 
 With SWAP the weight tile is the dot's left operand (the tensor core's 64-row side) and the x rows
 its right one, as small as 16; without it x is the left operand. Both read E4M3 from shared memory
-into the FP8 tensor cores (wgmma on Hopper), accumulate in float32 and scale by the weight row's and
-the token's scales at the end, as `torch._scaled_mm` does.
+into the FP8 tensor cores (wgmma on Hopper), accumulate in float32 (promoted from the tensor cores'
+own accumulator every IMPRECISE_ACC elements of K) and scale by the weight row's and the token's
+scales at the end, as `torch._scaled_mm` does.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ import torch
 from service.model.kernels._triton import cdiv, next_pow2, tl, triton
 
 MAX_ROWS = 256  # more rows (prompt chunks) go to cuBLAS, whose large tiles are made for them
+# Hopper's FP8 tensor cores accumulate in less than float32 (about 14 mantissa bits kept), and Triton
+# lets them run a whole K loop so unless told otherwise: the partial sums move into the float32
+# accumulator every IMPRECISE_ACC elements of K instead, as DeepSeek-V3's FP8 GEMMs do (128), closer
+# to cuBLAS without fast accumulation (torch._scaled_mm's default).
+IMPRECISE_ACC = 128
 
 
 @dataclass(frozen=True)
@@ -43,9 +49,11 @@ def fp8_gemm_config(m: int, n: int, k: int, num_sms: int) -> Fp8GemmConfig | Non
     - up to 32 rows: the weight tile as the left operand (64 rows, 128 for a wide gate/up), x as 16
       or 32 rows; more rows: x as the left operand (64 rows), narrow weight tiles (32 rows up to
       64 rows of x) so that a 4,096-row weight still gives every SM a program;
-    - K split in two or four only for long K (8,192+: the down projection), while the programs stay
-      within one wave; a split costs a zeroed float32 buffer and a cast, more than it saves on
-      shorter K;
+    - K split in two only for long K (8,192+: the down projection), while the programs stay within
+      one wave; a split costs a zeroed float32 buffer and a cast, more than it saves on shorter K.
+      Never in more than two: the halves are added atomically, 0 + a + b is the same in either order,
+      three or more partial sums are not (the sweep's four-way split of the 1B down projection was
+      ~2 us faster at 16 rows, not worth a result that changes from run to run);
     - past 64 rows, weights of 6,144+ rows go to cuBLAS: its 128-row tiles fill the SMs there and
       were 5-20% faster at 256 rows."""
     if m > MAX_ROWS or k % 128 or (m > 64 and n >= 6144):
@@ -60,8 +68,8 @@ def fp8_gemm_config(m: int, n: int, k: int, num_sms: int) -> Fp8GemmConfig | Non
         block_k = 128
     programs = cdiv(m, block_m) * cdiv(n, block_n)
     split = 1
-    while k >= 8192 and split < 4 and programs * split * 2 <= num_sms and k % (block_k * split * 2) == 0:
-        split *= 2
+    if k >= 8192 and programs * 2 <= num_sms and k % (block_k * 2) == 0:
+        split = 2
     return Fp8GemmConfig(swap, block_m, block_n, block_k, split, 4, 3 if block_k == 256 else 4)
 
 
@@ -83,7 +91,7 @@ def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: to
     _fp8_gemm_kernel[grid](
         xq, xs, wq, ws, bias if bias is not None else ws, y,
         m, n, k, xq.stride(0), wq.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, SWAP=c.swap, SPLIT_K=c.split_k,
+        HAS_BIAS=bias is not None, SWAP=c.swap, SPLIT_K=c.split_k, IMPRECISE_ACC=IMPRECISE_ACC,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
@@ -96,7 +104,7 @@ if triton is not None:
     def _fp8_gemm_kernel(
         x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,
         M, N, K, stride_xm, stride_wn, stride_ym,
-        HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, SPLIT_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, SPLIT_K: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -120,9 +128,9 @@ if triton is not None:
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
             if SWAP:
-                acc = tl.dot(w, tl.trans(x), acc)
+                acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=IMPRECISE_ACC)
             else:
-                acc = tl.dot(x, tl.trans(w), acc)
+                acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=IMPRECISE_ACC)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         if SWAP:
