@@ -125,13 +125,13 @@ for part in "$@"; do
     fp8)
       TAIL=8 run fp8-gpu-tests 240 python3 -m pytest -q -m gpu tests/gpu/test_fp8_gpu.py -p no:cacheprovider --timeout 200
       for q in none fp8 fp8-cublas; do  # fp8-cublas: FP8 with cuBLAS's GEMM at 2-256 rows (the A/B of ours)
-        GRAPHSERVE_FP8_GEMM=$([ $q = fp8-cublas ] && echo cublas || echo ours) \
-          run decode-1b-$q 100 python3 bench/decode_bench.py $M --random-init --batches 1,64,256 --no-anchors --no-plot \
+        export GRAPHSERVE_FP8_GEMM=$([ $q = fp8-cublas ] && echo cublas || echo ours)
+        run decode-1b-$q 100 python3 bench/decode_bench.py $M --random-init --batches 1,64,256 --no-anchors --no-plot \
           --quantization ${q%-cublas}
-        GRAPHSERVE_FP8_GEMM=$([ $q = fp8-cublas ] && echo cublas || echo ours) \
-          run decode-8b-$q 150 python3 bench/decode_bench.py --model builtin:llama-8b --device cuda --random-init \
+        run decode-8b-$q 150 python3 bench/decode_bench.py --model builtin:llama-8b --device cuda --random-init \
           --batches 1,64,256 --no-anchors --no-plot --quantization ${q%-cublas}
-      done ;;
+      done
+      unset GRAPHSERVE_FP8_GEMM ;;
     fp8-gemm) run fp8-gemm-sweep 420 python3 bench/fp8_gemm_sweep.py ;;  # decode GEMMs: cuBLAS FP8 against ours, per shape
     fp8-kv)
       TAIL=8 run fp8-kv-gpu-tests 420 python3 -m pytest -q -m gpu tests/gpu/test_fp8_kv_gpu.py -p no:cacheprovider --timeout 300

@@ -25,6 +25,9 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
+# GRAPHSERVE_FP8_GEMM=cublas: every multi-row product through cuBLAS (the operator's switch and the
+# benchmarks' A/B); read once, not per product
+OUR_GEMM = os.environ.get("GRAPHSERVE_FP8_GEMM", "ours") != "cublas"
 MIN_SCALE = 1e-12  # an all-zero row keeps a positive scale (its values stay 0)
 
 
@@ -117,16 +120,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             y = fp8_gemm_triton(xq, xs, weight, scale, bias, x.dtype, config)
         else:  # cuBLAS writes bf16 only with per-row scales (fp16 / float32 raise outside recent Hopper builds)
             y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16)
-            y = y.to(x.dtype) if bias is None else y.to(x.dtype) + bias
+            y = y.to(x.dtype)
+            if bias is not None:
+                y = y + bias
     return y.view(*shape[:-1], weight.shape[0])
 
 
 def _gemm_config(m: int, n: int, k: int, device: torch.device):  # noqa: ANN202 - Fp8GemmConfig | None
     """Our decode-sized GEMM's configuration for these rows, or None for cuBLAS (prompt chunks, or
-    GRAPHSERVE_FP8_GEMM=cublas: the operator's switch and the benchmarks' A/B)."""
+    OUR_GEMM off)."""
     from service.model.kernels._triton import sm_count
     from service.model.kernels.fp8_gemm import fp8_gemm_config
 
-    if os.environ.get("GRAPHSERVE_FP8_GEMM", "ours") == "cublas":
-        return None
-    return fp8_gemm_config(m, n, k, sm_count(device))
+    return fp8_gemm_config(m, n, k, sm_count(device)) if OUR_GEMM else None

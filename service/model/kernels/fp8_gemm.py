@@ -17,6 +17,7 @@ scales at the end, as `torch._scaled_mm` does.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,7 @@ class Fp8GemmConfig:
     num_stages: int
 
 
+@functools.cache  # asked per projection of every eager step: a handful of shapes and row counts
 def fp8_gemm_config(m: int, n: int, k: int, num_sms: int) -> Fp8GemmConfig | None:
     """The served configuration for x [m, k] times a weight [n, k], None where cuBLAS serves it.
     Chosen from bench/fp8_gemm_sweep.py on an H200 (bench/results/h200-20261204-fp8-gemm/), the 1B
