@@ -9,12 +9,10 @@ per tensor) is taken as it is, its scales broadcast to one per channel.
 
 The product `fp8_linear`: a one-row input (the batch-1 decode step) through the GEMV of
 service.model.kernels.gemv, which reads the FP8 weight (half the bytes of bf16), dequantizes it in
-registers and applies the row scales at the end; more rows through the FP8 tensor cores: up to 256
-rows (decode) through service.model.kernels.fp8_gemm, which spreads a weight over every SM, more
-(prompt chunks) through cuBLAS (`torch._scaled_mm`). All are graph-safe. Each quantizes the
-activation per token on the fly (one scale per row, no calibration), the GEMV in its registers, so a
-row's products are the same alone, in a batch or padded into a larger graph, up to the
-accumulation order (and cuBLAS's bf16 output).
+registers and applies the row scales at the end (the activation stays in bf16); more rows through
+the FP8 tensor cores, the activation quantized per token on the fly (one scale per row, no
+calibration): up to 256 rows (decode) through service.model.kernels.fp8_gemm, which spreads a
+weight over every SM, more (prompt chunks) through cuBLAS (`torch._scaled_mm`). All are graph-safe.
 FP8 needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper): `unsupported_reason`
 says why a device cannot, for a start-up error.
 """

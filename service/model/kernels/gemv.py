@@ -18,11 +18,6 @@ into two bf16 pairs with a few integer ops a pair (sign to bit 15 / 31, exponent
 it), then each bf16 into float32 with one op: E4M3's exponent bias is 7 and bf16's 127, so the result
 is the value times 2^-120, denormals included, and the 2^120 goes into the row scale. The pairs hold
 elements 0 and 2, 1 and 3 of the word: the row is read in the same order.
-
-The FP8 kernel quantizes its one activation row per token as the decode GEMM's rows are
-(service.model.fp8: the row's largest magnitude over 448, the same float32 division and E4M3
-rounding), in registers after a pass for the row's maximum. A row so gets the same products alone as
-in a batch, or padded into a larger captured graph: only the accumulation order differs.
 """
 
 from __future__ import annotations
@@ -68,8 +63,7 @@ def gemv_triton(
 ) -> torch.Tensor:
     """x [1, K], weight [N, K] (rows contiguous) -> [1, N] in x's dtype. `config` overrides the
     weight's own, `launch` (one of LAUNCHES) the served launch (bench/pdl_chain.py compares them).
-    `scale` [N] float32: the weight is FP8 and row n's products are scaled by scale[n], the activation
-    quantized to E4M3 per token first (service.model.fp8)."""
+    `scale` [N] float32: the weight is FP8 and row n's products are scaled by scale[n] (service.model.fp8)."""
     assert x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
     assert weight.stride(1) == 1, weight.stride()
     assert x.dtype == weight.dtype if scale is None else scale.dtype == torch.float32, (x.dtype, weight.dtype)
@@ -83,12 +77,10 @@ def gemv_triton(
     flags = dict(HAS_BIAS=bias is not None, PDL=on, EARLY=launch == "pdl-early")
     if scale is not None:  # E4M3, four to a 32-bit word
         assert weight.dtype == torch.float8_e4m3fn and k % 4 == 0 and weight.stride(0) % 4 == 0, (weight.dtype, k)
-        from service.model.fp8 import FP8_MAX, MIN_SCALE
-
         c = config or FP8_LAYER
         _gemv_fp8_kernel[(cdiv(n, c.block_n),)](
             x, weight.view(torch.int32), bias if bias is not None else scale, scale, y, n, k // 4, weight.stride(0) // 4,
-            **flags, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK_N=c.block_n, BLOCK_W=min(c.block_k // 4, next_pow2(k // 4)),
+            **flags, BLOCK_N=c.block_n, BLOCK_W=min(c.block_k // 4, next_pow2(k // 4)),
             num_warps=c.num_warps, num_stages=c.num_stages, **pdl_launch(on),
         )
         return y
@@ -138,8 +130,7 @@ if triton is not None:
     @triton.jit
     def _gemv_fp8_kernel(
         x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K4, stride_w,
-        HAS_BIAS: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+        HAS_BIAS: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     ):
         # w_ptr: the E4M3 weight as 32-bit words [N, K4], word j of a row holding elements 4j .. 4j + 3
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -151,12 +142,6 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()
             if EARLY:
                 tl.extra.cuda.gdc_launch_dependents()
-        # the activation's per-token scale, as service.model.kernels.quant computes it
-        offs_x = tl.arange(0, 4 * BLOCK_W)
-        amax = tl.zeros((4 * BLOCK_W,), dtype=tl.float32)
-        for e0 in range(0, 4 * K4, 4 * BLOCK_W):
-            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + e0 + offs_x, mask=offs_x < 4 * K4 - e0, other=0.0).to(tl.float32)))
-        x_scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_SCALE)
         acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)  # summed across lanes once, at the end
         for w0 in range(0, K4, BLOCK_W):
             x_mask = offs_w < K4 - w0
@@ -166,24 +151,18 @@ if triton is not None:
             odd = (w & -2147450880) | ((w >> 4) & 0x07F007F0)  # -2147450880: the sign bits 0x80008000
             # the row in the same order, as four strided loads (one contiguous load split in registers
             # measured 3-15% slower: bench/results/h200-20261204-fp8-gemv/)
-            x0 = _e4m3(tl.load(x_ptrs, mask=x_mask, other=0.0), x_scale, FP8_MAX)
-            x1 = _e4m3(tl.load(x_ptrs + 1, mask=x_mask, other=0.0), x_scale, FP8_MAX)
-            x2 = _e4m3(tl.load(x_ptrs + 2, mask=x_mask, other=0.0), x_scale, FP8_MAX)
-            x3 = _e4m3(tl.load(x_ptrs + 3, mask=x_mask, other=0.0), x_scale, FP8_MAX)
+            x0 = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+            x1 = tl.load(x_ptrs + 1, mask=x_mask, other=0.0).to(tl.float32)
+            x2 = tl.load(x_ptrs + 2, mask=x_mask, other=0.0).to(tl.float32)
+            x3 = tl.load(x_ptrs + 3, mask=x_mask, other=0.0).to(tl.float32)
             acc += (even << 16).to(tl.float32, bitcast=True) * x0[None, :]
             acc += (even & -65536).to(tl.float32, bitcast=True) * x2[None, :]  # -65536: 0xFFFF0000
             acc += (odd << 16).to(tl.float32, bitcast=True) * x1[None, :]
             acc += (odd & -65536).to(tl.float32, bitcast=True) * x3[None, :]
             next_w = w0 + BLOCK_W  # the next tile (none past K4: the mask loads nothing)
             w = tl.load(w_ptrs + next_w, mask=n_mask[:, None] & (offs_w[None, :] < K4 - next_w), other=0)
-        # the row scales, times 2^120: the bit move's exponent offset; then the activation's scale
-        out = tl.sum(acc, 1) * (tl.load(s_ptr + offs_n, mask=n_mask, other=0.0) * 1.329227995784916e36) * x_scale
+        # the row scales, times 2^120: the bit move's exponent offset
+        out = tl.sum(acc, 1) * (tl.load(s_ptr + offs_n, mask=n_mask, other=0.0) * 1.329227995784916e36)
         if HAS_BIAS:
             out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_mask)
-
-    @triton.jit
-    def _e4m3(x, scale, FP8_MAX: tl.constexpr):
-        """x / scale rounded to E4M3 (saturated at +-FP8_MAX), as float32."""
-        q = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
-        return q.to(tl.float8e4nv).to(tl.float32)
