@@ -24,6 +24,10 @@ class GraphCacheConfig:
     max_tokens: the largest step in tokens (0: no piecewise graphs).
     inline_capture: capture and release on the engine thread at step boundaries instead of on the
     capture thread (tensor parallelism: every rank must run them at the same point; capturer.py).
+    pad_single_rows: while a one-row (one-token) step's own graph is captured, it may replay a larger
+    captured graph. False for a model whose lone row is computed otherwise than rows in company (FP8
+    weights: the batch-1 GEMV keeps the activation in bf16, the GEMMs quantize it), so that a lone
+    stream's tokens do not depend on which graphs exist: such a step runs eagerly meanwhile.
     """
 
     mode: CudaGraphMode | str
@@ -40,6 +44,7 @@ class GraphCacheConfig:
     replay_log_interval_s: float = 60.0  # period of the graph_replay_totals log event
     max_tokens: int = 0
     inline_capture: bool = False
+    pad_single_rows: bool = True
     piecewise_sizes: tuple[int, ...] = field(default=(), init=False)  # derived: PIECEWISE token counts
 
     def __post_init__(self) -> None:

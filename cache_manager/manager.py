@@ -232,7 +232,8 @@ class GraphCache:
 
     def _select(self, key: BatchDescriptor, now: float) -> tuple[BatchDescriptor | None, str]:
         """(graph to replay, "") or (None, eager reason). May submit a capture, evicting by policy;
-        meanwhile the step pads to a larger captured graph of its kind if there is one."""
+        meanwhile the step pads to a larger captured graph of its kind if there is one (a one-row
+        step only with `pad_single_rows`)."""
         b = self._buckets[key]
         b.bump(now, self.config.heat_half_life_s)
         if b.graph is not None:
@@ -251,7 +252,8 @@ class GraphCache:
             reason = "capturing" if outcome is None else "budget"
             if outcome is not None and deferred:
                 self._wanted[key] = None
-        larger = self.residency.larger_captured(key)
+        alone = key.padded_size == 1 and not self.config.pad_single_rows
+        larger = None if alone else self.residency.larger_captured(key)
         return (larger, "") if larger is not None else (None, reason)
 
     # ---- results from the capture thread --------------------------------------------------------

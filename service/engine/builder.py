@@ -150,6 +150,7 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
         stats_file=None if follower else c.stats_file,
         warm_start=c.warm_start and not follower,
         inline_capture=inline,
+        pad_single_rows=not loaded.model.fp8,  # FP8's lone row: the GEMV, in company the GEMM (fp8.py)
     )
     kv_dtype = loaded.kv_cache_dtype
     kv = size_kv_cache(loaded.model.spec, kv_dtype, device, c.kv_cache_memory, c.block_size, c.max_running_seqs,

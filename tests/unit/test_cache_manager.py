@@ -94,6 +94,28 @@ def test_while_capturing_a_step_pads_to_a_larger_captured_graph():
     assert bucket(cache, 4).since_start.replays == 1
 
 
+def test_without_single_row_padding_a_lone_row_runs_eagerly_while_its_graph_is_captured():
+    """pad_single_rows=False (FP8 weights): a one-row step never borrows a larger graph, so it is
+    computed the same way until its own graph replays; larger steps still pad."""
+    gate = threading.Event()
+    cache, step, fake, _ = make(gate=gate, pad_single_rows=False)
+    gate.set()
+    run_settled(cache, 8)
+    gate.clear()
+    expected = write(step, 1)
+    assert torch.equal(cache.run(1), expected)
+    assert (1, 8) not in step.padding_calls and bucket(cache, 8).since_start.replays == 0
+    assert bucket(cache, 1).since_start.eager_fallbacks == {"capturing": 1}
+    write(step, 3)
+    cache.run(3)  # 4 waits behind 1's capture: 8 serves it meanwhile
+    assert (3, 8) in step.padding_calls
+    gate.set()
+    cache.wait_idle()
+    assert torch.equal(cache.run(1), expected)
+    assert bucket(cache, 1).since_start.replays == 1
+    cache.close()
+
+
 def test_above_max_and_mode_none_run_eager_and_count_requested_sizes():
     cache, step, fake, _ = make(mode="none")
     expected = write(step, 5)
