@@ -27,7 +27,8 @@ class GraphCacheConfig:
     pad_single_rows: while a one-row (one-token) step's own graph is captured, it may replay a larger
     captured graph. False for a model whose lone row is computed otherwise than rows in company (FP8
     weights: the batch-1 GEMV keeps the activation in bf16, the GEMMs quantize it), so that a lone
-    stream's tokens do not depend on which graphs exist: such a step runs eagerly meanwhile.
+    stream's tokens do not depend on which graphs exist: such a step runs eagerly meanwhile, and a
+    cold start captures size 1 beside the largest.
     """
 
     mode: CudaGraphMode | str

@@ -145,8 +145,7 @@ class GraphCache:
                 # its own sizes, their steps pad into a graph instead of running eagerly (an eager
                 # step beside a capture shares the interpreter with it and slows most). Inline
                 # (tensor parallelism), where serving captures wait for an idle engine: a cover.
-                covers = {k: _cover(self._tables[k].sizes) if config.inline_capture else [self._tables[k].largest]
-                          for k in self.mode.kinds}
+                covers = {k: _cold_start(self._tables[k].sizes, config) for k in self.mode.kinds}
                 for i in range(max(map(len, covers.values()), default=0)):
                     self._warm_queue.extend(BatchDescriptor(k, c[i]) for k, c in covers.items() if i < len(c))
         self._warming: BatchDescriptor | None = None  # the warm-start capture in flight
@@ -564,6 +563,16 @@ class GraphCache:
                 stats_file=str(self.stats.store.path) if self.stats.store else None,
                 last_save_time=self.stats.last_save_time,
             )
+
+
+def _cold_start(sizes: tuple[int, ...], config: GraphCacheConfig) -> list[int]:
+    """The sizes of one kind a cold start captures, in order: the largest (a cover of all under inline
+    capture), and size 1 where a one-row step may not pad (pad_single_rows off) so that a lone
+    stream replays its own graph from the start."""
+    if config.inline_capture:
+        return _cover(sizes)
+    lone = [1] if not config.pad_single_rows and sizes[0] == 1 < sizes[-1] else []
+    return [sizes[-1], *lone]
 
 
 def _cover(sizes: tuple[int, ...]) -> list[int]:

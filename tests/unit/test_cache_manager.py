@@ -292,6 +292,17 @@ def test_prepare_warms_every_size_then_captures_the_largest_before_serving_on_a_
     assert bucket(cache, 4).since_start.eager_fallbacks == {} and bucket(cache, 8).since_start.replays == 1
 
 
+def test_without_single_row_padding_a_cold_start_captures_the_lone_row_graph_before_serving(tmp_path):
+    cache, step, fake, _ = make(stats_file=tmp_path / "none-yet.json", pad_single_rows=False)
+    assert full_sizes(cache.snapshot().warm_queue) == (8, 1)
+    report = cache.prepare(timeout_s=30)
+    assert fake.captured == [8, 1] and report.left == []
+    expected = write(step, 1)
+    assert torch.equal(cache.run(1), expected)  # a lone stream's first step replays its own graph
+    assert bucket(cache, 1).since_start.replays == 1 and bucket(cache, 1).since_start.eager_fallbacks == {}
+    cache.close()
+
+
 def test_prepare_captures_the_hot_sizes_of_a_warm_start_within_budget(tmp_path):
     path = tmp_path / "stats.json"
     first, _, _, _ = make(stats_file=path)
