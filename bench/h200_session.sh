@@ -83,7 +83,7 @@ for part in "$@"; do
       -p no:cacheprovider --timeout 200 ;;
     load)  # Poisson load, mixed lengths, a fresh server per run, cold and warm; bursts on fresh servers
       eval "run serving-load${TAG:+-$TAG} 570 python3 bench/serving_load.py $M --cache-dir .cache/models \
-        --rates ${RATES:-5,10,20} --requests ${REQUESTS:-120} --burst ${BURST:-16:512,8:256} \
+        --rates ${RATES:-20,100} --requests ${REQUESTS:-200} --burst ${BURST:-16:512} --max-running-seqs 256 \
         --log-dir $OUT/load${TAG:+-$TAG} ${LOAD_ARGS:-}" ;;
     paged)
       TAIL=12 run paged-gpu-tests 420 python3 -m pytest -q -m gpu tests/gpu/test_paged_gpu.py tests/gpu/test_kernels_gpu.py \
