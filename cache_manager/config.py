@@ -27,8 +27,9 @@ class GraphCacheConfig:
     pad_single_rows: while a one-row (one-token) step's own graph is captured, it may replay a larger
     captured graph. False for a model whose lone row is computed otherwise than rows in company (FP8
     weights: the batch-1 GEMV keeps the activation in bf16, the GEMMs quantize it), so that a lone
-    stream's tokens do not depend on which graphs exist: such a step runs eagerly meanwhile, and a
-    cold start captures size 1 beside the largest.
+    stream's tokens do not depend on which graphs exist: such a step runs eagerly meanwhile, and the
+    start captures size 1 second. The sizes must then hold 1 (else a lone row would run in a larger
+    graph once captured, eagerly before).
     """
 
     mode: CudaGraphMode | str
@@ -63,6 +64,9 @@ class GraphCacheConfig:
             piecewise = tuple(s for s in given if s <= self.max_tokens)
             if not full:
                 raise ValueError(f"capture sizes {list(given)} hold none for a decode batch (<= {self.max_batch})")
+            if not self.pad_single_rows and given[0] != 1:
+                raise ValueError(f"capture sizes {list(given)} lack 1, which a one-row step that may not pad "
+                                 "(pad_single_rows off) needs")
         object.__setattr__(self, "capture_sizes", full)
         object.__setattr__(self, "piecewise_sizes", piecewise)
         if isinstance(self.memory_budget, str):

@@ -145,9 +145,16 @@ class GraphCache:
                 # its own sizes, their steps pad into a graph instead of running eagerly (an eager
                 # step beside a capture shares the interpreter with it and slows most). Inline
                 # (tensor parallelism), where serving captures wait for an idle engine: a cover.
-                covers = {k: _cold_start(self._tables[k].sizes, config) for k in self.mode.kinds}
+                covers = {k: _cover(self._tables[k].sizes) if config.inline_capture else [self._tables[k].largest]
+                          for k in self.mode.kinds}
                 for i in range(max(map(len, covers.values()), default=0)):
                     self._warm_queue.extend(BatchDescriptor(k, c[i]) for k, c in covers.items() if i < len(c))
+            if not config.pad_single_rows:
+                # A one-row step that may not pad runs eagerly until its own graph exists (under
+                # tensor parallelism until the engine is idle): size 1 of each kind right after the first.
+                lone = [BatchDescriptor(k, 1) for k in self.mode.kinds if self._tables[k].sizes[0] == 1]
+                rest = [d for d in self._warm_queue if d not in lone]
+                self._warm_queue = deque(rest[:1] + lone + rest[1:])
         self._warming: BatchDescriptor | None = None  # the warm-start capture in flight
         self.sharing: GraphCache | None = None  # the cache under the same budget (share_budget_with)
 
@@ -356,8 +363,8 @@ class GraphCache:
         scratch inputs (Triton compiles its specializations, cuBLAS picks its kernels: work that a
         first step of a new size, or a capture beside it, used to do while streams waited); then
         the warm-start queue is captured (a cold start: the largest size of each kind, which every
-        step can pad into; a warm start: the stats' hot sizes) until it is empty or `timeout_s` has
-        passed. Whatever is left is captured in the background once serving, as before.
+        step can pad into; a warm start: the stats' hot sizes; without `pad_single_rows` size 1
+        second) until it is empty or `timeout_s` has passed. Whatever is left is captured in the background once serving, as before.
 
         With inline capture (tensor parallelism) the eager pass is skipped: its collectives would
         need the other ranks to run the same steps, which only captures are mirrored for."""
@@ -563,16 +570,6 @@ class GraphCache:
                 stats_file=str(self.stats.store.path) if self.stats.store else None,
                 last_save_time=self.stats.last_save_time,
             )
-
-
-def _cold_start(sizes: tuple[int, ...], config: GraphCacheConfig) -> list[int]:
-    """The sizes of one kind a cold start captures, in order: the largest (a cover of all under inline
-    capture), and size 1 where a one-row step may not pad (pad_single_rows off) so that a lone
-    stream replays its own graph from the start."""
-    if config.inline_capture:
-        return _cover(sizes)
-    lone = [1] if not config.pad_single_rows and sizes[0] == 1 < sizes[-1] else []
-    return [sizes[-1], *lone]
 
 
 def _cover(sizes: tuple[int, ...]) -> list[int]:

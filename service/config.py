@@ -243,6 +243,9 @@ class ServeConfig:
                 sizes = parse_capture_sizes(self.capture_sizes, max(self.max_running_seqs, self.max_num_batched_tokens))
             except ValueError as exc:
                 raise ConfigError(f"--capture-sizes: {exc}") from None
+            need(self.quantization != "fp8" or 1 in sizes,
+                 f"--capture-sizes: {self.capture_sizes!r} lacks 1, which --quantization fp8 needs: a lone request's "
+                 "step is computed otherwise than a batch's and never pads into a larger graph (README: FP8 weights)")
             need(min(sizes) <= self.max_running_seqs,
                  f"--capture-sizes: {self.capture_sizes!r} holds no size for a decode batch (<= --max-running-seqs "
                  f"{self.max_running_seqs})")

@@ -303,6 +303,23 @@ def test_without_single_row_padding_a_cold_start_captures_the_lone_row_graph_bef
     cache.close()
 
 
+def test_without_single_row_padding_size_1_comes_second_in_warm_and_inline_starts_and_must_be_allowed(tmp_path):
+    path = tmp_path / "stats.json"
+    first, _, _, _ = make(stats_file=path)
+    for n in (8, 2, 2):
+        run_settled(first, n)
+    first.close()
+    warm, _, _, _ = make(stats_file=path, pad_single_rows=False)  # the last run never had a lone row
+    assert full_sizes(warm.snapshot().warm_queue) == (2, 1, 8)
+    warm.close()
+    cfg = GraphCacheConfig("full", SIZES, 8, inline_capture=True, pad_single_rows=False)
+    inline = GraphCache(CountingStep(8), cfg, torch.device("cpu"), FP, FakeGraphBackend())
+    assert full_sizes(inline.snapshot().warm_queue) == (8, 1, 4, 2)  # the cover, 1 before the rest
+    inline.close()
+    with pytest.raises(ValueError, match="lack 1"):
+        GraphCacheConfig("full", (2, 4, 8), 8, pad_single_rows=False)
+
+
 def test_prepare_captures_the_hot_sizes_of_a_warm_start_within_budget(tmp_path):
     path = tmp_path / "stats.json"
     first, _, _, _ = make(stats_file=path)

@@ -37,6 +37,7 @@ def test_admin_token_file_is_read_and_an_empty_one_refused(tmp_path) -> None:  #
     (["--max-num-batched-tokens", "16", "--max-running-seqs", "32"], "--max-num-batched-tokens"),
     (["--quantization", "fp8", "--device", "cpu"], "--quantization fp8 needs an NVIDIA GPU"),
     (["--quantization", "fp8", "--batch-invariant"], "--quantization fp8"),
+    (["--quantization", "fp8", "--device", "cuda", "--capture-sizes", "8,16"], "lacks 1, which --quantization fp8"),
     (["--stream-message-rate", "-1"], "--stream-message-rate"),
     (["--stream-message-rate", "inf"], "--stream-message-rate"),
 ])
