@@ -364,7 +364,8 @@ class GraphCache:
         first step of a new size, or a capture beside it, used to do while streams waited); then
         the warm-start queue is captured (a cold start: the largest size of each kind, which every
         step can pad into; a warm start: the stats' hot sizes; without `pad_single_rows` size 1
-        second) until it is empty or `timeout_s` has passed. Whatever is left is captured in the background once serving, as before.
+        second) until it is empty or `timeout_s` has passed. Whatever is left is captured in the
+        background once serving, as before.
 
         With inline capture (tensor parallelism) the eager pass is skipped: its collectives would
         need the other ranks to run the same steps, which only captures are mirrored for."""

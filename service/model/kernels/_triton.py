@@ -94,6 +94,17 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
+    def gemm_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """This program's rows of x and of the weight in a GEMM grid of cdiv(M, BLOCK_M) *
+        cdiv(N, BLOCK_N) programs: (offs_m, offs_n, m_mask, n_mask). M varies fastest, so neighbouring
+        programs share a weight tile and the second read hits L2."""
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BLOCK_M)
+        offs_m = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return offs_m, offs_n, offs_m < M, offs_n < N
+
+    @triton.jit
     def online_softmax(s, v, m_i, l_i, acc):
         """One tile of flash attention's online softmax: s [M, N] float32 scores already scaled by
         LOG2E (masked ones -inf), v [N, D]; the running max m_i and sum l_i [M] and acc [M, D]

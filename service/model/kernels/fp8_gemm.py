@@ -101,6 +101,7 @@ def fp8_gemm_triton(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: to
 
 
 if triton is not None:
+    from service.model.kernels._triton import gemm_tile
 
     @triton.jit(do_not_specialize=["M"])
     def _fp8_gemm_kernel(
@@ -109,15 +110,8 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, SPLIT_K: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
-        pid = tl.program_id(0)
+        offs_m, offs_n, m_mask, n_mask = gemm_tile(M, N, BLOCK_M, BLOCK_N)
         pid_k = tl.program_id(1)
-        num_m = tl.cdiv(M, BLOCK_M)
-        pid_m = pid % num_m  # neighbouring programs share a weight tile: the second read hits L2
-        pid_n = pid // num_m
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_mask = offs_m < M
-        n_mask = offs_n < N
         k_len = K // SPLIT_K
         offs_k = pid_k * k_len + tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]

@@ -88,6 +88,7 @@ def matmul_triton(
 
 
 if triton is not None:
+    from service.model.kernels._triton import gemm_tile
 
     # M is never specialised (Triton would compile M == 1 and M % 16 == 0 apart): one program for all M.
     @triton.jit(do_not_specialize=["M"])
@@ -98,15 +99,8 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        num_m = tl.cdiv(M, BLOCK_M)
-        pid_m = pid % num_m  # neighbouring programs share a weight tile: the second read hits L2
-        pid_n = pid // num_m
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m, offs_n, m_mask, n_mask = gemm_tile(M, N, BLOCK_M, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
-        m_mask = offs_m < M
-        n_mask = offs_n < N
         x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
