@@ -24,7 +24,9 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write per line (message and newline together): the engine process shares this stderr,
+        # and print()'s two writes let its lines land inside ours, unparseable.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
     # Libraries log through the standard library (and `warnings`): into the same structured stream.

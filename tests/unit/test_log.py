@@ -48,3 +48,34 @@ def test_throttle_logs_once_per_interval_and_counts_the_rest() -> None:
     assert [throttle.due() for _ in range(5)] == [None] * 5
     now[0] = 10.5
     assert throttle.due() == 5
+
+
+_TWO_WRITERS = """
+import sys
+import time
+import structlog
+from service.telemetry.log import configure_logging
+configure_logging("json", "info")
+log = structlog.get_logger()
+time.sleep(max(0.0, float(sys.argv[3]) - time.time()))  # both write at once
+for i in range(int(sys.argv[1])):
+    log.info("graph_captured", writer=sys.argv[2], i=i, padding="x" * 120)
+"""
+
+
+def test_two_processes_sharing_stderr_write_whole_json_lines(tmp_path) -> None:  # noqa: ANN001
+    """The gRPC process and its engine process log to one inherited stderr (a file or a pipe, as
+    under Kubernetes); unbuffered, as in the container image. Every line must parse on its own."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.getcwd()}
+    lines, start_at = 20000, time.time() + 3.0
+    with open(tmp_path / "server.log", "w") as log_file:
+        writers = [subprocess.Popen([sys.executable, "-c", _TWO_WRITERS, str(lines), name, str(start_at)],
+                                    stderr=log_file, env=env) for name in ("server", "engine")]
+        assert [w.wait(timeout=120) for w in writers] == [0, 0]
+    events = [json.loads(line) for line in (tmp_path / "server.log").read_text().splitlines()]
+    assert sorted(e["writer"] for e in events) == ["engine"] * lines + ["server"] * lines
