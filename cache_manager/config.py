@@ -27,9 +27,10 @@ class GraphCacheConfig:
     pad_single_rows: while a one-row (one-token) step's own graph is captured, it may replay a larger
     captured graph. False for a model whose lone row is computed otherwise than rows in company (FP8
     weights: the batch-1 GEMV keeps the activation in bf16, the GEMMs quantize it), so that a lone
-    stream's tokens do not depend on which graphs exist: such a step runs eagerly meanwhile, and the
-    start captures size 1 second. The sizes must then hold 1 (else a lone row would run in a larger
-    graph once captured, eagerly before).
+    stream's tokens do not depend on which graphs exist: such a step runs eagerly meanwhile, the
+    start captures size 1 second, and only an operator's explicit eviction removes size 1's graphs.
+    The sizes must then hold 1 (else a lone row would run in a larger graph once captured, eagerly
+    before).
     """
 
     mode: CudaGraphMode | str

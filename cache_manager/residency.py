@@ -31,10 +31,10 @@ class Residency:
     capture thread; `commit` (between steps) enforces the budget on the measured bytes (evicting
     others or dropping the new graph) and makes it replayable. Evicted graphs leave service at once
     and are released on the capture thread; their bytes count as used until the release is measured.
-    Graphs in `protect` are never evicted. A failed capture marks the bucket FAILED with a doubling
-    back-off. Every event is counted in the recorder and logged (graph_captured with what the engine
-    thread spent on it as `stall_ms`, graph_evicted with the bytes the device got back,
-    graph_capture_failed, graph_capture_dropped).
+    Graphs in `protect` are never evicted, those in `kept` only by an operator's explicit eviction. A
+    failed capture marks the bucket FAILED with a doubling back-off. Every event is counted in the
+    recorder and logged (graph_captured with what the engine thread spent on it as `stall_ms`,
+    graph_evicted with the bytes the device got back, graph_capture_failed, graph_capture_dropped).
     """
 
     def __init__(
@@ -52,8 +52,10 @@ class Residency:
         notify: Callable[[], None] | None = None,
         on_stall: Callable[[float], None] | None = None,
         inline: bool = False,
+        kept: frozenset[BatchDescriptor] = frozenset(),
     ) -> None:
         self.steps = steps
+        self.kept = kept
         self.backend = backend
         self.capturer = Capturer(backend, notify, inline) if backend is not None else None
         self.buckets = {key: Bucket(key) for key in (BatchDescriptor(k, s) for k, ss in sizes.items() for s in ss)}
@@ -96,11 +98,11 @@ class Residency:
         return sum(job.estimate for job in self.pending.values())
 
     def candidates(self, protect: set[BatchDescriptor], now: float) -> list[Candidate]:
-        """The captured graphs eviction may consider: every one not in `protect`."""
+        """The captured graphs eviction may consider: every one not in `protect` or `kept`."""
         return [
             Candidate(s, b.graph.nbytes, b.heat_at(now, self.half_life_s), self.stats.last_use(s))
             for s, b in self.buckets.items()
-            if b.graph is not None and s not in protect
+            if b.graph is not None and s not in protect and s not in self.kept
         ]
 
     def _victims_for(

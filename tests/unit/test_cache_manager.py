@@ -116,6 +116,27 @@ def test_without_single_row_padding_a_lone_row_runs_eagerly_while_its_graph_is_c
     cache.close()
 
 
+@pytest.mark.parametrize("pad_single_rows", [True, False])
+def test_without_single_row_padding_no_policy_or_budget_evicts_size_one(pad_single_rows):
+    """A lone row that may not pad would run eagerly without its graph (FP8 8B: 20 ms a step against
+    2.8): traffic and a smaller budget evict others, never size 1; an operator's explicit eviction may."""
+    cache, step, fake, _ = make(budget=3000, bytes_for=lambda s: 1000, pad_single_rows=pad_single_rows)
+    for n, times in ((1, 1), (2, 10), (4, 10)):
+        for _ in range(times):
+            write(step, n)
+            run_settled(cache, n)
+    run_settled(cache, 8)  # needs room: 1 is the coldest per byte; 4 is in use
+    assert fake.released == ([] if not pad_single_rows else [1])
+    kept = {b.size for b in cache.snapshot().buckets if b.state is BucketState.CAPTURED}
+    assert kept == ({1, 2, 4} if not pad_single_rows else {2, 4, 8})
+    evicted = cache.set_budget(1000)
+    assert 1 not in {k.padded_size for k in evicted} or pad_single_rows
+    if not pad_single_rows:
+        assert bucket(cache, 1).state is BucketState.CAPTURED and cache.snapshot().used_bytes == 1000
+        assert cache.evict([1])[1].outcome is OpOutcome.EVICTED
+    cache.close()
+
+
 def test_above_max_and_mode_none_run_eager_and_count_requested_sizes():
     cache, step, fake, _ = make(mode="none")
     expected = write(step, 5)
