@@ -14,12 +14,15 @@ the FP8 tensor cores, the activation quantized per token on the fly (one scale p
 calibration): up to 256 rows (decode) through service.model.kernels.fp8_gemm, which spreads a
 weight over every SM, more (prompt chunks) through cuBLAS (`torch._scaled_mm`). All are graph-safe.
 FP8 needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper): `unsupported_reason`
-says why a device cannot, for a start-up error.
+says why a device cannot, for a start-up error. `self_check` tries each route at start on the
+model's own weights; a kernel of ours that fails gives its rows to cuBLAS (`Fp8Kernels`).
 """
 
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -104,32 +107,102 @@ def dequantize_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K] in bf16 / fp16, weight [N, K] E4M3 (rows contiguous), scale [N] float32 -> [..., N] in x's dtype."""
-    from service.model.kernels.fp8_gemm import fp8_gemm_triton
-    from service.model.kernels.gemv import gemv_triton
+@dataclass(frozen=True)
+class Fp8Kernels:
+    """Which kernels of ours an FP8 model's products run, as its start-up self-check found them
+    (`self_check`): the one-row GEMV, the decode-batch GEMM; cuBLAS where one is off."""
 
+    gemv: bool = True
+    gemm: bool = OUR_GEMM
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
+               kernels: Fp8Kernels = Fp8Kernels()) -> torch.Tensor:
+    """x [..., K] in bf16 / fp16, weight [N, K] E4M3 (rows contiguous), scale [N] float32 -> [..., N] in x's dtype."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if x2.shape[0] == 1:
-        y = gemv_triton(x2, weight, bias, scale=scale)
+    if x2.shape[0] == 1 and kernels.gemv:
+        y = _product(x2, weight, bias, scale, "gemv")
     else:
-        xq, xs = _quantize_tokens(x2)
-        config = _gemm_config(x2.shape[0], weight.shape[0], weight.shape[1], x.device)
-        if config is not None:
-            y = fp8_gemm_triton(xq, xs, weight, scale, bias, x.dtype, config)
-        else:  # cuBLAS writes bf16 only with per-row scales (fp16 / float32 raise outside recent Hopper builds)
-            y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16)
-            y = y.to(x.dtype)
-            if bias is not None:
-                y = y + bias
+        ours = kernels.gemm and _gemm_config(x2.shape[0], weight.shape[0], weight.shape[1], x.device) is not None
+        y = _product(x2, weight, bias, scale, "gemm" if ours else "cublas")
     return y.view(*shape[:-1], weight.shape[0])
 
 
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
+             route: str) -> torch.Tensor:
+    """x [M, K] times the E4M3 weight by one route: "gemv" (one row, the activation in bf16), "gemm"
+    (ours, up to 256 rows) or "cublas" (any rows); both of the latter quantize the activation per token."""
+    from service.model.kernels.fp8_gemm import fp8_gemm_triton
+    from service.model.kernels.gemv import gemv_triton
+
+    if route == "gemv":
+        return gemv_triton(x, weight, bias, scale=scale)
+    xq, xs = _quantize_tokens(x)
+    if route == "gemm":
+        return fp8_gemm_triton(xq, xs, weight, scale, bias, x.dtype,
+                               _gemm_config(x.shape[0], weight.shape[0], weight.shape[1], x.device))
+    # cuBLAS writes bf16 only with per-row scales (fp16 / float32 raise outside recent Hopper builds)
+    y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16).to(x.dtype)
+    return y if bias is None else y + bias
+
+
+# The start-up self-check's rows: the lone row, and rows that select each tile shape of our GEMM
+# (16- and 32-row x tiles, 64-row x tiles with narrow and wider weight tiles) and cuBLAS (prompt chunks).
+CHECK_ROWS = (1, 3, 24, 48, 200, 300)
+CHECK_TOLERANCE = 5e-3  # relative norm against float32: bf16 rounding and the accumulation order only
+
+
+def self_check(weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], dtype: torch.dtype
+               ) -> Fp8Kernels:
+    """Every route of `fp8_linear` on the model's own FP8 weights (one of each shape: (E4M3 [N, K],
+    scales [N], bias or None)) with activations of `dtype`, against float32 of the dequantized
+    operands, at CHECK_ROWS. A kernel of ours that fails (wrong values or an error) is logged
+    (`fp8_kernel_disabled`) and cuBLAS serves in its place; cuBLAS failing raises: FP8 cannot be
+    served on this device."""
+    import structlog
+
+    log = structlog.get_logger("graphserve.model")
+    start = time.perf_counter()
+    failed: dict[str, str] = {}
+    for q, scale, bias in weights:
+        n, k = q.shape
+        device = q.device
+        w = dequantize_rows(q, scale)
+        gen = torch.Generator(device).manual_seed(n + k)
+        for rows in CHECK_ROWS:
+            x = torch.randn(rows, k, device=device, generator=gen).to(dtype)
+            xq, xs = quantize_tokens(x)
+            routes = ["cublas"] + (["gemv"] if rows == 1 else []) + (
+                ["gemm"] if OUR_GEMM and _gemm_config(rows, n, k, device) is not None else [])
+            for route in routes:
+                if route in failed:
+                    continue
+                ref = (x.float() if route == "gemv" else xq.float() * xs) @ w.t()
+                if bias is not None:
+                    ref += bias.float()
+                try:
+                    y = _product(x, q, bias, scale, route).float()
+                    error = ((y - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+                    if not error < CHECK_TOLERANCE:  # NaN fails too
+                        raise AssertionError(f"relative error {error:.3g} over {CHECK_TOLERANCE}")
+                except Exception as e:  # noqa: BLE001 - a kernel of ours must never take the service down
+                    failed[route] = f"[{n}, {k}] at {rows} rows: {type(e).__name__}: {e}"[:500]
+        del w
+    if "cublas" in failed:
+        raise RuntimeError("FP8 products through cuBLAS (activations quantized per token) are wrong on this "
+                           f"device ({failed['cublas']}); serve without --quantization fp8")
+    for route, reason in failed.items():
+        log.warning("fp8_kernel_disabled", kernel=route, reason=reason, instead="cublas")
+    kernels = Fp8Kernels(gemv="gemv" not in failed, gemm=OUR_GEMM and "gemm" not in failed)
+    log.info("fp8_products", gemv=kernels.gemv, gemm=kernels.gemm, shapes=len(weights),
+             seconds=round(time.perf_counter() - start, 3))
+    return kernels
+
+
 def _gemm_config(m: int, n: int, k: int, device: torch.device):  # noqa: ANN202 - Fp8GemmConfig | None
-    """Our decode-sized GEMM's configuration for these rows, or None for cuBLAS (prompt chunks, or
-    OUR_GEMM off)."""
+    """Our decode-sized GEMM's configuration for these rows, or None where cuBLAS serves them."""
     from service.model.kernels._triton import sm_count
     from service.model.kernels.fp8_gemm import fp8_gemm_config
 
-    return fp8_gemm_config(m, n, k, sm_count(device)) if OUR_GEMM else None
+    return fp8_gemm_config(m, n, k, sm_count(device))

@@ -328,6 +328,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.invariant: InvariantKernels | None = None
         self.fp8 = False  # use_fp8
+        self.fp8_kernels: fp8.Fp8Kernels | None = None  # use_fp8's self-check
         self.matmul: Matmul = F.linear  # the LM head's
         self.set_fast(self.fast)
         if batch_invariant:
@@ -376,6 +377,7 @@ class LlamaForCausalLM(nn.Module):
         if reason is not None:
             raise ModelLoadError(f"--quantization fp8: {reason}")
         saved = 0
+        quantized = []
         for m in self._linears():
             if m is self.lm_head or any(d % 16 for d in m.weight.shape):  # FP8 GEMMs take multiples of 16
                 continue
@@ -391,7 +393,15 @@ class LlamaForCausalLM(nn.Module):
             else:
                 m.weight = nn.Parameter(q, requires_grad=False)
             m.register_buffer("weight_scale", scale, persistent=False)
-            m.matmul = functools.partial(fp8.fp8_linear, scale=scale)
+            quantized.append(m)
+        # Our FP8 kernels checked on the model's own weights, one of each shape: cuBLAS serves for one that fails.
+        shapes = {(*m.weight.shape, m.bias is not None): m for m in quantized}
+        try:
+            self.fp8_kernels = fp8.self_check([(m.weight, m.weight_scale, m.bias) for m in shapes.values()], self.dtype)
+        except RuntimeError as e:
+            raise ModelLoadError(f"--quantization fp8: {e}") from None
+        for m in quantized:
+            m.matmul = functools.partial(fp8.fp8_linear, scale=m.weight_scale, kernels=self.fp8_kernels)
         self.fp8 = True
         torch.cuda.empty_cache()
         return saved

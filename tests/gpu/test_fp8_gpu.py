@@ -138,6 +138,50 @@ def test_an_fp8_model_decodes_close_to_bf16_and_its_graph_replay_equals_eager():
         assert torch.equal(out, eager), rows
 
 
+def test_the_fp8_self_check_passes_here_and_a_wrong_kernel_of_ours_gives_way_to_cublas(monkeypatch):
+    """At start every route of the FP8 product is checked on the model's own weights: here all of
+    ours pass. A GEMV and a GEMM of ours that are 1% off are turned off instead, the model never
+    calls them, and it decodes through cuBLAS as close to bf16 as with them; cuBLAS wrong: no start."""
+    from service.model import fp8
+    from service.model.kernels import fp8_gemm, gemv
+    from service.model.kv_cache import KVCache
+    from service.model.spec import ModelLoadError
+
+    spec = _spec()
+    model = _model(spec, fast=True)
+    model.use_fp8()
+    assert model.fp8_kernels == fp8.Fp8Kernels(gemv=True, gemm=True)
+
+    calls = []
+    real_gemm, real_gemv = fp8_gemm.fp8_gemm_triton, gemv.gemv_triton
+
+    def wrong_gemm(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append("gemm")
+        return real_gemm(*args, **kwargs) * 1.01
+
+    def wrong_gemv(x, w, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if w.dtype != fp8.FP8:  # the bf16 LM head's GEMV stays right
+            return real_gemv(x, w, *args, **kwargs)
+        calls.append("gemv")
+        return real_gemv(x, w, *args, **kwargs) * 1.01
+
+    monkeypatch.setattr(fp8_gemm, "fp8_gemm_triton", wrong_gemm)
+    monkeypatch.setattr(gemv, "gemv_triton", wrong_gemv)
+    ref, broken = _model(spec, fast=True), _model(spec, fast=True)
+    broken.use_fp8()
+    assert broken.fp8_kernels == fp8.Fp8Kernels(gemv=False, gemm=False)
+    calls.clear()
+    kvs = [KVCache(spec, num_slots=8, max_seq_len=256, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
+    ids, positions, slots = decode_side_by_side(ref, broken, kvs, bound=0.15)  # 8 rows: cuBLAS's GEMM
+    one = broken.decode(ids[:1], positions[:1], slots[:1], kvs[1])  # a lone row: cuBLAS too
+    assert _rel(one, ref.decode(ids[:1], positions[:1], slots[:1], kvs[0])) < 0.15
+    assert calls == []
+
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: torch.zeros(1))
+    with pytest.raises(ModelLoadError, match=r"through cuBLAS .* are wrong .*serve without --quantization fp8"):
+        _model(spec, fast=True).use_fp8()
+
+
 def test_fp8_prompt_chunks_replayed_as_piecewise_graphs_equal_eager():
     """FP8 weights under piecewise graphs: the pieces' products (our GEMM: the cases stay under 256
     tokens) replayed for mixed steps of prompt chunks and decodes equal the eager forward."""
