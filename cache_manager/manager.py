@@ -127,7 +127,7 @@ class GraphCache:
             on_stall=lambda seconds: self.on_capture_stall(seconds) if self.on_capture_stall is not None else None,
             inline=config.inline_capture,
             # A one-row step that may not pad runs eagerly without its own graph (an FP8 8B model:
-            # 20 ms a step against 2.8): no eviction by policy or budget takes it (a few MB).
+            # 17 ms a step against 2.8): no eviction by policy or budget takes it (a few MB).
             kept=frozenset() if config.pad_single_rows else frozenset(
                 BatchDescriptor(k, 1) for k, t in self._tables.items() if t.sizes and t.sizes[0] == 1),
         )
