@@ -2,17 +2,77 @@
 
 from __future__ import annotations
 
+import fcntl
+import io
 import logging
 import math
+import os
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable
+from typing import TextIO
 
 import structlog
 
 
+class LineWriter:
+    """Writes each log line whole into a stream that other processes write too (the engine process and
+    the ranks inherit the server's stderr, under Kubernetes a pipe): one write per line, under an
+    advisory lock on a file named after the stream's inode, which every writer of the stream opens
+    itself. A pipe keeps writes apart only up to 4 KiB (a traceback is often longer), and print()
+    wrote the newline apart; either put one process's line inside another's, unparseable."""
+
+    def __init__(self, file: TextIO) -> None:
+        self.file = file
+        self._threads = threading.Lock()
+        self._lock_fd = _stream_lock(file)
+        self._pid = os.getpid()  # a forked child shares the descriptor, hence the lock: it opens its own
+
+    def close(self) -> None:
+        with self._threads:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+
+    def msg(self, message: str) -> None:
+        with self._threads:
+            if self._pid != os.getpid():
+                self._lock_fd, self._pid = _stream_lock(self.file), os.getpid()
+            if self._lock_fd is not None:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                self.file.write(message + "\n")
+                self.file.flush()
+            finally:
+                if self._lock_fd is not None:
+                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    log = debug = info = warn = warning = err = error = critical = exception = fatal = failure = msg
+
+
+def _stream_lock(file: TextIO) -> int | None:
+    """A descriptor of this stream's lock file (in the temp directory), or None where there is none
+    to take (no descriptor behind the stream, as under pytest's capture; a read-only temp directory)."""
+    try:
+        st = os.fstat(file.fileno())
+        path = os.path.join(tempfile.gettempdir(), f"graphserve-log-{st.st_dev}-{st.st_ino}.lock")
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return None
+
+
+_LINE_WRITER: LineWriter | None = None
+
+
 def configure_logging(fmt: str = "auto", level: str = "info") -> None:
     """Called once by the entry point; library code only calls structlog.get_logger()."""
+    global _LINE_WRITER
+    if _LINE_WRITER is None or _LINE_WRITER.file is not sys.stderr:
+        if _LINE_WRITER is not None:
+            _LINE_WRITER.close()
+        _LINE_WRITER = LineWriter(sys.stderr)
     json_output = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
     renderer = structlog.processors.JSONRenderer() if json_output else structlog.dev.ConsoleRenderer()
     structlog.configure(
@@ -24,9 +84,7 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        # One write per line (message and newline together): the engine process shares this stderr,
-        # and print()'s two writes let its lines land inside ours, unparseable.
-        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
+        logger_factory=lambda *_: _LINE_WRITER,
         cache_logger_on_first_use=True,
     )
     # Libraries log through the standard library (and `warnings`): into the same structured stream.

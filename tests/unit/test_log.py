@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
 import warnings
 
 import pytest
@@ -50,32 +56,49 @@ def test_throttle_logs_once_per_interval_and_counts_the_rest() -> None:
     assert throttle.due() == 5
 
 
-_TWO_WRITERS = """
+_WRITER = """
+import pathlib
 import sys
 import time
 import structlog
 from service.telemetry.log import configure_logging
 configure_logging("json", "info")
 log = structlog.get_logger()
-time.sleep(max(0.0, float(sys.argv[3]) - time.time()))  # both write at once
-for i in range(int(sys.argv[1])):
-    log.info("graph_captured", writer=sys.argv[2], i=i, padding="x" * 120)
+lines, name, size, barrier = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), pathlib.Path(sys.argv[4])
+(barrier / f"ready-{name}").touch()
+while not (barrier / "go").exists():  # both write at once
+    time.sleep(0.001)
+for i in range(lines):
+    log.info("graph_captured", writer=name, i=i, padding="x" * size)
 """
 
 
-def test_two_processes_sharing_stderr_write_whole_json_lines(tmp_path) -> None:  # noqa: ANN001
-    """The gRPC process and its engine process log to one inherited stderr (a file or a pipe, as
-    under Kubernetes); unbuffered, as in the container image. Every line must parse on its own."""
-    import os
-    import subprocess
-    import sys
-    import time
-
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.getcwd()}
-    lines, start_at = 20000, time.time() + 3.0
-    with open(tmp_path / "server.log", "w") as log_file:
-        writers = [subprocess.Popen([sys.executable, "-c", _TWO_WRITERS, str(lines), name, str(start_at)],
-                                    stderr=log_file, env=env) for name in ("server", "engine")]
-        assert [w.wait(timeout=120) for w in writers] == [0, 0]
-    events = [json.loads(line) for line in (tmp_path / "server.log").read_text().splitlines()]
+@pytest.mark.parametrize("stream, size", [("file", 120), ("pipe", 20_000)])
+def test_processes_sharing_stderr_write_whole_json_lines(tmp_path, stream, size) -> None:  # noqa: ANN001
+    """The gRPC process and its engine process log to one inherited stderr: a file, or a pipe as under
+    Kubernetes, which keeps writes apart only up to 4 KiB (a traceback's line is often longer);
+    unbuffered, as in the container image. Every line must parse on its own."""
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(repo)}
+    lines = 20_000 if stream == "file" else 400
+    read_fd, write_fd = os.pipe() if stream == "pipe" else (None, os.open(tmp_path / "server.log", os.O_WRONLY | os.O_CREAT))
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: os.read(read_fd, 1 << 16), b""))) \
+        if read_fd is not None else None
+    if reader is not None:
+        reader.start()
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, str(lines), name, str(size), str(tmp_path)],
+                                stderr=write_fd, env=env) for name in ("server", "engine")]
+    os.close(write_fd)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready-{n}").exists() for n in ("server", "engine")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (tmp_path / "go").touch()
+    assert [w.wait(timeout=120) for w in writers] == [0, 0]
+    if reader is not None:
+        reader.join(timeout=60)
+        text = b"".join(chunks).decode()
+    else:
+        text = (tmp_path / "server.log").read_text()
+    events = [json.loads(line) for line in text.splitlines()]
     assert sorted(e["writer"] for e in events) == ["engine"] * lines + ["server"] * lines
