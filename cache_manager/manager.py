@@ -454,8 +454,9 @@ class GraphCache:
     def set_shared_budget_async(self, value: str | float) -> list[Future]:
         """Set the one budget of this cache and of the cache sharing it (share_budget_with), and evict
         by policy until the graphs of both fit it together: the victims are chosen among both caches'
-        graphs, the lowest recent replays per byte first, whichever cache holds them. One future per
-        cache, this one's first, each of {key: OpResult} with that cache's evictions."""
+        graphs, the lowest recent replays per byte first, whichever cache holds them. Kept graphs
+        (`Residency.kept`) stay, over the budget if it is below them (logged). One future per cache,
+        this one's first, each of {key: OpResult} with that cache's evictions."""
         caches = [self] if self.sharing is None else [self, self.sharing]
         total = self.backend.total_memory() if self.backend is not None else 0
         budget = resolve_budget(value, total)
@@ -470,6 +471,13 @@ class GraphCache:
                           for cache in caches for c in cache.residency.candidates(set(), now)]
             # None: even all of them free too little (bytes still being released): evict them all.
             victims = choose_victims(candidates, over) or [c.size for c in candidates]
+            kept = [(cache, k, b.graph.nbytes) for cache in caches for k, b in cache.residency.buckets.items()
+                    if k in cache.residency.kept and b.graph is not None]
+            if sum(nbytes for _, _, nbytes in kept) > budget:
+                log.warning("graph_budget_below_kept_graphs", budget_bytes=budget,
+                            kept=[str(k) for _, k, _ in kept], kept_bytes=sum(nbytes for _, _, nbytes in kept),
+                            reason="a lone row's graph is kept (it may not pad into a larger one); "
+                                   "graphctl evict removes it")
         return [cache._evict_to_fit([k for owner, k in victims if owner is cache], budget) for cache in caches]
 
     def _evict_to_fit(self, victims: list[BatchDescriptor], budget: int) -> Future:

@@ -124,7 +124,7 @@ class Residency:
         """Submit a capture of `key` to the capture thread if its estimate fits the budget.
 
         evict: "none" (warm start: only into free budget), "policy" (traffic: only graphs worth no
-        more per byte than this one), "force" (operator: any graph not in `protect`). Returns
+        more per byte than this one), "force" (operator: any graph not in `protect` or `kept`). Returns
         (None, "") when submitted (or already in flight: `waiter` joins it), else the outcome that
         stopped it (OVER_BUDGET) with a message. A capture that cannot fit is never attempted.
         """

@@ -133,6 +133,9 @@ def test_without_single_row_padding_no_policy_or_budget_evicts_size_one(pad_sing
     assert 1 not in {k.padded_size for k in evicted} or pad_single_rows
     if not pad_single_rows:
         assert bucket(cache, 1).state is BucketState.CAPTURED and cache.snapshot().used_bytes == 1000
+        with structlog.testing.capture_logs() as logs:
+            assert cache.set_budget(500) == {}  # below the kept graph: it stays, and the log says why
+        assert [e["kept"] for e in logs if e["event"] == "graph_budget_below_kept_graphs"] == [["full:1"]]
         assert cache.evict([1])[1].outcome is OpOutcome.EVICTED
     cache.close()
 
