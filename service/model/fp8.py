@@ -20,6 +20,7 @@ model's own weights; a kernel of ours that fails gives its rows to cuBLAS (`Fp8K
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -110,10 +111,12 @@ def dequantize_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 @dataclass(frozen=True)
 class Fp8Kernels:
     """Which kernels of ours an FP8 model's products run, as its start-up self-check found them
-    (`self_check`): the one-row GEMV, the decode-batch GEMM; cuBLAS where one is off."""
+    (`self_check`): the one-row GEMV, the decode-batch GEMM (cuBLAS where one is off) and the
+    activation's per-token quantization (torch's where off)."""
 
     gemv: bool = True
     gemm: bool = OUR_GEMM
+    quant: bool = True
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
@@ -125,20 +128,21 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         y = _product(x2, weight, bias, scale, "gemv")
     else:
         ours = kernels.gemm and _gemm_config(x2.shape[0], weight.shape[0], weight.shape[1], x.device) is not None
-        y = _product(x2, weight, bias, scale, "gemm" if ours else "cublas")
+        y = _product(x2, weight, bias, scale, "gemm" if ours else "cublas", kernels.quant)
     return y.view(*shape[:-1], weight.shape[0])
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
-             route: str) -> torch.Tensor:
+             route: str, quant_kernel: bool = True) -> torch.Tensor:
     """x [M, K] times the E4M3 weight by one route: "gemv" (one row, the activation in bf16), "gemm"
-    (ours, up to 256 rows) or "cublas" (any rows); both of the latter quantize the activation per token."""
+    (ours, up to 256 rows) or "cublas" (any rows); both of the latter quantize the activation per
+    token (our kernel, or torch's ops without `quant_kernel`)."""
     from service.model.kernels.fp8_gemm import fp8_gemm_triton
     from service.model.kernels.gemv import gemv_triton
 
     if route == "gemv":
         return gemv_triton(x, weight, bias, scale=scale)
-    xq, xs = _quantize_tokens(x)
+    xq, xs = _quantize_tokens(x) if quant_kernel else quantize_tokens(x)
     if route == "gemm":
         return fp8_gemm_triton(xq, xs, weight, scale, bias, x.dtype,
                                _gemm_config(x.shape[0], weight.shape[0], weight.shape[1], x.device))
@@ -147,57 +151,103 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, s
     return y if bias is None else y + bias
 
 
-# The start-up self-check's rows: the lone row, and rows that select each tile shape of our GEMM
-# (16- and 32-row x tiles, 64-row x tiles with narrow and wider weight tiles) and cuBLAS (prompt chunks).
-CHECK_ROWS = (1, 3, 24, 48, 200, 300)
 CHECK_TOLERANCE = 5e-3  # relative norm against float32: bf16 rounding and the accumulation order only
+
+
+def check_rows(n: int, k: int, device: torch.device) -> dict[int, list[str]]:
+    """The self-check's row counts for a weight [n, k] and the routes each is checked by: the lone row
+    (the GEMV, and our GEMM and cuBLAS, which serve it when the GEMV is off), one row count per tile
+    configuration our GEMM serves up to 256 rows, the first left to cuBLAS there, and a prompt chunk."""
+    from service.model.kernels.fp8_gemm import MAX_ROWS
+
+    rows: dict[int, list[str]] = {1: ["gemv", "cublas"] + (["gemm"] if _gemm_config(1, n, k, device) else [])}
+    seen: set = set()
+    for m in range(2, MAX_ROWS + 2):
+        config = _gemm_config(m, n, k, device) if m <= MAX_ROWS else None
+        if config not in seen:
+            seen.add(config)
+            rows[m] = ["gemm"] if config is not None else ["cublas"]
+    rows.setdefault(300, ["cublas"])
+    return rows
 
 
 def self_check(weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], dtype: torch.dtype
                ) -> Fp8Kernels:
     """Every route of `fp8_linear` on the model's own FP8 weights (one of each shape: (E4M3 [N, K],
     scales [N], bias or None)) with activations of `dtype`, against float32 of the dequantized
-    operands, at CHECK_ROWS. A kernel of ours that fails (wrong values or an error) is logged
-    (`fp8_kernel_disabled`) and cuBLAS serves in its place; cuBLAS failing raises: FP8 cannot be
-    served on this device."""
+    operands, at `check_rows`; first the quantization kernel against torch's. A kernel of ours that
+    fails (wrong values or an error) is logged (`fp8_kernel_disabled`) and cuBLAS (torch's
+    quantization) serves in its place; cuBLAS failing raises: FP8 cannot be served on this device."""
     import structlog
 
     log = structlog.get_logger("graphserve.model")
+    if not weights:
+        return Fp8Kernels()
     start = time.perf_counter()
     failed: dict[str, str] = {}
+    device = weights[0][0].device
+    quant = all([_check("quant", failed, functools.partial(_check_quantization, k, device, dtype))
+                 for k in sorted({q.shape[1] for q, _, _ in weights})])
     for q, scale, bias in weights:
         n, k = q.shape
-        device = q.device
         w = dequantize_rows(q, scale)
         gen = torch.Generator(device).manual_seed(n + k)
-        for rows in CHECK_ROWS:
+        for rows, routes in check_rows(n, k, device).items():
             x = torch.randn(rows, k, device=device, generator=gen).to(dtype)
             xq, xs = quantize_tokens(x)
-            routes = ["cublas"] + (["gemv"] if rows == 1 else []) + (
-                ["gemm"] if OUR_GEMM and _gemm_config(rows, n, k, device) is not None else [])
             for route in routes:
-                if route in failed:
+                if route in failed or (route == "gemm" and not OUR_GEMM):
                     continue
                 ref = (x.float() if route == "gemv" else xq.float() * xs) @ w.t()
                 if bias is not None:
                     ref += bias.float()
-                try:
-                    y = _product(x, q, bias, scale, route).float()
-                    error = ((y - ref).norm() / ref.norm().clamp(min=1e-30)).item()
-                    if not error < CHECK_TOLERANCE:  # NaN fails too
-                        raise AssertionError(f"relative error {error:.3g} over {CHECK_TOLERANCE}")
-                except Exception as e:  # noqa: BLE001 - a kernel of ours must never take the service down
-                    failed[route] = f"[{n}, {k}] at {rows} rows: {type(e).__name__}: {e}"[:500]
+                _check(route, failed, functools.partial(_check_product, x, q, bias, scale, route, quant, ref,
+                                                        f"[{n}, {k}] at {rows} rows"))
         del w
     if "cublas" in failed:
-        raise RuntimeError("FP8 products through cuBLAS (activations quantized per token) are wrong on this "
-                           f"device ({failed['cublas']}); serve without --quantization fp8")
+        raise RuntimeError(f"FP8 products through cuBLAS are wrong on this device ({failed['cublas']}); "
+                           "serve without --quantization fp8")
     for route, reason in failed.items():
-        log.warning("fp8_kernel_disabled", kernel=route, reason=reason, instead="cublas")
-    kernels = Fp8Kernels(gemv="gemv" not in failed, gemm=OUR_GEMM and "gemm" not in failed)
-    log.info("fp8_products", gemv=kernels.gemv, gemm=kernels.gemm, shapes=len(weights),
+        log.warning("fp8_kernel_disabled", kernel=route, reason=reason, instead="torch" if route == "quant" else "cublas")
+    kernels = Fp8Kernels(gemv="gemv" not in failed, gemm=OUR_GEMM and "gemm" not in failed, quant=quant)
+    log.info("fp8_products", gemv=kernels.gemv, gemm=kernels.gemm, quant=kernels.quant, shapes=len(weights),
              seconds=round(time.perf_counter() - start, 3))
     return kernels
+
+
+def _check_product(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor, route: str,
+                   quant: bool, ref: torch.Tensor, where: str) -> None:
+    y = _product(x, q, bias, scale, route, quant).float()
+    error = ((y - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+    if not error < CHECK_TOLERANCE:  # NaN fails too
+        raise AssertionError(f"{where}: relative error {error:.3g} over {CHECK_TOLERANCE}")
+
+
+def _check(name: str, failed: dict[str, str], check) -> bool:  # noqa: ANN001 - a callable raising on a failure
+    """Runs one check: False (and the reason in `failed`) when it fails; out of memory is not a verdict."""
+    try:
+        check()
+        return True
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a kernel of ours must never take the service down
+        failed[name] = f"{type(e).__name__}: {e}"[:500]
+        return False
+
+
+def _check_quantization(k: int, device: torch.device, dtype: torch.dtype) -> None:
+    """The per-token quantization kernel against torch's ops: the same scales, and the same E4M3 values
+    but at a few halfway points (rounded the other way)."""
+    from service.model.kernels import quant
+
+    if quant.triton is None:
+        return  # _quantize_tokens is torch's then
+    x = torch.randn(64, k, device=device, generator=torch.Generator(device).manual_seed(k)).to(dtype)
+    x[0] = 0  # an all-zero row keeps a positive scale
+    q, s = quant.quantize_tokens_triton(x, FP8_MAX, MIN_SCALE)
+    qr, sr = quantize_tokens(x)
+    if not torch.allclose(s, sr, rtol=1e-6) or (q.float() != qr.float()).float().mean().item() > 1e-3:
+        raise AssertionError(f"the quantization of [64, {k}] differs from torch's")
 
 
 def _gemm_config(m: int, n: int, k: int, device: torch.device):  # noqa: ANN202 - Fp8GemmConfig | None

@@ -141,16 +141,17 @@ def test_an_fp8_model_decodes_close_to_bf16_and_its_graph_replay_equals_eager():
 def test_the_fp8_self_check_passes_here_and_a_wrong_kernel_of_ours_gives_way_to_cublas(monkeypatch):
     """At start every route of the FP8 product is checked on the model's own weights: here all of
     ours pass. A GEMV and a GEMM of ours that are 1% off are turned off instead, the model never
-    calls them, and it decodes through cuBLAS as close to bf16 as with them; cuBLAS wrong: no start."""
+    calls them, and it decodes through cuBLAS as close to bf16 as with them; a quantization kernel
+    1% off gives way to torch's ops (and our GEMM stays); cuBLAS wrong: no start."""
     from service.model import fp8
-    from service.model.kernels import fp8_gemm, gemv
+    from service.model.kernels import fp8_gemm, gemv, quant
     from service.model.kv_cache import KVCache
     from service.model.spec import ModelLoadError
 
     spec = _spec()
     model = _model(spec, fast=True)
     model.use_fp8()
-    assert model.fp8_kernels == fp8.Fp8Kernels(gemv=True, gemm=True)
+    assert model.fp8_kernels == fp8.Fp8Kernels(gemv=True, gemm=fp8.OUR_GEMM, quant=True)
 
     calls = []
     real_gemm, real_gemv = fp8_gemm.fp8_gemm_triton, gemv.gemv_triton
@@ -177,8 +178,20 @@ def test_the_fp8_self_check_passes_here_and_a_wrong_kernel_of_ours_gives_way_to_
     assert _rel(one, ref.decode(ids[:1], positions[:1], slots[:1], kvs[0])) < 0.15
     assert calls == []
 
+    monkeypatch.undo()  # our GEMV and GEMM right again; the per-token quantization kernel's scales 1% off
+    real_quant = quant.quantize_tokens_triton
+
+    def wrong_quant(x, *args):  # noqa: ANN001, ANN002, ANN202
+        q, s = real_quant(x, *args)
+        return q, s * 1.01
+
+    monkeypatch.setattr(quant, "quantize_tokens_triton", wrong_quant)
+    torch_quant = _model(spec, fast=True)
+    torch_quant.use_fp8()
+    assert torch_quant.fp8_kernels == fp8.Fp8Kernels(gemv=True, gemm=fp8.OUR_GEMM, quant=False)
+
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: torch.zeros(1))
-    with pytest.raises(ModelLoadError, match=r"through cuBLAS .* are wrong .*serve without --quantization fp8"):
+    with pytest.raises(ModelLoadError, match=r"through cuBLAS.* are wrong.*serve without --quantization fp8"):
         _model(spec, fast=True).use_fp8()
 
 

@@ -141,3 +141,21 @@ def test_an_fp8_checkpoint_splits_across_two_ranks_with_its_scales(tmp_path: pat
     ranks = run_ranks(_fp8_rank, 2, str(tmp_path / "fp8"))
     for rank in (0, 1):
         torch.testing.assert_close(ranks[rank], whole, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n, k", [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192),  # the 1B shape
+                                  (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),  # the 8B shape
+                                  (1280, 8192)])  # a 70B q/k/v shard at TP=8
+def test_the_fp8_self_check_reaches_every_configuration_our_gemm_serves(monkeypatch, n: int, k: int) -> None:  # noqa: ANN001
+    """The GEMM's tiles and K split depend on the rows: the start-up check must run each configuration
+    served from 1 to 256 rows on an H200 (132 SMs), the GEMV at one row and cuBLAS where it serves."""
+    from service.model import fp8
+    from service.model.kernels import _triton
+    from service.model.kernels.fp8_gemm import fp8_gemm_config
+
+    monkeypatch.setattr(_triton, "sm_count", lambda device: 132)
+    rows = fp8.check_rows(n, k, torch.device("cpu"))
+    served = {fp8_gemm_config(m, n, k, 132) for m in range(1, 257)} - {None}
+    checked = {fp8_gemm_config(m, n, k, 132) for m, routes in rows.items() if "gemm" in routes}
+    assert checked == served and len(rows) <= len(served) + 3
+    assert "gemv" in rows[1] and "cublas" in rows[1] and rows[max(rows)] == ["cublas"] and max(rows) > 256
