@@ -7,8 +7,10 @@ prompt and output lengths log-normal around `--prompt-median` / `--output-median
 token ids, greedy, ignore_eos), and reads from the server's JSON log what the graph cache did: the
 captures before SERVING (`graph_startup`) and after, the engine-thread stall of each, and, from its
 /metrics at the end, the step gaps every running stream saw (`graphserve_step_gap_max_seconds`, with
-and without a capture in flight). A warm start first serves `--warm-requests` at `--warm-rate` on a
-server with a stats file, stops it (the stats are saved), and gives each warm run a copy.
+and without a capture in flight) and the steps run eagerly (`eager_steps`; `lone_row_eager_steps`,
+the one-row decode steps among them, from the stats file the server saves at shutdown). A warm
+start first serves `--warm-requests` at `--warm-rate` on a server with a stats file, stops it (the
+stats are saved), and gives each warm run a copy.
 
 `--burst N:TOKENS` also runs, on a fresh cold server each, N prompts of TOKENS tokens sent at once
 (the slowest first token is what a new pod's first users wait for).
@@ -217,6 +219,7 @@ def measure(label: str, server: Server, traces: list[Trace], wall_s: float, **ex
         "capture_stall_max_ms": max(stalls, default=None),
         "prefix_hit_rate": metrics.get(("graphserve_prefix_cache_hits_total", ()), 0.0) / queried if queried else 0.0,
         "preemptions": metrics.get(("graphserve_preemptions_total", ()), 0.0),
+        "eager_steps": sum(v for (name, _), v in metrics.items() if name == "graphserve_graph_eager_fallbacks_total"),
         "step_gap_max_ms": gap["false"], "step_gap_max_capturing_ms": gap["true"],
         "out_tok_per_s": sum(k for t in ok for _, k in t.chunks) / wall_s,
         "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99), "ttft_max_ms": max(ttft, default=None),
@@ -227,13 +230,25 @@ def measure(label: str, server: Server, traces: list[Trace], wall_s: float, **ex
 def run_once(args: argparse.Namespace, label: str, stats: pathlib.Path, log_dir: pathlib.Path,
              items: list[tuple[list[int], int]], offsets: list[float], prefix_caching: bool = True,
              **extra: Any) -> dict[str, Any]:
+    lone_before = lone_row_eager_steps(stats)
     server = Server(args, stats, log_dir / (label.replace(" ", "-").replace("/", "per") + ".log"), prefix_caching)
     try:
         with RunningPeak(server) as peak:
             traces, wall = drive(server.proc.address, items, offsets)
-        return measure(label, server, traces, wall, running_peak=peak.value, **extra)
+        row = measure(label, server, traces, wall, running_peak=peak.value, **extra)
     finally:
         server.stop()
+    row["lone_row_eager_steps"] = lone_row_eager_steps(stats) - lone_before  # saved at shutdown
+    return row
+
+
+def lone_row_eager_steps(stats: pathlib.Path) -> int:
+    """One-row decode steps run eagerly, summed over the runs a stats file has seen (0 without one)."""
+    try:
+        requested = json.loads(stats.read_text())["stats"]["requested"]
+    except FileNotFoundError:
+        return 0
+    return sum(requested.get("full:1", {}).get("eager", {}).values())
 
 
 class RunningPeak:
@@ -338,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, ["run", "ok", "errors", "start_to_serving_s", "graphs_before_serving", "captures_while_serving",
                        "ttft_p50_ms", "ttft_p99_ms", "ttft_max_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms",
                        "step_gap_max_ms", "step_gap_max_capturing_ms", "out_tok_per_s", "prefix_hit_rate",
-                       "preemptions", "running_peak"],
+                       "preemptions", "running_peak", "eager_steps", "lone_row_eager_steps"],
                 title=f"\n{args.model} {args.dtype} on {args.device}: Poisson, "
                       f"{f'a shared prefix of {args.shared_prefix} + ' if args.shared_prefix else ''}prompts ~{args.prompt_median} "
                       f"and outputs ~{args.output_median} tokens (log-normal, sigma {args.sigma})")

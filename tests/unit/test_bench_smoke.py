@@ -73,6 +73,8 @@ def test_serving_load(tmp_path: pathlib.Path) -> None:
         assert row["ok"] == n and row["errors"] == 0
         assert row["start_to_serving_s"] > 0 and row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0
         assert row["itl_max_ms"] >= row["itl_p99_ms"] and row["step_gap_max_ms"] > 0  # from the server's /metrics
+        # on a CPU every step is eager (mode none); the lone rows' share from this run's stats, not the last run's
+        assert row["eager_steps"] > 0 and 0 <= row["lone_row_eager_steps"] <= row["eager_steps"]
 
 
 def test_host_budget(tmp_path: pathlib.Path) -> None:
