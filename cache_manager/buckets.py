@@ -52,7 +52,7 @@ class Bucket:
         self.backoff_s = 0.0
         self.retry_at = None
 
-    def entry(self, since_start: Counters | None, persisted: Counters | None) -> BucketEntry:
+    def entry(self, since_start: Counters | None, persisted: Counters | None, kept: bool = False) -> BucketEntry:
         """Snapshot entry; bytes and capture time are the live graph's, else the latest measured."""
         live = self.graph
         return BucketEntry(
@@ -65,4 +65,5 @@ class Bucket:
             retry_at=self.retry_at,
             since_start=BucketCounters.of(since_start) if since_start else BucketCounters(),
             persisted=BucketCounters.of(persisted) if persisted else BucketCounters(),
+            kept=kept,
         )

@@ -560,7 +560,8 @@ class GraphCache:
             persisted = self.stats.persisted()
             session = self.stats.session
             entries = [
-                b.entry(session.buckets.get(k), persisted.buckets.get(k)) for k, b in sorted(self._buckets.items())
+                b.entry(session.buckets.get(k), persisted.buckets.get(k), k in self.residency.kept)
+                for k, b in sorted(self._buckets.items())
             ]
             return CacheSnapshot(
                 mode=self.mode.value,

@@ -45,6 +45,7 @@ class BucketEntry:
     retry_at: float | None  # wall time when a FAILED bucket may be captured again
     since_start: BucketCounters
     persisted: BucketCounters
+    kept: bool = False  # no eviction by traffic or budget, only an operator's (GraphCacheConfig.pad_single_rows)
 
 
 @dataclass(frozen=True)

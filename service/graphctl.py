@@ -160,6 +160,8 @@ def format_state(s: admin_pb2.CacheState) -> str:
     body = table(["kind", "size", "state", "bytes", "capture", "replays", "padded", "eager", "failures", "last use"],
                  rows, left=(0, 2, 9))
     notes = [f"bucket {kind}:{b.size}: {b.failure_reason}" for kind, b in listed if b.failure_reason]
+    notes += [f"bucket {kind}:{b.size}: kept (a lone row may not pad into a larger graph): only `graphctl evict` "
+              "removes it" for kind, b in listed if b.kept]
     return "\n".join([head, body, *notes])
 
 

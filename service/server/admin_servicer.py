@@ -286,7 +286,7 @@ def _bucket_entry(b: BucketEntry) -> admin_pb2.BucketEntry:
         size=b.size, kind=b.kind, state=_STATES[b.state], bytes=b.bytes, capture_ms=b.capture_ms,
         replays=c.replays, padded_rows=c.padded_rows, eager_fallbacks=sum(c.eager_fallbacks.values()),
         failures=c.failures, captures=c.captures, evictions=c.evictions,
-        last_use_unix=b.last_use or 0.0, failure_reason=reason,
+        last_use_unix=b.last_use or 0.0, failure_reason=reason, kept=b.kept,
     )
 
 

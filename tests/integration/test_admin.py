@@ -368,16 +368,18 @@ def test_no_token_configured_keeps_the_admin_port_closed(server: ServerThread) -
     assert started == (None, None)
 
 
-@pytest.fixture
-def fake_graphs_admin(tmp_path) -> Iterator[Admin]:
+@pytest.fixture(params=[True], ids=["pad_single_rows"])
+def fake_graphs_admin(request, tmp_path) -> Iterator[Admin]:  # noqa: ANN001
     """The admin server over a graph cache whose backend fakes graphs of 1000 bytes per row (CPU).
 
     Exercises capture, evict and budget end to end through a real engine thread; the real-GPU
-    version is tests/gpu/test_admin_gpu.py.
+    version is tests/gpu/test_admin_gpu.py. Parametrized indirectly with pad_single_rows (False: as
+    with FP8 weights).
     """
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    config = GraphCacheConfig(mode="full", capture_sizes=None, max_batch=16, memory_budget=100_000)
+    config = GraphCacheConfig(mode="full", capture_sizes=None, max_batch=16, memory_budget=100_000,
+                              pad_single_rows=request.param)
     fingerprint = Fingerprint("fake", "float32", "cpu", torch.__version__, config.sizes, 16)
     graphs = GraphCache(CountingStep(16), config, torch.device("cpu"), fingerprint, FakeGraphBackend())
     # As builder.new_engine wires it: a finished capture is committed between steps.
@@ -473,3 +475,18 @@ def test_capture_evict_and_budget_with_fake_graphs(fake_graphs_admin: Admin, cap
     assert int(response["used_bytes"]) == 0
     state = admin.ctl_json(capsys, "state")
     assert by_size(state)[16]["state"] == "BUCKET_STATE_EVICTED" and int(by_size(state)[16]["evictions"]) == 1
+
+
+@pytest.mark.parametrize("fake_graphs_admin", [False], indirect=True, ids=["no_single_row_padding"])
+def test_with_fp8_weights_size_1_is_shown_kept_and_only_an_explicit_evict_removes_it(fake_graphs_admin, capsys) -> None:  # noqa: ANN001
+    """As with FP8 weights (no one-row padding): the state says which graph is kept and why, a budget
+    below it leaves it, and `graphctl evict 1` removes it."""
+    admin = fake_graphs_admin
+    assert admin.ctl(capsys, "capture", "1", "2")[0] == 0
+    state = admin.ctl_json(capsys, "state")
+    assert by_size(state)[1].get("kept") is True and not by_size(state)[2].get("kept")
+    code, out, _ = admin.ctl(capsys, "state")
+    assert "bucket full:1: kept (a lone row may not pad into a larger graph)" in out and "full:2: kept" not in out
+    response = admin.ctl_json(capsys, "budget", "500")
+    assert set(by_size(response)) == {2} and int(response["used_bytes"]) == 1000
+    assert by_size(admin.ctl_json(capsys, "evict", "1"))[1]["outcome"] == "evicted"
