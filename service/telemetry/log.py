@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -20,9 +19,9 @@ import structlog
 class LineWriter:
     """Writes each log line whole into a stream that other processes write too (the engine process and
     the ranks inherit the server's stderr, under Kubernetes a pipe): one write per line, under an
-    advisory lock on a file named after the stream's inode, which every writer of the stream opens
-    itself. A pipe keeps writes apart only up to 4 KiB (a traceback is often longer), and print()
-    wrote the newline apart; either put one process's line inside another's, unparseable."""
+    advisory lock on the stream's own file or pipe, which every writer opens anew. A pipe keeps
+    writes apart only up to 4 KiB (a traceback is often longer), and print() wrote the newline
+    apart; either put one process's line inside another's, unparseable."""
 
     def __init__(self, file: TextIO) -> None:
         self.file = file
@@ -53,12 +52,11 @@ class LineWriter:
 
 
 def _stream_lock(file: TextIO) -> int | None:
-    """A descriptor of this stream's lock file (in the temp directory), or None where there is none
-    to take (no descriptor behind the stream, as under pytest's capture; a read-only temp directory)."""
+    """A descriptor of the stream's own file or pipe, opened anew (a descriptor of its own, so that
+    its flock excludes the other processes'), or None where there is none to take: no descriptor
+    behind the stream (pytest's capture), no /proc (macOS), a socket."""
     try:
-        st = os.fstat(file.fileno())
-        path = os.path.join(tempfile.gettempdir(), f"graphserve-log-{st.st_dev}-{st.st_ino}.lock")
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        return os.open(f"/proc/self/fd/{file.fileno()}", os.O_WRONLY | os.O_CLOEXEC)
     except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
         return None
 
