@@ -54,9 +54,10 @@ class LineWriter:
 def _stream_lock(file: TextIO) -> int | None:
     """A descriptor of the stream's own file or pipe, opened anew (a descriptor of its own, so that
     its flock excludes the other processes'), or None where there is none to take: no descriptor
-    behind the stream (pytest's capture), no /proc (macOS), a socket."""
+    behind the stream (pytest's capture), no /proc (macOS), a socket. O_NONBLOCK: opening a named
+    FIFO for writing never waits for a reader."""
     try:
-        return os.open(f"/proc/self/fd/{file.fileno()}", os.O_WRONLY | os.O_CLOEXEC)
+        return os.open(f"/proc/self/fd/{file.fileno()}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
         return None
 
