@@ -111,6 +111,11 @@ class GraphCache:
         self.stats = StatsRecorder(
             store, config.save_interval_s, config.replay_log_interval_s, clock, self._lock
         )
+        # A one-row step that may not pad runs eagerly without its own graph (an FP8 8B model: 17 ms a
+        # step against 2.8): size 1 of each kind is kept from eviction by policy or budget (a few MB)
+        # and captured right after the first size at start.
+        lone_rows = [] if config.pad_single_rows else [
+            BatchDescriptor(k, 1) for k in self.mode.kinds if self._tables[k].sizes[0] == 1]
         self.residency = Residency(
             self.steps,
             self.backend,
@@ -126,10 +131,7 @@ class GraphCache:
             notify=lambda: self.notify() if self.notify is not None else None,
             on_stall=lambda seconds: self.on_capture_stall(seconds) if self.on_capture_stall is not None else None,
             inline=config.inline_capture,
-            # A one-row step that may not pad runs eagerly without its own graph (an FP8 8B model:
-            # 17 ms a step against 2.8): no eviction by policy or budget takes it (a few MB).
-            kept=frozenset() if config.pad_single_rows else frozenset(
-                BatchDescriptor(k, 1) for k, t in self._tables.items() if t.sizes and t.sizes[0] == 1),
+            kept=frozenset(lone_rows),
         )
         # Inline capture with other ranks: called with the queued ops just before `poll` runs them here.
         self.publish_ops: Callable[[list[GraphOp]], None] | None = None
@@ -153,12 +155,9 @@ class GraphCache:
                           for k in self.mode.kinds}
                 for i in range(max(map(len, covers.values()), default=0)):
                     self._warm_queue.extend(BatchDescriptor(k, c[i]) for k, c in covers.items() if i < len(c))
-            if not config.pad_single_rows:
-                # A one-row step that may not pad runs eagerly until its own graph exists (under
-                # tensor parallelism until the engine is idle): size 1 of each kind right after the first.
-                lone = [BatchDescriptor(k, 1) for k in self.mode.kinds if self._tables[k].sizes[0] == 1]
-                rest = [d for d in self._warm_queue if d not in lone]
-                self._warm_queue = deque(rest[:1] + lone + rest[1:])
+            if lone_rows:  # eager until captured (under tensor parallelism until the engine is idle)
+                rest = [d for d in self._warm_queue if d not in lone_rows]
+                self._warm_queue = deque(rest[:1] + lone_rows + rest[1:])
         self._warming: BatchDescriptor | None = None  # the warm-start capture in flight
         self.sharing: GraphCache | None = None  # the cache under the same budget (share_budget_with)
 
@@ -471,11 +470,12 @@ class GraphCache:
                           for cache in caches for c in cache.residency.candidates(set(), now)]
             # None: even all of them free too little (bytes still being released): evict them all.
             victims = choose_victims(candidates, over) or [c.size for c in candidates]
-            kept = [(cache, k, b.graph.nbytes) for cache in caches for k, b in cache.residency.buckets.items()
+            kept = [(str(k), b.graph.nbytes) for cache in caches for k, b in cache.residency.buckets.items()
                     if k in cache.residency.kept and b.graph is not None]
-            if sum(nbytes for _, _, nbytes in kept) > budget:
+            kept_bytes = sum(nbytes for _, nbytes in kept)
+            if kept_bytes > budget:
                 log.warning("graph_budget_below_kept_graphs", budget_bytes=budget,
-                            kept=[str(k) for _, k, _ in kept], kept_bytes=sum(nbytes for _, _, nbytes in kept),
+                            kept=[name for name, _ in kept], kept_bytes=kept_bytes,
                             reason="a lone row's graph is kept (it may not pad into a larger one); "
                                    "graphctl evict removes it")
         return [cache._evict_to_fit([k for owner, k in victims if owner is cache], budget) for cache in caches]

@@ -127,16 +127,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if x2.shape[0] == 1 and kernels.gemv:
         y = _product(x2, weight, bias, scale, "gemv")
     else:
-        ours = kernels.gemm and _gemm_config(x2.shape[0], weight.shape[0], weight.shape[1], x.device) is not None
-        y = _product(x2, weight, bias, scale, "gemm" if ours else "cublas", kernels.quant)
+        config = _gemm_config(x2.shape[0], weight.shape[0], weight.shape[1], x.device) if kernels.gemm else None
+        y = _product(x2, weight, bias, scale, "gemm" if config else "cublas", kernels.quant, config)
     return y.view(*shape[:-1], weight.shape[0])
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
-             route: str, quant_kernel: bool = True) -> torch.Tensor:
+             route: str, quant_kernel: bool = True, config=None) -> torch.Tensor:  # noqa: ANN001 - Fp8GemmConfig
     """x [M, K] times the E4M3 weight by one route: "gemv" (one row, the activation in bf16), "gemm"
-    (ours, up to 256 rows) or "cublas" (any rows); both of the latter quantize the activation per
-    token (our kernel, or torch's ops without `quant_kernel`)."""
+    (ours, up to 256 rows, in `config`: by default the one served for these rows) or "cublas" (any
+    rows); both of the latter quantize the activation per token (our kernel, or torch's ops without
+    `quant_kernel`)."""
     from service.model.kernels.fp8_gemm import fp8_gemm_triton
     from service.model.kernels.gemv import gemv_triton
 
@@ -145,7 +146,7 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, s
     xq, xs = _quantize_tokens(x) if quant_kernel else quantize_tokens(x)
     if route == "gemm":
         return fp8_gemm_triton(xq, xs, weight, scale, bias, x.dtype,
-                               _gemm_config(x.shape[0], weight.shape[0], weight.shape[1], x.device))
+                               config or _gemm_config(x.shape[0], weight.shape[0], weight.shape[1], x.device))
     # cuBLAS writes bf16 only with per-row scales (fp16 / float32 raise outside recent Hopper builds)
     y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16).to(x.dtype)
     return y if bias is None else y + bias
