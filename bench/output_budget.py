@@ -35,6 +35,9 @@ class _Runner:
     def collect(self, launched: Any) -> Any:  # the launch handle is the step's StepTokens
         return launched
 
+    def take_failed_constraints(self) -> list:
+        return []
+
 
 class _Sink:
     __slots__ = ("key",)

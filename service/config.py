@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from service.engine.constraint_limits import ConstraintLimits
+
 ENV_PREFIX = "GRAPHSERVE_"
 SECRET_FIELDS = ("admin_token",)
 
@@ -96,6 +98,15 @@ class ServeConfig:
     # client holds, as a client that opens streams past it, or while the server closes the last ones, is refused
     max_streams_per_connection: int = 512
     max_stream_backlog_tokens: int = 128  # undelivered tokens per stream before it is paused
+    # Structured outputs (service/engine/constraint_limits.py): sizes checked before any compile, CPU
+    # budgets of the compile (with the first mask) and of each row's mask per step, the compiled cache
+    max_constraint_bytes: int = ConstraintLimits.max_constraint_bytes
+    max_constraint_choices: int = ConstraintLimits.max_constraint_choices
+    max_constraint_depth: int = ConstraintLimits.max_constraint_depth
+    constraint_compile_timeout: float = ConstraintLimits.constraint_compile_timeout
+    constraint_mask_timeout_ms: float = ConstraintLimits.constraint_mask_timeout_ms
+    constraint_cache_bytes: int = ConstraintLimits.constraint_cache_bytes
+    max_pending_constraints: int = ConstraintLimits.max_pending_constraints
     stream_stall_timeout: float = 30.0  # seconds a client may accept no data before its stream is aborted
     # Messages per second the server writes across all streams: each of S open streams gets one at most
     # every S / rate seconds, its tokens in between merged (0: no limit). A write is most of the gRPC
@@ -122,6 +133,10 @@ class ServeConfig:
         """HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: --max-streams-per-connection, but at most half of
         --max-concurrent-streams, so that one connection that reads nothing cannot hold every stream."""
         return max(1, min(self.max_streams_per_connection, self.max_concurrent_streams // 2))
+
+    @property
+    def constraint_limits(self) -> ConstraintLimits:
+        return ConstraintLimits(**{f.name: getattr(self, f.name) for f in fields(ConstraintLimits)})
 
     @property
     def lora_slots(self) -> int:
@@ -207,6 +222,10 @@ class ServeConfig:
                 real = Path(os.path.realpath(path))
                 need(real == root or root in real.parents,
                      f"--lora-modules {name}={path}: outside --lora-root {self.lora_root}")
+        try:
+            self.constraint_limits.validate()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         need(self.drain_timeout >= 0, "--drain-timeout must be >= 0 seconds")
         need(math.isfinite(self.startup_graph_timeout) and self.startup_graph_timeout >= 0,
              "--startup-graph-timeout must be a finite number of seconds >= 0")
@@ -398,6 +417,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream-message-rate", type=float, default=d.stream_message_rate,
                    help="messages per second written across all streams: with S streams open each gets one at "
                         "most every S/rate seconds, the tokens in between merged; 0: no limit")
+    g = p.add_argument_group("structured outputs")
+    g.add_argument("--max-constraint-bytes", type=int, default=d.max_constraint_bytes,
+                   help="bytes of a regex, grammar or JSON schema, or of all choices together; checked before "
+                        "any compile")
+    g.add_argument("--max-constraint-choices", type=int, default=d.max_constraint_choices,
+                   help="entries of a choice list")
+    g.add_argument("--max-constraint-depth", type=int, default=d.max_constraint_depth,
+                   help="nesting of a JSON schema's objects and arrays")
+    g.add_argument("--constraint-compile-timeout", type=float, default=d.constraint_compile_timeout,
+                   help="CPU seconds to compile a constraint and compute its first token mask, on a grammar "
+                        "worker; over it the request fails with INVALID_ARGUMENT")
+    g.add_argument("--constraint-mask-timeout-ms", type=float, default=d.constraint_mask_timeout_ms,
+                   help="CPU milliseconds for one request's token mask in one step; a request over it fails "
+                        "(INVALID_ARGUMENT) and the step goes on without waiting for it")
+    g.add_argument("--constraint-cache-bytes", type=int, default=d.constraint_cache_bytes,
+                   help="bytes of compiled constraints kept for reuse (each measured when compiled)")
+    g.add_argument("--max-pending-constraints", type=int, default=d.max_pending_constraints,
+                   help="constraints compiling or queued at once; more are refused with RESOURCE_EXHAUSTED")
+    g = p.add_argument_group("limits")
     g.add_argument("--allow-chat-special-tokens", dest="allow_chat_special_tokens", action="store_true",
                    default=d.allow_chat_special_tokens,
                    help="special tokens written in chat message content (e.g. <|eot_id|>) become control tokens; "

@@ -35,6 +35,7 @@ import structlog
 from service.chat import ChatMessage, Conversation, chat_prompt
 from service.config import ConfigError, ServeConfig, default_max_running_seqs
 from service.engine import request as engine_request
+from service.engine.constraint_limits import InvalidConstraint
 from service.engine.request import Constraint  # noqa: F401 - exported: SamplingParams(constraint=Constraint(...))
 from service.server.validation import (
     MAX_SAMPLES,
@@ -45,6 +46,7 @@ from service.server.validation import (
     check_prompt_ids,
     check_samples,
     check_sampling,
+    constraint_message,
     generation_request,
     samples,
 )
@@ -352,7 +354,7 @@ class _Collector:
         self.logprobs: list[engine_request.TokenLogprobs] | None = None
         self.prompt_logprobs: list[engine_request.TokenLogprobs | None] | None = None
         self.finish: engine_request.Finish | None = None
-        self.error: str | None = None
+        self.error: engine_request.EngineError | None = None
 
     def __call__(self, event: engine_request.RequestEvent) -> None:
         if isinstance(event, engine_request.TokenDelta):
@@ -363,7 +365,7 @@ class _Collector:
                 self._add(event.final_delta)
             self.finish = event
         else:
-            self.error = event.message
+            self.error = event
         self.done.put(self.index)
 
     def _add(self, delta: engine_request.TokenDelta) -> None:
@@ -445,7 +447,7 @@ class LLM:
         self.max_seq_len = lr.max_seq_len
         self.vocab_size = lr.loaded.spec.vocab_size
         # The server's request limits; no server cap on max_tokens beyond the context.
-        self._limits = dataclasses.replace(Limits.from_config(config, self.vocab_size, self._engine.grammars),
+        self._limits = dataclasses.replace(Limits.from_config(config, self.vocab_size),
                                            max_seq_len=self.max_seq_len, max_tokens_limit=2**31)
         self._seeds = random.Random(o.seed) if o.seed is not None else None
         self._ids = itertools.count()
@@ -549,6 +551,11 @@ class LLM:
         if values.seed is None and self._seeds is not None:
             values = dataclasses.replace(values, seed=self._seeds.getrandbits(63))
         check_constraint(values, self._limits, fields)
+        if values.constraint is not None:  # compiled now (bounded, cached): a bad one fails before any submit
+            try:
+                self._engine.constraints.preparer.prepare_now(values.constraint)
+            except InvalidConstraint as exc:
+                raise ValueError(constraint_message(values.constraint.kind, str(exc), fields)) from None
         request = generation_request(f"llm-{next(self._ids)}", check_prompt_ids(ids, self._limits, fields), values,
                                      self._limits, fields, adapter=adapter)
         # Nothing streams: the text arrives in one piece with the finish.
@@ -589,8 +596,10 @@ class LLM:
     def _completion(self, index: int, c: _Collector, params: SamplingParams) -> Completion:
         if c.finish is None and not self._finalizer.alive:
             raise RuntimeError("this LLM was closed (close(), or the interpreter exiting) while generate() ran")
+        if isinstance(c.error, engine_request.ConstraintFailed):  # the request's fault, as a bad argument is
+            raise ValueError(constraint_message(c.error.kind, c.error.message, LLM_FIELDS))
         if c.finish is None:
-            raise RuntimeError(c.error or "the engine ended the request without a result")
+            raise RuntimeError(c.error.message if c.error else "the engine ended the request without a result")
         f = c.finish
         return Completion(
             index=index, text=c.text, token_ids=c.token_ids, finish_reason=f.reason.value, stop_reason=f.matched_stop,

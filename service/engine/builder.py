@@ -17,12 +17,12 @@ import torch
 from cache_manager import CudaGraphMode, GraphCache, GraphCacheConfig, parse_capture_sizes
 from service.config import ServeConfig
 from service.engine.adapters import AdapterError, AdapterRegistry, AdapterRootMissing, AdaptersOff, check_name
+from service.engine.constraints import Constraints
 from service.engine.engine import Engine, EngineObserver, Publish, deliver
 from service.engine.kv_sizing import size_kv_cache
 from service.engine.ranks import start_ranks
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
-from service.engine.structured import Grammars
 from service.model.loader import LoadedModel, load_model, read_model_spec
 from service.model.lora import LoraAdapter, LoraError, read_adapter
 from service.model.parallel import TensorParallel, shard_spec
@@ -41,6 +41,7 @@ class LoadedRunner:
     mode: CudaGraphMode  # NONE whenever the device is not CUDA
     adapters: AdapterRegistry | None = field(default=None)  # None: the server serves no adapters
     lora_root: Path | None = None  # adapters load only from under it (None: --lora-modules only)
+    constraints: Constraints | None = None  # structured outputs (rank 0 only); the engine closes it
 
     @property
     def graphs(self) -> GraphCache:
@@ -161,14 +162,17 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
                  checkpoint_scales=loaded.kv_scales is not None,
                  sequences_at_max_seq_len=(kv.num_blocks - 1) // -(-max_seq_len // kv.block_size),
                  prefix_caching=c.prefix_caching, sized_by=kv.source)
+    constraints = None if follower else Constraints(loaded.tokenizer, loaded.spec.vocab_size, loaded.spec.eos_token_ids,
+                                                   c.constraint_limits)
     runner = ModelRunner(loaded, c.max_running_seqs, max_seq_len, graph_config,
                          max_loras=c.lora_slots, max_lora_rank=c.max_lora_rank, lora_kernel=c.lora_kernel,
-                         block_size=kv.block_size, num_blocks=kv.num_blocks)
+                         block_size=kv.block_size, num_blocks=kv.num_blocks,
+                         masks=None if constraints is None else constraints.masks)
     runner.warmup()
     if follower:
         runner.follow()
     adapters = AdapterRegistry(c.lora_slots, runner.lora, c.max_cpu_loras) if runner.lora is not None else None
-    lr = LoadedRunner(loaded, runner, max_seq_len, mode, adapters, c.lora_root)
+    lr = LoadedRunner(loaded, runner, max_seq_len, mode, adapters, c.lora_root, constraints)
     for name, path in c.lora_module_paths():  # a bad adapter fails the start, naming its file
         try:
             adapters.register(lr.read_adapter(name, path))
@@ -196,11 +200,9 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
 
     scheduler = Scheduler(c.max_running_seqs, c.max_num_batched_tokens, adapters=lr.adapters,
                           blocks=lr.runner.new_block_pool(c.prefix_caching))
-    grammars = Grammars(lr.loaded.tokenizer, lr.loaded.spec.vocab_size, lr.loaded.spec.eos_token_ids)
-    grammars.prepare()
     engine = Engine(lr.runner, scheduler, lr.loaded.tokenizer,
                     frozenset(lr.loaded.spec.eos_token_ids), publish=publish, observer=observer,
-                    between_steps=between_steps, overlap=c.overlap_steps, grammars=grammars)
+                    between_steps=between_steps, overlap=c.overlap_steps, constraints=lr.constraints)
     for graphs in caches:
         graphs.notify = engine.wake  # a finished capture is committed between steps, even when idle
         if graphs.config.inline_capture:  # every rank's steps stop for a capture: only when no request waits

@@ -21,9 +21,20 @@ from typing import Any, Protocol
 import structlog
 
 from service.engine.adapters import AdapterNotFound
+from service.engine.constraint_prepare import ConstraintsBusy
 from service.engine.detokenizer import token_bytes
 from service.engine.output import RequestOutput
-from service.engine.request import AdapterGone, EngineError, Finish, GenerationRequest, RequestEvent, StepTokens
+from service.engine.request import (
+    AdapterGone,
+    ConstraintFailed,
+    EngineBusy,
+    EngineError,
+    Finish,
+    FinishReason,
+    GenerationRequest,
+    RequestEvent,
+    StepTokens,
+)
 from service.engine.scheduler import PrefillChunk, Scheduler
 from service.engine.sequence import Sequence, SequenceStatus
 
@@ -52,6 +63,11 @@ class Runner(Protocol):
     def collect(self, launched: Any) -> StepTokens:
         """The launched step's sampled tokens: one per decode, then one per chunk that completes its
         prompt (ScheduledBatch.sampling's order), with the log-probabilities rows asked for."""
+        ...
+
+    def take_failed_constraints(self) -> list[tuple[Sequence, str]]:
+        """The sequences whose grammar mask failed in the launches since the last call, and why
+        (their rows sampled anyway: those tokens are to be discarded)."""
         ...
 
 
@@ -90,9 +106,10 @@ class Engine:
         observer: EngineObserver | None = None,
         between_steps: Callable[[], None] | None = None,
         overlap: bool = True,
-        grammars: Any = None,
+        constraints: Any = None,
     ) -> None:
-        """grammars: structured.Grammars, for requests with a constraint (None: none accepted)."""
+        """constraints: constraints.Constraints, for requests with a constraint (None: none accepted);
+        the engine closes it when it stops."""
         self.runner = runner
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -104,14 +121,17 @@ class Engine:
         # Overlap: launch step t+1 before reading step t's tokens, so that the host's work on step t
         # (stop checks, detokenizing, publishing) runs while the device computes step t+1.
         self.overlap = overlap
-        self.grammars = grammars
+        self.constraints = constraints
         self._in_flight: _InFlight | None = None  # launched, not yet collected (overlap only)
         self._stalled = False  # the last step ran nothing, had nothing in flight and ended nothing
         self._cond = threading.Condition()
         # Requests are known inside the engine by a key unique to this submit, not by the client's
         # request id: a client may cancel and resubmit the same id before the engine has seen the abort.
         self._keys = itertools.count()
-        self._inbox: list[tuple[str, GenerationRequest, Sink, Any]] = []  # (key, request, sink, matcher)
+        # (key, request, sink, its matcher, a failure to publish instead, or _ABORTED)
+        self._inbox: list[tuple[str, GenerationRequest, Sink, Any]] = []
+        # Requests whose constraint the grammar workers prepare: key -> (request, sink, aborted meanwhile)
+        self._preparing: dict[str, tuple[GenerationRequest, Sink, bool]] = {}
         self._aborts: list[str] = []
         self._pauses: list[tuple[str, bool]] = []
         self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
@@ -147,7 +167,7 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return self.scheduler.num_waiting + len(self._inbox)
+        return self.scheduler.num_waiting + len(self._inbox) + len(self._preparing)
 
     @property
     def kv_cache_usage(self) -> tuple[int, int]:
@@ -157,7 +177,9 @@ class Engine:
 
     @property
     def waiting_prompt_tokens(self) -> int:
-        return self.scheduler.waiting_prompt_tokens + sum(len(r.prompt_token_ids) for _, r, _, _ in list(self._inbox))
+        preparing = sum(len(r.prompt_token_ids) for r, _, _ in list(self._preparing.values()))
+        return (self.scheduler.waiting_prompt_tokens + preparing
+                + sum(len(r.prompt_token_ids) for _, r, _, _ in list(self._inbox)))
 
     def has_pending_work(self) -> bool:
         return bool(self._inbox or self._calls or self.scheduler.has_work() or self._in_flight)
@@ -170,21 +192,34 @@ class Engine:
     def submit(self, request: GenerationRequest, sink: Sink, key: str | None = None) -> str:
         """Queue a request; returns the key that `abort` takes (made here unless the caller, which
         then keeps keys unique, gives one). Raises EngineStopped when the engine no longer accepts work.
-        A constraint is compiled here, on the caller's thread (cached per constraint), not on the
-        engine thread; an invalid one raises structured.InvalidConstraint."""
-        matcher = None
+
+        A request with a constraint waits for the grammar workers to compile it and compute its first
+        mask (never on this thread or the engine's); one they refuse ends with ConstraintFailed (its
+        fault) or EngineBusy (retry later) as its event."""
         constraint = request.sampling.constraint
-        if constraint is not None:
-            if self.grammars is None:
-                raise ValueError("this engine serves no structured outputs (no grammar compiler)")
-            matcher = self.grammars.compiler.matcher(constraint)
+        if constraint is not None and self.constraints is None:
+            raise ValueError("this engine serves no structured outputs (no grammar compiler)")
         with self._cond:
             if self.error is not None or self._stopping:
                 raise EngineStopped("the engine is not running")
             key = key if key is not None else f"{request.request_id}#{next(self._keys)}"
-            self._inbox.append((key, request, sink, matcher))
-            self._cond.notify()
+            if constraint is None:
+                self._inbox.append((key, request, sink, None))
+                self._cond.notify()
+                return key
+            self._preparing[key] = (request, sink, False)
+        self.constraints.preparer.prepare(constraint, lambda result: self._prepared(key, result))
         return key
+
+    def _prepared(self, key: str, result: Any) -> None:
+        """A grammar worker's result for a request (a Matcher or the exception that refused it)."""
+        with self._cond:
+            entry = self._preparing.pop(key, None)
+            if entry is None:  # the engine stopped and ended it meanwhile
+                return
+            request, sink, aborted = entry
+            self._inbox.append((key, request, sink, _ABORTED if aborted else result))
+            self._cond.notify()
 
     def wake(self) -> None:
         """Run `between_steps` soon even when idle (a graph capture finished and waits to be committed)."""
@@ -193,6 +228,10 @@ class Engine:
 
     def abort(self, key: str) -> None:
         with self._cond:
+            entry = self._preparing.get(key)
+            if entry is not None:  # remembered: it ends when its constraint is ready
+                self._preparing[key] = (entry[0], entry[1], True)
+                return
             self._aborts.append(key)
             self._cond.notify()
 
@@ -243,20 +282,8 @@ class Engine:
                     aborts, self._aborts = self._aborts, []
                     pauses, self._pauses = self._pauses, []
                     calls, self._calls = self._calls, []
-                if calls:
-                    self._drain()  # operator calls see a quiet device and every token read
-                for fn, future in calls:
-                    self._run_call(fn, future)
-                for key, request, sink, matcher in inbox:
-                    if request.adapter and not self._hold_adapter(request.adapter, sink):
-                        continue
-                    seq = Sequence(request, key=key, matcher=matcher)
-                    self._outputs[key] = (RequestOutput(seq, self.tokenizer, self.eos_token_ids), sink)
-                    self.scheduler.add(seq)
-                for key in aborts:
-                    self.scheduler.abort(key)
-                for key, paused in pauses:
-                    self.scheduler.pause(key, paused)
+                self._apply(inbox, aborts, pauses, calls)
+                del inbox  # nothing of a request (its matcher above all) stays referenced while idle
                 self.step()
                 if self.between_steps is not None:
                     self.between_steps()
@@ -272,6 +299,31 @@ class Engine:
                 calls, self._calls = self._calls, []
             for _, future in calls:
                 future.set_exception(RuntimeError("the engine stopped"))
+            if self.constraints is not None:
+                self.constraints.close()
+
+    def _apply(self, inbox: list[tuple[str, GenerationRequest, Sink, Any]], aborts: list[str],
+               pauses: list[tuple[str, bool]], calls: list[tuple[Callable[[], Any], concurrent.futures.Future]]) -> None:
+        """What other threads queued since the last step: operator calls, new requests, aborts, pauses."""
+        if calls:
+            self._drain()  # operator calls see a quiet device and every token read
+        for fn, future in calls:
+            self._run_call(fn, future)
+        refused: list[tuple[Sink, RequestEvent]] = []
+        for key, request, sink, matcher in inbox:
+            if matcher is _ABORTED or isinstance(matcher, Exception):
+                refused.append((sink, _refusal(request, matcher)))
+                continue
+            if request.adapter and not self._hold_adapter(request.adapter, sink):
+                continue
+            seq = Sequence(request, key=key, matcher=matcher)
+            self._outputs[key] = (RequestOutput(seq, self.tokenizer, self.eos_token_ids), sink)
+            self.scheduler.add(seq)
+        self._publish_safely(refused)
+        for key in aborts:
+            self.scheduler.abort(key)
+        for key, paused in pauses:
+            self.scheduler.pause(key, paused)
 
     def step(self) -> None:
         """Schedule and launch a step; then read and publish the tokens of the step launched before it
@@ -300,6 +352,7 @@ class Engine:
             else:
                 handle = self.runner.launch(batch.decodes, batch.prefills)
             launched = _InFlight(seqs, handle)
+            self._fail_constraints(self.runner.take_failed_constraints(), now, events)
             for seq in seqs:
                 seq.num_pending += 1
         launched_at = time.monotonic()
@@ -366,6 +419,9 @@ class Engine:
             if isinstance(event, Finish):
                 self.scheduler.finish(seq)
                 events.append(self._finish(seq, event, now))
+            elif isinstance(event, EngineError):  # its grammar gave up on this token
+                self.scheduler.finish(seq)
+                events.append(self._fail(seq, event, now))
             else:
                 events.append((sink, event))
         if self.observer is not None and read:
@@ -383,8 +439,26 @@ class Engine:
             return False
         return True
 
+    def _fail_constraints(self, failed: list[tuple[Sequence, str]], now: float,
+                          events: list[tuple[Sink, RequestEvent]]) -> None:
+        """End the sequences whose grammar mask failed in the launch: their tokens in it are surplus."""
+        for seq, why in failed:
+            if seq.status is SequenceStatus.FINISHED or seq.aborted:
+                continue
+            self.scheduler.finish(seq)
+            log.warning("constraint_failed", request_id=seq.request_id, reason=why)
+            events.append(self._fail(seq, ConstraintFailed(why, seq.request.sampling.constraint.kind), now))
+
+    def _fail(self, seq: Sequence, error: EngineError, now: float) -> tuple[Sink, RequestEvent]:
+        """End a running request with an error instead of a finish (the observer counts an abort)."""
+        if isinstance(error, ConstraintFailed) and self.constraints is not None:
+            self.constraints.failed(seq.request.sampling.constraint)
+        sink, _ = self._finish(seq, None, now)
+        return sink, error
+
     def _finish(self, seq: Sequence, finish: Finish | None, now: float) -> tuple[Sink, RequestEvent]:
         output, sink = self._outputs.pop(seq.key)
+        seq.matcher = None  # its grammar's memory goes now, not when the last reference to seq does
         if seq.request.adapter:
             assert self.scheduler.adapters is not None
             self.scheduler.adapters.unhold(seq.request.adapter)
@@ -405,7 +479,9 @@ class Engine:
         """Every request still queued or running ends with an EngineError."""
         with self._cond:  # reentrant: also called with the lock held
             inbox, self._inbox = self._inbox, []
+            preparing, self._preparing = self._preparing, {}
         pairs: list[tuple[Sink, RequestEvent]] = [(sink, EngineError(message)) for _, _, sink, _ in inbox]
+        pairs += [(sink, EngineError(message)) for _, sink, _ in preparing.values()]
         pairs += [(sink, EngineError(message)) for _, sink in self._outputs.values()]
         self._outputs.clear()
         self._publish_safely(pairs)
@@ -417,3 +493,16 @@ class Engine:
             self.publish(pairs)
         except Exception:  # noqa: BLE001 - the event loop may already be gone at shutdown
             log.warning("engine_publish_failed", exc_info=True)
+
+
+_ABORTED = object()  # in the inbox: the request was aborted while its constraint was prepared
+
+
+def _refusal(request: GenerationRequest, why: Any) -> RequestEvent:
+    """The event that ends a request the grammar workers refused, or one aborted meanwhile."""
+    if why is _ABORTED:
+        return Finish(FinishReason.ABORT, len(request.prompt_token_ids), 0, seed=request.sampling.seed,
+                      total_seconds=max(0.0, time.monotonic() - request.arrival_time))
+    if isinstance(why, ConstraintsBusy):
+        return EngineBusy(str(why))
+    return ConstraintFailed(str(why), request.sampling.constraint.kind)

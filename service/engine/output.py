@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 
 from service.engine.detokenizer import new_detokenizer
-from service.engine.request import Finish, FinishReason, RequestEvent, TokenDelta, TokenLogprobs
+from service.engine.request import ConstraintFailed, Finish, FinishReason, RequestEvent, TokenDelta, TokenLogprobs
 from service.engine.sequence import Sequence
 from service.engine.stop import StopStringMatcher
 
@@ -52,13 +52,19 @@ class RequestOutput:
 
     def on_token(self, token: int, now: float, logprobs: TokenLogprobs | None = None) -> RequestEvent | None:
         """Record one sampled token (already appended to the sequence) and its log-probabilities.
-        Returns the event to publish, if any: a Finish when the request is over."""
-        seq = self.seq
+        Returns the event to publish, if any: a Finish when the request is over, ConstraintFailed when
+        its grammar gave up."""
+        seq, request = self.seq, self.seq.request
         if seq.first_token_at is None:
             seq.first_token_at = now
         matcher = seq.matcher
-        if matcher is not None and not matcher.accept(token):  # the mask allowed it: a fault
+        if matcher is not None and not matcher.accept(token):
+            # The mask allowed it: the grammar library gave up (a limit it hit on this token). The
+            # output so far does not follow the constraint to an end: an error, never a finish.
             log.warning("grammar_rejected_token", request_id=seq.request_id, token=token, error=matcher.error)
+            return ConstraintFailed(f"the grammar library gave up on it after {len(seq.completion_token_ids) - 1} "
+                                    f"tokens: {matcher.error or 'it rejected a token its mask allowed'}",
+                                    request.sampling.constraint.kind)
         if token in self._end_ids:
             if token in self._stop_ids:
                 return self._finish(FinishReason.STOP, now, matched=token)

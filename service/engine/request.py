@@ -145,6 +145,21 @@ class EngineError:
 
 
 @dataclass(frozen=True)
+class ConstraintFailed(EngineError):
+    """The request's constraint was refused or gave up (bad input, not a fault): over a compile or
+    mask budget, or the grammar library could not follow it. Never a normal finish: the output so
+    far does not follow the constraint to its end. INVALID_ARGUMENT."""
+
+    kind: str = ""  # the constraint's kind ("regex", ...): protocols name the field with it
+
+
+@dataclass(frozen=True)
+class EngineBusy(EngineError):
+    """The engine could not take this request now (every grammar worker taken): RESOURCE_EXHAUSTED,
+    retry later."""
+
+
+@dataclass(frozen=True)
 class AdapterGone(EngineError):
     """The request's adapter was unloaded after the request was accepted (an unload raced it): the
     caller must load it again or pick another; retrying elsewhere does not help."""

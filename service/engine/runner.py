@@ -27,6 +27,7 @@ from cache_manager.sizes import FULL, PIECEWISE
 from service.engine.block_pool import BlockPool
 from service.engine.decode_rows import DecodeRows
 from service.engine.decode_step import LoraDecodeStep, ModelDecodeStep, fed_back
+from service.engine.mask_fill import MaskFiller
 from service.engine.piecewise_step import LoraPiecewiseStep, PiecewiseStep
 from service.engine.rank_memory import RankMemory
 from service.engine.ranks import Ranks
@@ -57,11 +58,13 @@ _LOGPROB_SLICE = 256  # prompt rows per LM-head call for prompt logprobs: [256, 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_running: int, max_seq_len: int, graph_config: GraphCacheConfig,
                  graph_backend: GraphBackend | None = None, max_loras: int = 0, max_lora_rank: int = 16,
-                 lora_kernel: str = "stacked", block_size: int = 16, num_blocks: int | None = None) -> None:
+                 lora_kernel: str = "stacked", block_size: int = 16, num_blocks: int | None = None,
+                 masks: MaskFiller | None = None) -> None:
         """graph_backend: None for the CUDA one on a GPU (tests give a fake one to run graphs' logic on a CPU).
         max_loras > 0: adapter slots (service.model.lora) and a second graph cache for batches with adapters.
         num_blocks: KV blocks of block_size tokens (the null block included; kv_sizing.py sizes it);
-        None: enough for every row at max_seq_len."""
+        None: enough for every row at max_seq_len.
+        masks: fills the grammar masks of constrained rows (None: no constrained request is served)."""
         self.loaded = loaded
         self.device = loaded.device
         self.tp = loaded.model.tp
@@ -121,8 +124,10 @@ class ModelRunner:
         self._history: TokenHistory | None = None
         self._history_rows = self.kv.scratch_slot + 1
         # Structured outputs: the constrained rows' masks, filled on the host per step (made at the
-        # first constrained request).
+        # first constrained request); the rows whose fill failed, for the engine to end.
+        self.masks = masks
         self._bitmask: torch.Tensor | None = None
+        self._failed_constraints: list[tuple[Sequence, str]] = []
         self._tokens_ready = (torch.cuda.Event(), torch.cuda.Event()) if on_cuda else None
         self._turn = 0
         # The latest launch: each sequence's row in it and its sampled tokens (on device).
@@ -356,26 +361,31 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[SampleRow] | None) -> Sampled:
         """rows None: every row is plain greedy (SamplingBatch.greedy)."""
         batch = SamplingBatch.greedy() if rows is None else SamplingBatch.build(rows, self.device)
-        constrained = [(seq.matcher, b) for b, seq in enumerate(seqs) if seq.matcher is not None]
+        constrained = [b for b, seq in enumerate(seqs) if seq.matcher is not None]
         if constrained:
-            batch.bitmask = self._masks(constrained)
+            batch.bitmask = self._masks(seqs, constrained)
         return sample(logits, batch, self._history)
 
-    def _masks(self, constrained: list) -> tuple[torch.Tensor, torch.Tensor]:
+    def _masks(self, seqs: list[Sequence], constrained: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The constrained rows and their grammar masks (copied to the device without a wait: the
         engine reads the step in flight before it samples a step with constrained rows, so every
-        earlier step, and the copy from this buffer it made, is complete when it is refilled)."""
+        earlier step, and the copy from this buffer it made, is complete when it is refilled). A row
+        whose mask failed allows every token and is reported by take_failed_constraints."""
         from service.engine.structured import allocate_bitmask
 
+        assert self.masks is not None, "a constrained request on a runner without a mask filler"
         if self._bitmask is None:
             self._bitmask = allocate_bitmask(self._host_tokens.shape[1], self.loaded.spec.vocab_size,
                                              pin=self.device.type == "cuda")
         masks = self._bitmask[: len(constrained)]
-        # Row by row: the library's thread pool measured slower for a step's rows (0.9 vs 0.3 ms for
-        # 64 rows on a 2-core host; bench/sampling_bench.py), each fill being tens of microseconds.
-        for i, (matcher, _) in enumerate(constrained):
-            matcher.fill_bitmask(masks, i)
-        return to_device(torch.tensor([b for _, b in constrained], dtype=torch.int64), self.device), masks
+        failed = self.masks.fill([seqs[b].matcher for b in constrained], masks)
+        self._failed_constraints += [(seqs[constrained[i]], why) for i, why in failed.items()]
+        return to_device(torch.tensor(constrained, dtype=torch.int64), self.device), masks
+
+    def take_failed_constraints(self) -> list[tuple[Sequence, str]]:
+        """The sequences whose grammar mask failed in the launches since the last call, and why."""
+        failed, self._failed_constraints = self._failed_constraints, []
+        return failed
 
     def _track_history(self, seq: Sequence) -> None:
         """Make the sequence's history row describe it (once per admission: a new slot, or the same

@@ -21,7 +21,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import llguidance
@@ -29,8 +29,11 @@ import llguidance.hf
 import torch
 from llguidance.gbnf_to_lark import is_lark_syntax
 
-from service.engine.request import CONSTRAINT_KINDS as KINDS
+from service.engine.constraint_limits import ConstraintLimits, InvalidConstraint, check_size
 from service.engine.request import Constraint
+
+__all__ = ["Constraint", "GrammarCompiler", "InvalidConstraint", "Matcher", "allocate_bitmask", "apply_bitmask",
+           "bitmask_words"]
 
 # llguidance.torch is not imported: it builds a torch.compile'd function at import (1.6 s) that we
 # do not use; the two mask calls below are what its helpers do.
@@ -42,10 +45,6 @@ from service.engine.request import Constraint
 _JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
 _ANY_OBJECT = '{"type": "object"}'
 _MAX_MESSAGE = 600
-
-
-class InvalidConstraint(ValueError):
-    """A constraint that cannot be compiled; the message names the kind and what is wrong."""
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -95,11 +94,18 @@ def _check_row(bitmask: torch.Tensor, row: int, words: int) -> torch.Tensor:
 class Matcher:
     """One request's position in its grammar."""
 
-    __slots__ = ("_m", "_words")
+    __slots__ = ("_m", "_words", "_on_free", "cpu_debt")
 
-    def __init__(self, m: llguidance.LLMatcher, words: int) -> None:
+    def __init__(self, m: llguidance.LLMatcher, words: int, on_free: Callable[[], None] | None = None) -> None:
+        """on_free: called when this matcher is garbage (one of a huge grammar: its memory can go back)."""
         self._m = m
         self._words = words
+        self._on_free = on_free
+        self.cpu_debt = 0.0  # the mask filler's CPU account of this matcher (mask_fill.py), seconds
+
+    def __del__(self) -> None:
+        if self._on_free is not None:
+            self._on_free()
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the allowed next tokens into bitmask[row] (EOS once the grammar may end). Releases the GIL."""
@@ -117,78 +123,142 @@ class Matcher:
 
     @property
     def error(self) -> str:
-        """Why the matcher is dead, or "" while it is not."""
-        return self._m.get_error()
+        """Why the matcher is dead (the library gave up: a limit, a rejected token), or "" while it is not."""
+        return _first_line(self._m.get_error())
 
     def rollback(self, n: int) -> None:
         """Undoes the last n accepted tokens (speculative decoding, stop strings)."""
         if n and not self._m.rollback(n):
-            raise ValueError(f"cannot roll back {n} tokens: {self._m.get_error()}")
+            raise ValueError(f"cannot roll back {n} tokens: {self.error}")
+
+
+# The grammar library's limits where they differ from its defaults (llguidance.LLParserLimits):
+# - initial_lexer_fuel 1M -> 200k: `p{1000}{1129}` spent 3.3 s on its first mask with a 128k
+#   vocabulary at 1M, 0.33 s at 200k (and then fails cleanly); JSON schemas of 60 fields, 40 tools,
+#   1,000 choices and EBNF grammars compiled and walked 200 random steps alike under both.
+# - max_lexer_states 250k -> 50k: memory, at 1-2 kB per state (500 MB per grammar at the default).
+# - verbose_errors off: errors name the limit, without dumping the parser's state (and the schema) into
+#   messages and logs.
+_SEEN = 4096  # constraints remembered as compiled once (the cache admits one on its second compile)
+_PARSER_LIMITS = {"initial_lexer_fuel": 200_000, "max_lexer_states": 50_000, "verbose_errors": False}
 
 
 class GrammarCompiler:
-    """One per server: the tokenizer's vocabulary prepared once; compiled grammars cached (LRU, bounded) by Constraint.
+    """One per process: the tokenizer's vocabulary prepared once; compiled grammars (pristine matchers)
+    kept for reuse, bounded in count and in bytes.
 
-    Thread-safe: check() may run on request threads while the engine thread calls matcher().
-    Compiling takes about a millisecond for a 10-field schema and up to hundreds for very large
-    ones (the GIL is released meanwhile), so an asyncio caller should run check() in a worker thread.
+    Thread-safe. Compiling is up to hundreds of milliseconds of CPU for large grammars, and the first
+    mask of a grammar can cost far more (its lexer is built lazily): the engine compiles and computes
+    the first mask on its grammar workers (constraint_prepare.py), which measure each and decide with
+    `keep` what is cached. Copies of a matcher share its lexer: a copy's first mask warms the others'.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int], *,
-                 max_cached: int = 256, mask_threads: int | None = None) -> None:
+                 limits: ConstraintLimits | None = None, max_cached: int = 256,
+                 on_free: Callable[[], None] | None = None) -> None:
         """tokenizer: a Hugging Face fast tokenizer; vocab_size: the model's logits width (may exceed
-        len(tokenizer): the extra ids are never allowed); mask_threads: fill_bitmasks' pool (None:
-        the library's default, most of the CPUs)."""
+        len(tokenizer): the extra ids are never allowed); limits: the size checks made before a
+        compile and the cache's bytes; on_free: called when a huge grammar's matcher is garbage
+        (MemoryTrimmer.request)."""
         eos = sorted({int(t) for t in eos_token_ids})
         assert eos, "a grammar needs an EOS token to end on"
         self.vocab_size = vocab_size
         self.words = bitmask_words(vocab_size)
+        self.limits = limits or ConstraintLimits()
         self.max_cached = max_cached
-        self.hits = 0  # check()/matcher() calls served from the cache
+        self.cache_bytes = self.limits.constraint_cache_bytes
+        self.hits = 0  # lookups served from the cache
         self.misses = 0  # constraints compiled
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
-        self._mask_threads = mask_threads
-        self._executor: llguidance.LLExecutor | None = None
-        self._cache: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
+        self._limits = llguidance.LLParserLimits(**_PARSER_LIMITS)
+        self._on_free = on_free
+        self._cache: OrderedDict[Constraint, tuple[llguidance.LLMatcher, int]] = OrderedDict()  # -> (proto, bytes)
+        self._seen: OrderedDict[int, None] = OrderedDict()  # hashes of constraints compiled once, not kept
+        self._cached_bytes = 0
         self._lock = threading.Lock()
 
-    def check(self, c: Constraint) -> None:
-        """Compiles c (or finds it cached); raises InvalidConstraint. For request validation."""
-        self._compiled(c)
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached_bytes
 
-    def matcher(self, c: Constraint) -> Matcher:
-        """A fresh matcher at the start of c's grammar; raises InvalidConstraint."""
-        return Matcher(self._compiled(c).deep_copy(), self.words)
-
-    def fill_bitmasks(self, rows: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
-        """fill_bitmask for many (matcher, row) pairs at once, on a thread pool, without the GIL."""
-        if not rows:
-            return
-        for _, row in rows:
-            _check_row(bitmask, row, self.words)
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor(self._mask_threads)
-        self._executor.unsafe_compute_mask_ptr([(m._m, row) for m, row in rows], bitmask.data_ptr(),
-                                               self.words * 4, bitmask.shape[0])
-
-    def _compiled(self, c: Constraint) -> llguidance.LLMatcher:
+    def cached(self, c: Constraint) -> llguidance.LLMatcher | None:
+        """c's compiled pristine matcher, if kept."""
         with self._lock:
-            proto = self._cache.get(c)
-            if proto is not None:
-                self._cache.move_to_end(c)
-                self.hits += 1
-                return proto
-        # Outside the lock: another constraint's compile need not wait for this one. Two threads
-        # compiling the same constraint at once both succeed; one result is kept.
-        proto = llguidance.LLMatcher(self._tokenizer, _grammar(c), log_level=0)
+            entry = self._cache.get(c)
+            if entry is None:
+                return None
+            self._cache.move_to_end(c)
+            self.hits += 1
+            return entry[0]
+
+    def compile(self, c: Constraint) -> llguidance.LLMatcher:
+        """c compiled (a pristine matcher, not kept: see `keep`); raises InvalidConstraint. Any error
+        of the grammar library (a Rust panic, a RecursionError) is the constraint's, not the server's."""
+        check_size(c, self.limits)
+        try:
+            proto = llguidance.LLMatcher(self._tokenizer, _grammar(c), log_level=0, limits=self._limits)
+        except InvalidConstraint:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - pyo3's PanicException is a BaseException
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            raise InvalidConstraint(_message(c.kind, f"the grammar library failed on it: {_first_line(str(exc))}")) from None
         if proto.is_error():
             raise InvalidConstraint(_message(c.kind, proto.get_error()))
         with self._lock:
             self.misses += 1
-            self._cache[c] = proto
-            while len(self._cache) > self.max_cached:
-                self._cache.popitem(last=False)
         return proto
+
+    def keep(self, c: Constraint, proto: llguidance.LLMatcher, nbytes: int) -> bool:
+        """Cache c's pristine matcher, which holds about nbytes, if c was asked for before (a constraint
+        seen once is not kept: a flood of distinct ones must not fill the cache, nor fragment the heap
+        with what they hold) and it alone would take at most an eighth of the cache. Evicts the least
+        recently used entries beyond the bytes and the count. Returns whether it was kept."""
+        nbytes = max(1, nbytes)
+        with self._lock:
+            key = hash(c)
+            if key not in self._seen:
+                self._seen[key] = None
+                if len(self._seen) > _SEEN:
+                    self._seen.popitem(last=False)
+                return False
+            if nbytes > self.cache_bytes // 8:
+                return False
+            old = self._cache.pop(c, None)
+            if old is not None:
+                self._cached_bytes -= old[1]
+            self._cache[c] = (proto, nbytes)
+            self._cached_bytes += nbytes
+            while len(self._cache) > self.max_cached or self._cached_bytes > self.cache_bytes:
+                _, (_, dropped) = self._cache.popitem(last=False)
+                self._cached_bytes -= dropped
+        return True
+
+    def evict(self, c: Constraint) -> None:
+        """Drop c's cached matcher (its requests failed: a grammar that gave up, or ran over a budget,
+        must not keep the memory its lexer grew, nor be served again without its cost measured)."""
+        with self._lock:
+            entry = self._cache.pop(c, None)
+            if entry is not None:
+                self._cached_bytes -= entry[1]
+
+    def new_matcher(self, proto: llguidance.LLMatcher, huge: bool = False) -> Matcher:
+        """A fresh matcher at the start of proto's grammar (a copy: about a microsecond). huge: its
+        memory is given back to the system once it is garbage."""
+        return Matcher(proto.deep_copy(), self.words, self._on_free if huge else None)
+
+    def matcher(self, c: Constraint) -> Matcher:
+        """A matcher for c, compiled now unless cached (kept). For tools and tests: unbounded; the
+        engine goes through its grammar workers instead."""
+        proto = self.cached(c)
+        if proto is None:
+            proto = self.compile(c)
+            self.keep(c, proto, len(repr(c.value)))
+        return self.new_matcher(proto)
+
+
+def _first_line(text: str) -> str:
+    return text.strip().split("\n", 1)[0]
 
 
 def _message(kind: str, detail: str) -> str:
@@ -202,21 +272,14 @@ def _grammar(c: Constraint) -> str:
         return _grammar_text(c)
     except InvalidConstraint:
         raise
-    except ValueError as e:  # the library's converters (schema options, GBNF syntax)
-        raise InvalidConstraint(_message(c.kind, str(e))) from None
+    except (ValueError, RecursionError) as e:  # the library's converters (schema options, GBNF syntax)
+        raise InvalidConstraint(_message(c.kind, str(e) or type(e).__name__)) from None
 
 
 def _grammar_text(c: Constraint) -> str:
-    if c.kind not in KINDS:
-        raise InvalidConstraint(f"unknown constraint kind {c.kind!r}; known: {', '.join(KINDS)}")
+    """c's grammar text; c passed check_size (a known kind, values of the right types, small enough)."""
     if c.kind == "choice":
-        if not isinstance(c.value, tuple) or not c.value:
-            raise InvalidConstraint("invalid choice: the list of choices is empty")
-        if not all(isinstance(s, str) for s in c.value):
-            raise InvalidConstraint("invalid choice: every choice must be a string")
         return llguidance.grammar_from("choice", json.dumps(list(c.value)))
-    if not isinstance(c.value, str):
-        raise InvalidConstraint(f"invalid {c.kind}: the value must be a string")
     if c.kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, defaults=_JSON_OPTIONS)
     if c.kind == "json_schema":
@@ -251,26 +314,3 @@ def _unicode_escape(m: re.Match[str]) -> str:
     if cp > 0x10FFFF or 0xD800 <= cp <= 0xDFFF:
         return m.group(0)  # left for the converter to reject
     return chr(cp)
-
-
-class Grammars:
-    """A process's GrammarCompiler, made at the first constrained request (preparing a 128k
-    vocabulary takes a while; servers that never see one never pay it). Thread-safe."""
-
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
-        self._args = (tokenizer, vocab_size, tuple(eos_token_ids))
-        self._compiler: GrammarCompiler | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def compiler(self) -> GrammarCompiler:
-        with self._lock:
-            if self._compiler is None:
-                self._compiler = GrammarCompiler(*self._args)
-            return self._compiler
-
-    def prepare(self) -> None:
-        """Make the compiler now, before serving: about a second for a 128k vocabulary, most of it
-        holding the GIL (586 ms at a time measured), so made later, on any thread, it would freeze
-        every stream of the process."""
-        self.compiler  # noqa: B018 - made on first access

@@ -27,7 +27,6 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from service.config import ServeConfig
-from service.engine.structured import Grammars
 from service.model.spec import ModelLoadError
 from service.proto import inference_pb2, inference_pb2_grpc
 from service.server.admin_server import start_admin_server
@@ -93,7 +92,7 @@ class App:
         self.streams = Streams(
             AdmissionLimits(config.max_waiting_requests, config.max_waiting_tokens, config.max_concurrent_streams,
                             config.stream_stall_timeout, config.max_stream_backlog_tokens,
-                            config.stream_message_rate),
+                            config.stream_message_rate, config.max_running_seqs),
             metrics=self.metrics,
         )
         self.servicer = InferenceServicer(self.streams)
@@ -153,10 +152,7 @@ class App:
         if ready.max_loras:
             self.metrics.set_lora_graph_source(control.lora_snapshot)
         self.admin_server, self.admin_port = await start_admin_server(c, control, self.metrics)
-        grammars = Grammars(self.tokenizer, spec.vocab_size, spec.eos_token_ids)
-        await _in_daemon_thread(grammars.prepare)
-        limits = Limits.from_config(dataclasses.replace(c, max_seq_len=ready.max_seq_len), vocab_size=spec.vocab_size,
-                                    grammars=grammars)
+        limits = Limits.from_config(dataclasses.replace(c, max_seq_len=ready.max_seq_len), vocab_size=spec.vocab_size)
         self.streams.attach(self.engine)
         self.servicer.attach(self.tokenizer, limits, self._model_info(ready))
         self.vllm_servicer.attach(self.tokenizer, limits, ModelFacts.read(

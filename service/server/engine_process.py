@@ -141,6 +141,11 @@ class EngineProcess:
         s = self._status
         return max(0, s.num_waiting + max(0, self._submitted - s.received) - s.num_free_slots)
 
+    def waiting_after(self, samples: int) -> int:
+        """Requests that would wait if `samples` more were submitted now (those that find a free slot do not)."""
+        s = self._status
+        return max(0, s.num_waiting + max(0, self._submitted - s.received) + samples - s.num_free_slots)
+
     @property
     def waiting_prompt_tokens(self) -> int:
         s = self._status

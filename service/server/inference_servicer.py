@@ -80,14 +80,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 prompt = await asyncio.to_thread(prompt_ids, request, self.tokenizer, self.limits)
             else:
                 prompt = prompt_ids(request, self.tokenizer, self.limits)
-            constraint = constraint_of(request.sampling)
-            if constraint is not None:
-                await asyncio.to_thread(check_constraint, RequestValues(constraint=constraint), self.limits,
-                                        GRAPHSERVE_FIELDS)
+            check_constraint(RequestValues(constraint=constraint_of(request.sampling)), self.limits, GRAPHSERVE_FIELDS)
             gen = to_generation_request(request, request_id, prompt, self.limits, arrival_time=stream.arrival)
             return samples(gen, request.n if request.HasField("n") else 1)
 
-        await streams.serve(context, (context.peer(), request_id), prepare, _Writer(request_id))
+        await streams.serve(context, (context.peer(), request_id), prepare, _Writer(request_id), GRAPHSERVE_FIELDS)
 
 
 def _token_logprob(lp: TokenLogprobs) -> inference_pb2.TokenLogprob:

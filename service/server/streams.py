@@ -32,6 +32,8 @@ import structlog
 from service.engine.engine import EngineStopped
 from service.engine.request import (
     AdapterGone,
+    ConstraintFailed,
+    EngineBusy,
     EngineError,
     Finish,
     FinishReason,
@@ -39,7 +41,7 @@ from service.engine.request import (
     RequestEvent,
     TokenDelta,
 )
-from service.server.validation import MAX_SAMPLES, InvalidRequest, request_id_of
+from service.server.validation import MAX_SAMPLES, Fields, InvalidRequest, constraint_message, request_id_of
 
 log = structlog.get_logger("graphserve.server")
 
@@ -52,6 +54,7 @@ class AdmissionLimits:
     stream_stall_timeout: float = 30.0  # seconds a client may accept no data before its stream is aborted
     max_stream_backlog_tokens: int = 128  # undelivered tokens per stream before its sequence is paused
     stream_message_rate: float = 0.0  # messages per second across all streams (0: every step's tokens at once)
+    max_running_seqs: int = 0  # with max_waiting_requests, the most samples that can run or wait at once (0: unchecked)
 
 
 class _Stalled(Exception):
@@ -112,6 +115,7 @@ class Stream:
         self.sent: dict[int, int] = {}  # tokens delivered (taken, or queued) per sample
         self.backlog = 0  # tokens queued, not yet written, of every sample
         self.paused = False
+        self.aborted = False  # an abort came before the request reached the engine
         self.last_chunk_at: dict[int, float] = {}  # per sample: loop time of its last chunk written (pacing)
         self.woken: asyncio.Future[None] | None = None  # set while a chunk is held: a sample's end wakes it
         # Where a first token's time goes in this process (monotonic): when the engine's event for it
@@ -144,14 +148,17 @@ class Stream:
                 self.engine.pause(key, False)
 
     def abort(self) -> None:
-        """Ask the engine to end this stream's sequences (finish_reason abort); a no-op before submit."""
+        """Ask the engine to end this stream's sequences (finish_reason abort); before submit, remembered:
+        the stream then ends with an abort instead of being submitted."""
+        self.aborted = True
         for index, key in enumerate(self.keys):
             if index not in self.ended:
                 self.engine.abort(key)
 
-    def local_abort(self) -> None:
-        """End the stream with finish_reason abort without the engine (it does not answer)."""
-        for index in range(max(1, len(self.keys))):
+    def local_abort(self, samples: int = 1) -> None:
+        """End the stream with finish_reason abort without the engine (it does not answer, or never saw
+        the request)."""
+        for index in range(max(samples, len(self.keys))):
             if index not in self.ended:
                 self.queue.put_nowait((index, Finish(FinishReason.ABORT, self.prompt_tokens, self.sent.get(index, 0),
                                                      total_seconds=max(0.0, time.monotonic() - self.arrival))))
@@ -251,10 +258,15 @@ class Streams:
         """Overload checks, before any tokenization: a rejected request costs almost nothing. A
         request for n samples counts as n waiting requests of its prompt."""
         a, engine = self.admission, self.engine
+        can_hold = a.max_waiting_requests + a.max_running_seqs
+        if a.max_running_seqs and samples > can_hold:
+            await self.reject(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument",
+                              f"{samples} samples can never be admitted: at most {can_hold} requests run or wait at once "
+                              "(--max-running-seqs + --max-waiting-requests): ask for fewer")
         if len(self.active) >= a.max_concurrent_streams:
             await self.reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "concurrent_streams",
                               f"{len(self.active)} streams are open, the limit is {a.max_concurrent_streams}: retry later")
-        if engine.num_waiting + samples > a.max_waiting_requests:
+        if engine.waiting_after(samples) > a.max_waiting_requests:  # samples that find a free slot do not wait
             await self.reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_full",
                               f"{engine.num_waiting} requests are waiting, the limit is "
                               f"{a.max_waiting_requests}: retry later")
@@ -279,7 +291,7 @@ class Streams:
     # ---- one stream ----------------------------------------------------------------------------
 
     async def serve(self, context: grpc.aio.ServicerContext, scope: tuple[str, str], prepare: Prepare,
-                    writer: StreamWriter) -> None:
+                    writer: StreamWriter, fields: Fields) -> None:
         """Open the stream, run `prepare`, submit, and write the engine's events until the finish.
 
         A stream that ends any other way (cancelled, deadline, disconnect, stall) is aborted in the
@@ -302,8 +314,10 @@ class Streams:
                 await self.reject(context, grpc.StatusCode.UNAVAILABLE, "draining",
                                   "the server is shutting down; retry on another replica")
             stream.prompt_tokens = len(gens[0].prompt_token_ids)
+            if stream.aborted:  # aborted while it was prepared (tokenized): the engine never sees it
+                stream.local_abort(len(gens))
             try:
-                for index, gen in enumerate(gens):
+                for index, gen in enumerate(gens if not stream.aborted else ()):
                     stream.keys.append(self.engine.submit(gen, stream.sink(index)))
             except EngineStopped:
                 stream.abort()
@@ -338,9 +352,8 @@ class Streams:
                     stream.ended.add(index)
                     stream.abort()  # the other samples end with the call
                     finished = True
-                    # An adapter unloaded after the check (a race): NOT_FOUND, retrying elsewhere won't help.
-                    code = grpc.StatusCode.NOT_FOUND if isinstance(event, AdapterGone) else grpc.StatusCode.UNAVAILABLE
-                    await context.abort(code, event.message)
+                    code, message = _status_of(event, fields)
+                    await context.abort(code, message)
         except _Stalled:
             finished, stalled = False, True
             log.warning("stream_stalled", request_id=request_id, seconds=self.admission.stream_stall_timeout)
@@ -384,6 +397,17 @@ class Streams:
                 await context.write(message)
         except TimeoutError:
             raise _Stalled from None
+
+
+def _status_of(error: EngineError, fields: Fields) -> tuple[grpc.StatusCode, str]:
+    """The status that ends a stream the engine failed."""
+    if isinstance(error, ConstraintFailed):  # its constraint's fault, mid-stream or before the first token
+        return grpc.StatusCode.INVALID_ARGUMENT, constraint_message(error.kind, error.message, fields)
+    if isinstance(error, EngineBusy):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, error.message
+    if isinstance(error, AdapterGone):  # unloaded after the check (a race): retrying elsewhere won't help
+        return grpc.StatusCode.NOT_FOUND, error.message
+    return grpc.StatusCode.UNAVAILABLE, error.message
 
 
 def _wake(future: asyncio.Future[None] | None) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.config import ServeConfig
+from service.engine.constraint_limits import ConstraintLimits, InvalidConstraint, check_size
 from service.engine.request import (
     CONSTRAINT_KINDS,
     MAX_LOGPROBS,
@@ -58,12 +59,12 @@ class Limits:
     max_stop_token_ids: int
     max_chat_messages: int = 1024
     allow_chat_special_tokens: bool = False
-    grammars: Any = None  # structured.Grammars of this process: constraints are compiled to be checked
+    constraints: ConstraintLimits = ConstraintLimits()  # sizes checked here; the engine's workers compile
 
     @classmethod
-    def from_config(cls, config: ServeConfig, vocab_size: int, grammars: Any = None) -> Limits:
+    def from_config(cls, config: ServeConfig, vocab_size: int) -> Limits:
         return cls(
-            grammars=grammars,
+            constraints=config.constraint_limits,
             vocab_size=vocab_size,
             max_seq_len=config.max_seq_len,
             default_max_tokens=config.default_max_tokens,
@@ -217,17 +218,19 @@ def constraint_of(p: Any) -> Constraint | None:
 
 
 def check_constraint(v: RequestValues, limits: Limits, f: Fields) -> None:
-    """Compile the request's constraint (cached per constraint; up to hundreds of ms for a huge
-    schema: async callers run this in a thread). INVALID_ARGUMENT names the field and the problem."""
+    """The request's constraint within the size limits (a linear scan, no compile: the engine's
+    grammar workers compile it under their budget). INVALID_ARGUMENT names the field and the limit."""
     if v.constraint is None:
         return
-    from service.engine.structured import InvalidConstraint
-
-    need(limits.grammars is not None, f"{f.sampling}{v.constraint.kind}: this server serves no structured outputs")
     try:
-        limits.grammars.compiler.check(v.constraint)
+        check_size(v.constraint, limits.constraints)
     except InvalidConstraint as exc:
-        raise InvalidRequest(f"{f.sampling}{v.constraint.kind}: {exc}") from None
+        raise InvalidRequest(constraint_message(v.constraint.kind, str(exc), f)) from None
+
+
+def constraint_message(kind: str, detail: str, f: Fields) -> str:
+    """A constraint's error as a protocol names the field: "sampling.regex: ..."."""
+    return f"{f.sampling}{kind}: {detail}"
 
 
 def check_logit_bias_ids(v: RequestValues, vocab_size: int, f: Fields) -> None:

@@ -95,8 +95,9 @@ class ModelFacts:
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """Serves the engine protocol once `attach` gave it a tokenizer, limits and the model's facts.
 
-    Request ids are the gateway's and are global on this protocol (not per connection): the gateway
-    aborts a request with Abort, on a call of its own.
+    Request ids are scoped to the client's connection, as on graphserve.v1: Abort (which a gateway
+    sends on a call of its own, over the same connection) ends only that connection's streams, and no
+    client can abort another's or learn which ids it uses.
     """
 
     def __init__(self, streams: Streams) -> None:
@@ -126,14 +127,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             prompt = await self._prompt_ids(request)
             writer.prompt = prompt
             values = request_values(request.sampling_params)
-            if values.constraint is not None:
-                await asyncio.to_thread(check_constraint, values, self.limits, FIELDS)
+            check_constraint(values, self.limits, FIELDS)
             # Its messages carry token ids only: the engine decodes text only for stop strings.
             gen = generation_request(request_id, prompt, values, self.limits, FIELDS, arrival_time=stream.arrival,
                                      stream_text=False)
             return samples(gen, max(1, request.sampling_params.n), "sampling_params.n")  # 0 is unset on the wire
 
-        await streams.serve(context, (SERVICE_NAME, request_id), prepare, writer)
+        await streams.serve(context, _scope(context, request_id), prepare, writer, FIELDS)
 
     async def _prompt_ids(self, request: vllm_engine_pb2.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("input")
@@ -151,9 +151,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def Abort(self, request: vllm_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> vllm_engine_pb2.AbortResponse:
-        """Abort these requests; ids that are not streaming (finished, unknown) are ignored, as vLLM does."""
+        """Abort these requests of this connection; ids that are not streaming on it (finished, unknown,
+        another client's) are ignored, as vLLM ignores unknown ids."""
         for request_id in request.request_ids:
-            stream = self.streams.active.get((SERVICE_NAME, request_id))
+            stream = self.streams.active.get(_scope(context, request_id))
             if stream is not None:
                 stream.abort()
         return vllm_engine_pb2.AbortResponse()
@@ -323,6 +324,11 @@ def _estimated_tokens(request: vllm_engine_pb2.GenerateRequest) -> int:
     if request.WhichOneof("input") == "tokenized":
         return len(request.tokenized.input_ids)
     return len(request.text.encode("utf-8", "surrogatepass"))
+
+
+def _scope(context: grpc.aio.ServicerContext, request_id: str) -> tuple[str, str]:
+    """A stream's key among every protocol's: this protocol, this connection, this id."""
+    return f"{SERVICE_NAME} {context.peer()}", request_id
 
 
 def check_supported(request: vllm_engine_pb2.GenerateRequest) -> None:

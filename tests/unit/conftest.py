@@ -29,3 +29,15 @@ def random_llama(request: pytest.FixtureRequest):  # noqa: ANN201
 
     over = {} if request.param == "gqa-untied" else {"attention_bias": True, "tie_word_embeddings": True}
     return random_model(spec(**over))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory):  # noqa: ANN001, ANN201
+    """The built-in tiny model's tokenizer (768 ids, byte-level BPE), without its weights."""
+    from transformers import AutoTokenizer
+
+    from service.model.builtin import BUILTIN_SHAPES, write_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-tokenizer")
+    write_tokenizer(path, BUILTIN_SHAPES["tiny"])
+    return AutoTokenizer.from_pretrained(str(path))

@@ -43,6 +43,9 @@ class ScriptedRunner:
     def collect(self, launched: list[int]) -> StepTokens:
         return StepTokens(launched)
 
+    def take_failed_constraints(self) -> list:
+        return []
+
 
 class Collector:
     def __init__(self) -> None:

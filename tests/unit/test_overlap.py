@@ -56,6 +56,9 @@ class RecordingRunner:
         self.log.append(("collect", number))
         return self.runner.collect(handle)
 
+    def take_failed_constraints(self) -> list:
+        return self.runner.take_failed_constraints()
+
 
 class Results:
     def __init__(self) -> None:

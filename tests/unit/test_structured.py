@@ -17,6 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from service.engine.constraint_limits import ConstraintLimits
+from service.engine.mask_fill import MaskFiller
 from service.engine.structured import (
     Constraint,
     GrammarCompiler,
@@ -33,10 +35,8 @@ CAP = 400  # tokens per walk
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):  # noqa: ANN001, ANN201
-    path = tmp_path_factory.mktemp("tiny-tokenizer")
-    write_tokenizer(path, BUILTIN_SHAPES["tiny"])
-    return AutoTokenizer.from_pretrained(str(path))
+def tok(tiny_tokenizer):  # noqa: ANN001, ANN201
+    return tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -239,20 +239,24 @@ def test_rollback_restores_the_mask(compiler, walker, tok) -> None:  # noqa: ANN
     assert np.array_equal(walker.allowed(m), before)
 
 
-def test_fill_bitmasks_equals_row_by_row(compiler, tok) -> None:  # noqa: ANN001
-    rows = []
-    for i, (c, prefix) in enumerate([(Constraint("json_object", ""), '{"a": "'), (Constraint("regex", r"\d+"), "12"),
-                                     (Constraint("choice", ("red", "green")), "gr"), (Constraint("json_object", ""), "")]):
+def test_mask_filler_equals_row_by_row(compiler, tok) -> None:  # noqa: ANN001
+    matchers = []
+    for c, prefix in [(Constraint("json_object", ""), '{"a": "'), (Constraint("regex", r"\d+"), "12"),
+                      (Constraint("choice", ("red", "green")), "gr"), (Constraint("json_object", ""), "")]:
         m = compiler.matcher(c)
         assert all(m.accept(t) for t in tok.encode(prefix, add_special_tokens=False))
-        rows.append((m, 2 * i))  # every other row, like a batch with unconstrained rows between
-    batch = allocate_bitmask(8, compiler.vocab_size, pin=False)
-    compiler.fill_bitmasks(rows, batch)
+        matchers.append(m)
+    filler = MaskFiller(compiler.vocab_size, workers=2, budget_ms=1000)
+    try:
+        batch = allocate_bitmask(6, compiler.vocab_size, pin=False)
+        assert filler.fill(matchers, batch[:4]) == {}
+    finally:
+        filler.close()
     one = allocate_bitmask(1, compiler.vocab_size, pin=False)
-    for m, row in rows:
+    for i, m in enumerate(matchers):
         m.fill_bitmask(one, 0)
-        assert torch.equal(batch[row], one[0])
-    assert bool((batch[1::2] == -1).all())  # rows not named are untouched
+        assert torch.equal(batch[i], one[0])
+    assert bool((batch[4:] == -1).all())  # rows past the step's are untouched
 
 
 def _reference_apply(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -309,21 +313,28 @@ def test_apply_bitmask_disallows_ids_past_the_tokenizer(compiler, tok) -> None: 
 )
 def test_invalid_constraints_say_what_is_wrong(compiler, constraint, names) -> None:  # noqa: ANN001
     with pytest.raises(InvalidConstraint, match=re.escape(names)):
-        compiler.check(constraint)
+        compiler.matcher(constraint)
 
 
-def test_compiled_grammars_are_cached_lru(tok) -> None:  # noqa: ANN001
+def test_compiled_grammars_are_cached_from_their_second_use_lru_by_count_and_bytes(tok) -> None:  # noqa: ANN001
     compiler = GrammarCompiler(tok, len(tok), [tok.eos_token_id], max_cached=2)
     a, b, c = (Constraint("regex", r) for r in ("a+", "b+", "c+"))
-    compiler.check(a)
-    compiler.check(a)
+    compiler.matcher(a)  # seen once: compiled, not kept (a flood of distinct constraints fills nothing)
+    compiler.matcher(a)  # again: kept
     compiler.matcher(Constraint("regex", "a+"))  # an equal constraint is the same key
-    assert (compiler.misses, compiler.hits) == (1, 2)
-    compiler.check(b)
-    compiler.check(c)  # evicts a, the least recently used
-    compiler.check(b)
-    compiler.check(a)
-    assert (compiler.misses, compiler.hits) == (4, 3)
+    assert (compiler.misses, compiler.hits) == (2, 1)
+    for x in (b, b, c, c):  # b and c kept; c evicts a, the least recently used
+        compiler.matcher(x)
+    assert compiler.cached(b) is not None and compiler.cached(c) is not None and compiler.cached(a) is None
+    # Bytes: one entry over an eighth of the cache is never kept; others are evicted until the rest fit.
+    small = GrammarCompiler(tok, len(tok), [tok.eos_token_id], limits=ConstraintLimits(constraint_cache_bytes=8000))
+    proto = small.compile(a)
+    assert not small.keep(a, proto, 1001) and not small.keep(a, proto, 1001) and small.cached(a) is None
+    for i in range(9):
+        x = Constraint("regex", f"x{i}")
+        assert not small.keep(x, proto, 1000) and small.keep(x, proto, 1000)
+    assert small.cached_bytes == 8000 and small.cached(Constraint("regex", "x0")) is None
+    assert small.cached(Constraint("regex", "x8")) is not None
 
 
 def test_large_vocabulary(tmp_path) -> None:  # noqa: ANN001
