@@ -57,8 +57,11 @@ def test_full_queue_is_resource_exhausted_and_queued_work_completes(small_server
 
 def test_n_samples_count_as_n_waiting_requests(small_server) -> None:
     """--max-waiting-requests 1 with one running: a request for 2 samples would queue 2 (one runs,
-    the other waits behind the running one) over an empty queue: refused; one sample is admitted."""
-    stub = small_server.stub()
+    the other waits behind the running one) over an empty queue: refused; one sample is admitted.
+    (Its own connection: the server allows one stream per connection here, so on the long one's the
+    call would wait, client-side, until that one ended.)"""
+    stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(small_server.address,
+                                                                   options=[("grpc.use_local_subchannel_pool", 1)]))
     engine = small_server.app.engine
     long_one = threading.Thread(target=lambda: generate(small_server.stub(), **greedy("Once upon a time", 300)))
     long_one.start()
