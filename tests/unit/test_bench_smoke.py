@@ -11,7 +11,7 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-PROVENANCE = {"name", "command", "timestamp", "git_commit", "machine"}
+PROVENANCE = {"name", "command", "timestamp", "git_commit", "git_dirty", "source_digest", "machine", "packages"}
 
 
 def _run(script: str, args: list[str], results: pathlib.Path) -> dict:
