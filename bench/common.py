@@ -81,9 +81,9 @@ def print_table(rows: list[dict], columns: list[str], title: str | None = None) 
 # ---- timing ----------------------------------------------------------------------------------
 
 
-def time_ms(fn: Callable[[], Any], device: torch.device, iters: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of fn() over `iters` calls after `warmup` calls: CUDA events around each
-    call on a GPU (device time, queue drained between calls), time.perf_counter on a CPU."""
+def time_samples_ms(fn: Callable[[], Any], device: torch.device, iters: int = 20, warmup: int = 3) -> list[float]:
+    """Milliseconds of each of `iters` calls of fn() after `warmup` calls: CUDA events around each call
+    on a GPU (device time, queue drained between calls), time.perf_counter on a CPU."""
     for _ in range(warmup):
         fn()
     samples: list[float] = []
@@ -101,7 +101,12 @@ def time_ms(fn: Callable[[], Any], device: torch.device, iters: int = 20, warmup
             t0 = time.perf_counter()
             fn()
             samples.append((time.perf_counter() - t0) * 1000.0)
-    return statistics.median(samples)
+    return samples
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, iters: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of fn() (time_samples_ms)."""
+    return statistics.median(time_samples_ms(fn, device, iters, warmup))
 
 
 def kernel_bench_device() -> torch.device:

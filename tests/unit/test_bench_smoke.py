@@ -37,6 +37,10 @@ def test_decode_bench(tmp_path: pathlib.Path) -> None:
     anchors = record["anchors"]
     assert not anchors["errors"], anchors["errors"]
     assert anchors["generate"][0]["ms_per_token"] > 0 and anchors["static_cache"][0]["eager_ms"] > 0
+    gpt_fast = anchors["gpt_fast"]  # measured in the same call (eager on a CPU), every sample kept
+    assert not gpt_fast["errors"] and gpt_fast["compile"] == "none"
+    assert [r["batch"] for r in gpt_fast["rows"]] == [1, 2] and all(len(r["samples_ms"]) == 2 for r in gpt_fast["rows"])
+    assert "gpt_fast_reference_ms" not in record  # no figure typed in
     assert (tmp_path / record["plot"]).is_file()
 
 
