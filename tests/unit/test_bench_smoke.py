@@ -48,7 +48,7 @@ def test_serve_bench(tmp_path: pathlib.Path) -> None:
     record = _run("serve_bench.py", [
         "--device", "cpu", "--cache-dir", str(tmp_path / "models"), "--concurrency", "1,4",
         "--prompt-tokens", "16", "--output-tokens", "8", "--warmup-requests", "0",
-        "--server-log", str(tmp_path / "server.log"), "--server-args", "--log-level info"], tmp_path)
+        "--server-log", str(tmp_path / "server.log"), "--server-args", "--log-level info", "--step-baseline"], tmp_path)
     rows = record["results"]
     assert [(r["streams"], r["path"]) for r in rows] == [(1, "grpc"), (1, "engine"), (4, "grpc"), (4, "engine")]
     for row in rows:  # 4 requests per stream at each level, on one server and one engine process
@@ -56,6 +56,12 @@ def test_serve_bench(tmp_path: pathlib.Path) -> None:
         assert {"ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "req_per_s", "tok_per_s"} <= row.keys()
         # the engine's own times, through gRPC (the Finished message) and on the engine alone (Finish)
         assert 0 <= row["server_queue_p50_ms"] <= row["server_ttft_p50_ms"] <= row["ttft_p50_ms"], row
+    # the step at this workload's contexts (16 prompt + 8 output tokens), timed in the same invocation
+    step = record["graphed_step"]
+    assert step["mode"] == "eager" and step["contexts"] == [16, 19, 22] and [r["batch"] for r in step["rows"]] == [1, 4]
+    for row in rows:
+        allows = next(r["allows_tok_per_s"] for r in step["rows"] if r["batch"] == row["streams"])
+        assert row["vs_graphed_step"] == pytest.approx(row["tok_per_s"] / allows)
     assert set(record["grpc_over_engine_token_throughput"]) == {"1", "4"}
     assert all(v > 0 for v in record["grpc_over_engine_token_throughput"].values())
     # the server's log splits its first tokens by level
