@@ -30,7 +30,11 @@
 #   bash bench/h200_session.sh gen-1b slo  # the highest rate holding TTFT p99 <= $SLO_TTFT ms (200) and TPOT p99 <=
 #     $SLO_TPOT ms (10), every repeat, searched by bisection in $SLO_RATES (50,400)
 #   (load, chat-curve, slo, prefix-load: a serving-load part spans several calls. Each call stops before a run that
-#   might pass $BUDGET s (540) and prints rc=75; the same part again, with the same $OUT, goes on from its book.)
+#   might pass $BUDGET s (540) and prints rc=75; the same part again, with the same $OUT, goes on from its book.
+#   A lent machine's own $OUT folder is emptied before each command: give this script an OUT of its own that
+#   stays between calls while the machine is held, e.g. `D=$OUT; OUT=bench/results/tmp/h200 bash bench/h200_session.sh
+#   gen-1b slo; cp bench/results/tmp/h200/*.json bench/results/tmp/h200/*.png "$D"`; on a fresh machine, carry
+#   the returned <part>-book.json and <part>-book-work/ into that folder first.)
 #   bash bench/h200_session.sh anchors  # decode steps with gpt-fast (torch.compile reduce-overhead) and transformers
 #     measured in the same call, on the same shape and weights (gpt-fast compiles 50-60 s per batch)
 #   bash bench/h200_session.sh fp8      # FP8 weights: GPU tests, decode steps in bf16 and FP8 (our GEMM and cuBLAS's), 1B and 8B
