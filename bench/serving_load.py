@@ -176,6 +176,8 @@ class Campaign:
     def point(self, start: str, rate: float, mode: str) -> dict[str, Any]:
         args = self.args
         if start == "warm":
+            if not self.warm_stats.exists():  # a book carried without its work folder: warm up again
+                self.book.runs.pop("warming", None)
             self.book.run("warming", self.warm_up)
         name = f"{start} {rate:g}/s" + (f" prefix-cache {mode}" if len(args.prefix_modes) > 1 else "")
         rows = [self.book.run(f"{name} #{i + 1}", lambda i=i: self._repeat(f"{name} #{i + 1}", start, rate, mode, i))
