@@ -8,7 +8,7 @@ PROTO_SRC := protos/graphserve/v1
 PROTO_OUT := service/proto
 STUBS := $(PROTO_OUT)/inference_pb2.py $(PROTO_OUT)/admin_pb2.py
 
-.PHONY: setup protos run gateway test test-gpu bench bench-tp bench-cpu lint clean
+.PHONY: setup protos run gateway test test-gpu bench bench-tp bench-cpu bench-report lint clean
 
 setup: $(VENV)/.installed protos
 
@@ -56,6 +56,10 @@ bench-tp: setup
 bench-cpu: setup
 	$(PY) bench/decode_bench.py --model builtin:tiny --device cpu --batches 1,4,16 --context 64
 	$(PY) bench/serve_bench.py --device cpu --concurrency 8 --requests 32 --output-tokens 32
+
+# README's benchmark tables, rewritten from the newest result files (bench/report.py; --check only compares).
+bench-report: setup
+	$(PY) bench/report.py
 
 lint: setup
 	$(PY) -m ruff check service cache_manager tests bench

@@ -1,8 +1,9 @@
 """Shared helpers of the benchmarks: result files with provenance, a fixed-width table, timing.
 
 Every benchmark writes `bench/results/<name>-<device-tag>-<UTC timestamp>.json` (plus its PNG
-beside it) recording the exact command line, the machine, the library versions and the git commit,
-so a number in a PR or issue can be traced back to how it was produced.
+beside it) starting with bench/provenance.py's record, read while it runs: the command line, the
+commit and a dirty flag, a digest of the source files, the machine and the library versions, so a
+number in a PR or issue can be traced back to how it was produced.
 """
 
 from __future__ import annotations
@@ -10,12 +11,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import re
-import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -24,63 +21,12 @@ from typing import Any
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO_ROOT / "bench" / "results"
+from bench.provenance import provenance
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-# ---- provenance ------------------------------------------------------------------------------
-
-
-def command_line() -> str:
-    return "python " + shlex.join(sys.argv)
-
-
-def git_commit() -> str:
-    """$GRAPHSERVE_COMMIT when set (a copied tree whose .git may be stale, e.g. on a lent GPU machine),
-    else HEAD (+ "-dirty" if tracked files changed), else "unknown"."""
-    if os.environ.get("GRAPHSERVE_COMMIT"):
-        return os.environ["GRAPHSERVE_COMMIT"]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                                capture_output=True, text=True, timeout=10, check=True).stdout
-        return head + ("-dirty" if status.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def _version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except Exception:  # noqa: BLE001 - a missing optional library is recorded as None
-        return None
-
-
-def _nvidia_smi(query: str) -> str | None:
-    try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
-        return out.strip().splitlines()[0].strip() or None
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return None
-
-
-def machine_info() -> dict[str, Any]:
-    cuda = torch.cuda.is_available()
-    return {
-        "hostname": socket.gethostname(),
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "gpu": torch.cuda.get_device_name(0) if cuda else None,
-        "gpu_count": torch.cuda.device_count() if cuda else 0,
-        "driver_version": _nvidia_smi("driver_version") if cuda else None,
-        "cuda_runtime": torch.version.cuda,
-        "torch": torch.__version__,
-        "transformers": _version("transformers"),
-        "grpcio": _version("grpc"),
-    }
+# ---- result files ----------------------------------------------------------------------------
 
 
 def device_tag(device: torch.device | str | None = None) -> str:
@@ -99,14 +45,7 @@ def write_result(name: str, payload: dict, device: torch.device | str | None = N
     out_dir.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     path = out_dir / f"{name}-{device_tag(device)}-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
-    record = {
-        "name": name,
-        "command": command_line(),
-        "timestamp": now.isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
-        "machine": machine_info(),
-        **payload,
-    }
+    record = {"name": name, "timestamp": now.isoformat(timespec="seconds"), **provenance(), **payload}
     if figure is not None:
         png = path.with_suffix(".png")
         figure.savefig(png, dpi=120, bbox_inches="tight")
@@ -142,9 +81,9 @@ def print_table(rows: list[dict], columns: list[str], title: str | None = None) 
 # ---- timing ----------------------------------------------------------------------------------
 
 
-def time_ms(fn: Callable[[], Any], device: torch.device, iters: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of fn() over `iters` calls after `warmup` calls: CUDA events around each
-    call on a GPU (device time, queue drained between calls), time.perf_counter on a CPU."""
+def time_samples_ms(fn: Callable[[], Any], device: torch.device, iters: int = 20, warmup: int = 3) -> list[float]:
+    """Milliseconds of each of `iters` calls of fn() after `warmup` calls: CUDA events around each call
+    on a GPU (device time, queue drained between calls), time.perf_counter on a CPU."""
     for _ in range(warmup):
         fn()
     samples: list[float] = []
@@ -162,7 +101,12 @@ def time_ms(fn: Callable[[], Any], device: torch.device, iters: int = 20, warmup
             t0 = time.perf_counter()
             fn()
             samples.append((time.perf_counter() - t0) * 1000.0)
-    return statistics.median(samples)
+    return samples
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, iters: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of fn() (time_samples_ms)."""
+    return statistics.median(time_samples_ms(fn, device, iters, warmup))
 
 
 def kernel_bench_device() -> torch.device:

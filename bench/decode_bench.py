@@ -3,8 +3,10 @@
 For each batch size: ms per decode step (eager through ModelDecodeStep.run, and the same step
 captured with cache_manager's CudaGraphBackend), tokens/s, memory-bandwidth utilisation
 ((weights + KV read at the context) / step time / measured device copy rate) and the speed-up.
-Anchors (default on for CUDA): transformers generate() and the transformers StaticCache step,
-eager and hand-captured as a CUDA graph. `--buckets all` times every allowed capture size instead.
+Anchors (default on for CUDA), measured in the same call, never typed in: gpt-fast's decode step on
+the same shape and weights, compiled with mode="reduce-overhead" (bench/anchors/gpt_fast.py), and
+transformers' generate() and StaticCache step, eager and hand-captured as a CUDA graph
+(bench/anchors/transformers_anchor.py). `--buckets all` times every allowed capture size instead.
 
     python bench/decode_bench.py --model builtin:llama-1b --device cuda --random-init
     python bench/decode_bench.py --model builtin:tiny --device cpu --batches 1,4 --context 32
@@ -20,7 +22,6 @@ import pathlib
 import sys
 import time
 import types
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, time_ms, wall_ms, write_result
+from bench.anchors import gpt_fast, transformers_anchor
+from bench.common import print_table, time_ms, write_result
 from cache_manager import CudaGraphBackend, default_capture_sizes
 from service.engine.decode_step import ModelDecodeStep
 from service.model import KVCache, LlamaForCausalLM, ModelSpec, ensure_builtin
@@ -37,9 +39,6 @@ from service.model.kernels._triton import pdl
 from service.model.kv_quant import cache_dtype
 from service.model.loader import default_cache_dir, load_model
 from service.model.parallel import TensorParallel
-
-# gpt-fast (untied head, torch.compile) measured earlier on an H200, not re-run: batch -> ms per step.
-GPT_FAST_MS = {1: 1.15, 8: 1.55, 64: 2.87}
 
 
 @dataclass
@@ -71,7 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--copy-mb", type=int, default=None, help="size of the copy-rate tensor (default 2048 cuda, 64 cpu)")
     p.add_argument("--anchors", action=argparse.BooleanOptionalAction, default=None,
-                   help="transformers generate() and StaticCache anchors (default: on for cuda, off with --buckets all)")
+                   help="gpt-fast and transformers anchors (default: on for cuda, off with --buckets all)")
+    p.add_argument("--gpt-fast", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --anchors: gpt-fast's compiled decode step (50-60 s of compile per batch on an H200)")
+    p.add_argument("--gpt-fast-batches", default=None, help="batches of the gpt-fast anchor (default: --batches)")
+    p.add_argument("--gpt-fast-compile", choices=["reduce-overhead", "none"], default=None,
+                   help="torch.compile mode of the gpt-fast step (default: reduce-overhead on cuda, none on cpu)")
     p.add_argument("--anchor-batches", default="1,32", help="batches for the generate() anchor")
     p.add_argument("--anchor-new-tokens", type=int, default=64)
     p.add_argument("--anchor-prompt", type=int, default=128, help="prompt tokens of the generate() anchor")
@@ -95,6 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     else:
         args.batch_list = sorted({int(b) for b in args.batches.split(",") if b.strip()})
     args.anchor_batch_list = [int(b) for b in args.anchor_batches.split(",") if b.strip()]
+    args.gpt_fast_batch_list = ([int(b) for b in args.gpt_fast_batches.split(",") if b.strip()]
+                                if args.gpt_fast_batches else args.batch_list)
+    args.gpt_fast_compile = args.gpt_fast_compile or ("reduce-overhead" if args.device.type == "cuda" else "none")
     return args
 
 
@@ -224,110 +231,11 @@ def add_derived(row: dict[str, Any], s: Setup, context: int, rate: float | None)
         row["bw_util"] = moved / (best / 1000.0) / rate
 
 
-# ---- transformers anchors --------------------------------------------------------------------
-
-
-def hf_model(s: Setup) -> Any:
-    """transformers' LlamaForCausalLM with our weights: from the checkpoint directory when there is
-    one, else built from the same config with our tensors copied in."""
-    import transformers
-
-    if s.path is not None:
-        return transformers.LlamaForCausalLM.from_pretrained(str(s.path), dtype=s.dtype).to(s.device).eval()
-    config = transformers.LlamaConfig(**{k: v for k, v in s.hf_config.items() if k != "torch_dtype"})
-    with torch.device(s.device):
-        model = transformers.LlamaForCausalLM._from_config(config, dtype=s.dtype)
-    missing, unexpected = model.load_state_dict(s.model.state_dict(), strict=False)
-    assert not unexpected and all(m == "lm_head.weight" for m in missing), (missing, unexpected)
-    return model.eval()
-
-
-def anchor_generate(hf: Any, s: Setup, batch: int, args: argparse.Namespace) -> dict[str, Any]:
-    """ms per generated token = (generate(N new) - generate(1 new)) / (N - 1): prefill excluded."""
-    ids = torch.randint(0, s.model.spec.vocab_size - 300, (batch, args.anchor_prompt), device=s.device)
-    n = args.anchor_new_tokens
-
-    def gen(k: int) -> None:
-        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k, min_new_tokens=k,
-                    do_sample=False, pad_token_id=0)
-
-    with torch.inference_mode():
-        gen(2)  # warm-up
-        prefill_ms = wall_ms(lambda: gen(1), s.device)
-        total_ms = wall_ms(lambda: gen(n), s.device)
-    return {"batch": batch, "new_tokens": n, "prompt_tokens": args.anchor_prompt, "total_ms": total_ms,
-            "prefill_ms": prefill_ms, "ms_per_token": (total_ms - prefill_ms) / (n - 1),
-            "ms_per_token_incl_prefill": total_ms / n}
-
-
-def anchor_static_step(hf: Any, s: Setup, batch: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One decode step of transformers + StaticCache at position `context`, eager and hand-captured."""
-    from transformers import StaticCache
-
-    row: dict[str, Any] = {"batch": batch}
-    cache = StaticCache(config=hf.config, max_cache_len=args.context + 64)
-    ids = torch.randint(0, s.model.spec.vocab_size, (batch, 1), device=s.device)
-    pos = torch.full((1,), args.context, dtype=torch.long, device=s.device)
-
-    def step() -> torch.Tensor:
-        return hf(input_ids=ids, cache_position=pos, position_ids=pos.expand(batch, 1),
-                  past_key_values=cache, use_cache=True).logits
-
-    with torch.inference_mode():
-        row["eager_ms"] = time_ms(step, s.device, max(5, args.iters // 3), 2)
-        if s.device.type != "cuda":
-            row["graph_error"] = "skipped: needs cuda"
-            return row
-        side = torch.cuda.Stream(s.device)
-        side.wait_stream(torch.cuda.current_stream(s.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream(s.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        t0 = time.perf_counter()
-        with torch.cuda.graph(graph):
-            step()
-        sync(s.device)
-        row["capture_ms"] = (time.perf_counter() - t0) * 1000.0
-        row["graph_ms"] = time_ms(graph.replay, s.device, args.iters, args.warmup)
-        row["speedup"] = row["eager_ms"] / row["graph_ms"]
-    del graph
-    return row
-
-
-def run_anchors(s: Setup, args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {"generate": [], "static_cache": [], "errors": []}
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    try:
-        hf = hf_model(s)
-    except Exception as exc:  # noqa: BLE001 - anchors are optional context; record and go on
-        out["errors"].append(f"loading transformers model: {type(exc).__name__}: {exc}")
-        return out
-    out["generate_ms_per_token"] = "(generate(N new) - generate(1 new)) / (N - 1): decode only, prefill excluded"
-    for b in args.anchor_batch_list:
-        try:
-            out["generate"].append(anchor_generate(hf, s, b, args))
-        except Exception as exc:  # noqa: BLE001
-            out["errors"].append(f"generate batch {b}: {type(exc).__name__}: {exc}")
-    for b in args.batch_list:
-        try:
-            out["static_cache"].append(anchor_static_step(hf, s, b, args))
-        except Exception as exc:  # noqa: BLE001 - the StaticCache API moves between releases
-            out["errors"].append(f"static cache batch {b}: {type(exc).__name__}: {exc}")
-            out["static_cache"].append({"batch": b, "graph_error": f"{type(exc).__name__}: {exc}"})
-        gc.collect()
-        if s.device.type == "cuda":
-            torch.cuda.empty_cache()
-    del hf
-    gc.collect()
-    return out
-
-
 # ---- output ----------------------------------------------------------------------------------
 
 
-def plot(rows: list[dict], anchors: dict | None, floor_ms: float | None, title: str, gpt_fast: bool) -> Any:
+def plot(rows: list[dict], anchors: dict | None, floor_ms: float | None, title: str) -> Any:
+    """Measured points only: ours, and the anchors this call ran."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -348,9 +256,9 @@ def plot(rows: list[dict], anchors: dict | None, floor_ms: float | None, title: 
              marker="s", linestyle="--")
         line([(r["batch"], r["eager_ms"]) for r in sc if r.get("eager_ms")], "transformers StaticCache, eager",
              marker="s", linestyle=":")
-    if gpt_fast:  # measured for the Llama-3.2-1B shape only
-        ax.scatter(list(GPT_FAST_MS), list(GPT_FAST_MS.values()), marker="*", s=120, color="black", zorder=5,
-                   label="gpt-fast (earlier H200 measurement, not re-run)")
+        gf = anchors.get("gpt_fast") or {}
+        line([(r["batch"], r["ms"]) for r in gf.get("rows", [])], f"gpt-fast, torch.compile {gf.get('compile')}",
+             marker="*", linestyle="-", color="black")
     if floor_ms:
         ax.axhline(floor_ms, color="gray", linestyle="-.", label=f"bandwidth floor {floor_ms:.3f} ms")
     ax.set_xscale("log", base=2)
@@ -372,7 +280,11 @@ def print_tables(rows: list[dict], anchors: dict | None, summary: dict) -> None:
         if anchors["static_cache"]:
             print_table(anchors["static_cache"], ["batch", "eager_ms", "graph_ms", "capture_ms", "speedup"],
                         title="\ntransformers + StaticCache, one decode step")
-        for e in anchors["errors"]:
+        gf = anchors.get("gpt_fast")
+        if gf and gf["rows"]:
+            print_table(gf["rows"], ["batch", "ms", "compile_s"],
+                        title=f"\ngpt-fast, one decode step (torch.compile {gf['compile']}, same weights)")
+        for e in anchors["errors"] + (gf["errors"] if gf else []):
             print("anchor error:", e)
     print(f"\n{summary['model']} {summary['dtype']} on {summary['device_name']}, context {summary['context']}: "
           f"weights {summary['weight_bytes'] / 1e9:.3f} GB, copy rate {summary['copy_rate_gbps']:.0f} GB/s, "
@@ -406,7 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     if s.device.type == "cuda":
         torch.cuda.empty_cache()
-    anchors = run_anchors(s, args) if args.anchors else None
+    anchors = None
+    if args.anchors:
+        anchors = transformers_anchor.run(s, args)
+        if args.gpt_fast and args.quantization == "none" and args.kv_cache_dtype == "auto":
+            anchors["gpt_fast"] = gpt_fast.run(s.model, args.gpt_fast_batch_list, args.context, args.gpt_fast_compile,
+                                               args.iters, args.warmup)
 
     summary = {
         "model": args.model, "random_init": args.random_init, "dtype": str(s.dtype).removeprefix("torch."),
@@ -424,8 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     fig = None if args.no_plot else plot(rows, anchors, summary["floor_ms"],
                                          f"{args.model} {summary['dtype']}{' batch-invariant' if args.batch_invariant else ''}"
                                          f"{' fp8 KV' if args.kv_cache_dtype == 'fp8' else ''}"
-                                         f" decode, context {args.context}, {device_name}",
-                                         gpt_fast=args.model == "builtin:llama-1b")
+                                         f" decode, context {args.context}, {device_name}")
     name = "decode" if args.buckets == "list" else "decode-buckets"
     name += "-invariant" if args.batch_invariant else ""
     name += "-fp8" if args.quantization == "fp8" else ""
@@ -433,8 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     name += "".join(f"-without-{k}" for k in args.without.split(",") if k.strip())
     name += "" if pdl(s.device) or s.device.type != "cuda" else "-nopdl"
     path = write_result(name,
-                        {"summary": summary, "rows": rows, "anchors": anchors,
-                         "gpt_fast_reference_ms": GPT_FAST_MS}, device=s.device, figure=fig)
+                        {"summary": summary, "rows": rows, "anchors": anchors}, device=s.device, figure=fig)
     print_tables(rows, anchors, summary)
     print(f"\nwrote {path}")
     return 0

@@ -17,13 +17,26 @@
 #   bash bench/h200_session.sh gen-1b parity  # greedy bf16 text with graphs against eager, 8 prompts one at a time
 #   bash bench/h200_session.sh gen-1b host-budget  # the engine thread's host ms per step by part at 64 / 128 / 256 streams
 #     (text and token-id streams), and its output processing alone (bench/output_budget.py)
-#   bash bench/h200_session.sh gen-1b closed-loop  # 64 / 128 / 256 streams through gRPC, 32 + 256 tokens (and the engine alone at 128)
+#   bash bench/h200_session.sh gen-1b closed-loop  # 64 / 128 / 256 streams through gRPC, 32 + 256 tokens (and the engine alone at 128),
+#     each against the decode step timed in the same call at the workload's own contexts (--step-baseline)
 #   bash bench/h200_session.sh gen-1b prefix-load  # a shared 1,024-token prefix at 20 req/s, prefix cache on and off
 #   (closed-loop and message-rate: $CLIENT_PROCS client processes, default 8: with 4 the Python clients
 #   held part of the first-token time at 128+ streams, bench/results/h200-20261204-ttft/)
 #   bash bench/h200_session.sh gen-1b message-rate  # the closed loop at 1 / 64 / 128 / 256 streams, one server per
-#     --stream-message-rate in $MSG_RATES (default "0 6000 12000 24000"; 0: unpaced), the engine alone with the first
-#   bash bench/h200_session.sh gen-1b chat-curve  # the chat-like Poisson load, warm, at $RATES (default 25,50,100,150,200)
+#     --stream-message-rate in $MSG_RATES (default "0 6000 12000 24000"; 0: unpaced), the engine alone with the first,
+#     and the decode step at the workload's contexts, timed in the same call (--step-baseline)
+#   bash bench/h200_session.sh gen-1b chat-curve  # the chat-like Poisson load, warm, at $RATES (default 25,50,100,150,200),
+#     $REPEAT runs per rate (3) of $DURATION s of arrivals (30): TTFT, TPOT, per-token ITL, message cadence
+#   bash bench/h200_session.sh gen-1b slo  # the highest rate holding TTFT p99 <= $SLO_TTFT ms (200) and TPOT p99 <=
+#     $SLO_TPOT ms (10), every repeat, searched by bisection in $SLO_RATES (50,400)
+#   (load, chat-curve, slo, prefix-load: a serving-load part spans several calls. Each call stops before a run that
+#   might pass $BUDGET s (540) and prints rc=75; the same part again, with the same $OUT, goes on from its book.
+#   A lent machine's own $OUT folder is emptied before each command: give this script an OUT of its own that
+#   stays between calls while the machine is held, e.g. `D=$OUT; OUT=bench/results/tmp/h200 bash bench/h200_session.sh
+#   gen-1b slo; cp bench/results/tmp/h200/*.json bench/results/tmp/h200/*.png "$D"`; on a fresh machine, carry
+#   the returned <part>-book.json and <part>-book-work/ into that folder first.)
+#   bash bench/h200_session.sh anchors  # decode steps with gpt-fast (torch.compile reduce-overhead) and transformers
+#     measured in the same call, on the same shape and weights (gpt-fast compiles 50-60 s per batch)
 #   bash bench/h200_session.sh fp8      # FP8 weights: GPU tests, decode steps in bf16 and FP8 (our GEMM and cuBLAS's), 1B and 8B
 #   bash bench/h200_session.sh fp8-gemm # FP8 decode GEMMs per weight shape and rows: cuBLAS against ours (bench/fp8_gemm_sweep.py)
 #   bash bench/h200_session.sh fp8-kv   # FP8 KV cache: GPU tests, decode steps at context 4096 with bf16 and FP8 KV (1B, 8B)
@@ -51,6 +64,13 @@ tp_serve() {
     done
   done
 }
+# serving_load.py with a book in $OUT: finished runs are kept, and a call stops (rc=75) before a run
+# that might pass $BUDGET s; the same part again goes on
+load() {
+  local name=$1; shift
+  run "$name" 590 python3 bench/serving_load.py $M --cache-dir .cache/models --book "$OUT/$name-book.json" \
+    --time-budget "${BUDGET:-540}" --log-dir "$OUT/$name" "$@"
+}
 for part in "$@"; do
   case $part in
     tests) TAIL=12 run gpu-tests 560 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider --timeout 200 -k "${GPU_TESTS_K:-}" ;;
@@ -62,6 +82,9 @@ for part in "$@"; do
     stall) run capture-stall 150 python3 bench/capture_stall_bench.py $M --random-init ;;
     prefill) run prefill 120 python3 bench/prefill_bench.py $M --random-init ;;
     decode) run decode 90 python3 bench/decode_bench.py $M --random-init --batches 1,64,256 --no-anchors --no-plot ;;
+    anchors)  # ours, gpt-fast (compiled, reduce-overhead) and transformers, one call, the same shape and weights
+      TAIL=40 run decode-anchors 590 python3 bench/decode_bench.py $M --random-init --batches ${BATCHES:-1,8,64,256} \
+        --anchor-batches 1 ;;
     serve)
       S="python3 bench/serve_bench.py $M --dtype bfloat16 --skip-engine --warmup-requests 0"
       run ttft-128 150 $S --concurrency 1 --requests 40 --prompt-tokens 128 --output-tokens 4
@@ -82,9 +105,8 @@ for part in "$@"; do
     startup) TAIL=10 run startup-gpu-tests 400 python3 -m pytest -q -m gpu tests/gpu/test_startup_gpu.py tests/gpu/test_lora_gpu.py \
       -p no:cacheprovider --timeout 200 ;;
     load)  # Poisson load, mixed lengths, a fresh server per run, cold and warm; bursts on fresh servers
-      eval "run serving-load${TAG:+-$TAG} 570 python3 bench/serving_load.py $M --cache-dir .cache/models \
-        --rates ${RATES:-20,100} --requests ${REQUESTS:-200} --burst ${BURST:-16:512} --max-running-seqs 256 \
-        --log-dir $OUT/load${TAG:+-$TAG} ${LOAD_ARGS:-}" ;;
+      eval "load serving-load${TAG:+-$TAG} --rates ${RATES:-20,100} --duration ${DURATION:-30} --repeat ${REPEAT:-3} \
+        --burst ${BURST:-16:512} --max-running-seqs 256 ${LOAD_ARGS:-}" ;;
     paged)
       TAIL=12 run paged-gpu-tests 420 python3 -m pytest -q -m gpu tests/gpu/test_paged_gpu.py tests/gpu/test_kernels_gpu.py \
         tests/gpu/test_chunked_gpu.py tests/gpu/test_piecewise_gpu.py -p no:cacheprovider --timeout 200
@@ -103,25 +125,27 @@ for part in "$@"; do
       for c in ${STREAMS:-64 128 256}; do
         skip=--skip-engine; [ "$c" = 128 ] && skip=
         TAIL=8 run closed-loop-$c 240 python3 bench/serve_bench.py $M --dtype bfloat16 --cache-dir .cache/models $skip \
-          --concurrency "$c" --requests $((2 * c)) --prompt-tokens 32 --output-tokens 256 --client-procs ${CLIENT_PROCS:-8}
+          --concurrency "$c" --requests $((2 * c)) --prompt-tokens 32 --output-tokens 256 --client-procs ${CLIENT_PROCS:-8} \
+          --step-baseline
       done ;;
     message-rate)  # issue 28: the closed loop through gRPC (32 + 256 tokens) against the engine alone
-      skip=
+      skip=; step=--step-baseline  # the engine alone and the step once, with the first server
       for r in ${MSG_RATES:-0 6000 12000 24000}; do
         TAIL=12 run closed-loop-rate-$r 400 python3 bench/serve_bench.py $M --dtype bfloat16 --cache-dir .cache/models $skip \
           --concurrency ${LEVELS:-1,64,128,256} --prompt-tokens 32 --output-tokens 256 --client-procs ${CLIENT_PROCS:-8} \
-          --server-log "$OUT/closed-loop-rate-$r-server.log" --server-args "--stream-message-rate $r --log-level info --log-format json"
+          $step --server-log "$OUT/closed-loop-rate-$r-server.log" --server-args "--stream-message-rate $r --log-level info --log-format json"
         grep -o '"event": "[a-z_]*"' "$OUT/closed-loop-rate-$r-server.log" | sort | uniq -c | grep -v request_finished
-        skip=--skip-engine
+        skip=--skip-engine; step=--no-step-baseline
       done ;;
-    chat-curve)  # issue 28: the chat-like load's rate curve, warm starts, 400 requests per rate
-      run chat-curve${TAG:+-$TAG} 570 python3 bench/serving_load.py $M --cache-dir .cache/models --starts warm \
-        --rates ${RATES:-25,50,100,150,200} --requests ${REQUESTS:-400} --max-running-seqs 256 \
-        --log-dir $OUT/chat-curve${TAG:+-$TAG} ${LOAD_ARGS:-} ;;
-    prefix-load)
-      eval "run prefix-load${TAG:+-$TAG} 570 python3 bench/serving_load.py $M --cache-dir .cache/models \
-        --rates ${RATES:-20} --starts ${STARTS:-warm} --requests ${REQUESTS:-200} --shared-prefix 1024 --prefix-caching on,off \
-        --log-dir $OUT/prefix-load${TAG:+-$TAG} ${LOAD_ARGS:-}" ;;
+    chat-curve)  # the chat-like load's rate curve, warm starts, repeats on fresh servers
+      load chat-curve${TAG:+-$TAG} --starts warm --rates ${RATES:-25,50,100,150,200} --duration ${DURATION:-30} \
+        --repeat ${REPEAT:-3} --max-running-seqs 256 ${LOAD_ARGS:-} ;;
+    slo)  # the highest rate of the chat-like load holding the SLO, found by bisection
+      load slo${TAG:+-$TAG} --starts warm --rates "" --slo-ttft-p99-ms ${SLO_TTFT:-200} --slo-tpot-p99-ms ${SLO_TPOT:-10} \
+        --slo-rates ${SLO_RATES:-50,400} --duration ${DURATION:-30} --repeat ${REPEAT:-3} --max-running-seqs 256 ${LOAD_ARGS:-} ;;
+    prefix-load)  # the prefix cache off first, then on (the cache-on server running first skewed an earlier comparison)
+      eval "load prefix-load${TAG:+-$TAG} --rates ${RATES:-20} --starts ${STARTS:-warm} --duration ${DURATION:-30} \
+        --repeat ${REPEAT:-3} --shared-prefix 1024 --prefix-caching off,on ${LOAD_ARGS:-}" ;;
     fp8)
       TAIL=8 run fp8-gpu-tests 240 python3 -m pytest -q -m gpu tests/gpu/test_fp8_gpu.py -p no:cacheprovider --timeout 200
       for q in none fp8 fp8-cublas; do  # fp8-cublas: FP8 with cuBLAS's GEMM at 2-256 rows (the A/B of ours)
@@ -147,7 +171,7 @@ for part in "$@"; do
     concurrency)  # 8 GiB of KV held 8 GiB / (2,048 x 32 KiB) = 128 static slots of 2,048 tokens at the 1B shape;
       # a step budget of 16,384 tokens admits the burst faster than requests finish, so the pool is what binds
       run concurrency${TAG:+-$TAG} 400 python3 bench/serving_load.py $M --cache-dir .cache/models --rates 1000 --starts cold \
-        --requests 1024 --max-prompt 1024 --max-output 1016 --max-running-seqs 1024 \
+        --requests 1024 --repeat 1 --max-prompt 1024 --max-output 1016 --max-running-seqs 1024 \
         --server-args "--kv-cache-memory 8GiB ${CONCURRENCY_ARGS:---max-num-batched-tokens 16384}" \
         --log-dir $OUT/concurrency${TAG:+-$TAG} ;;
     tp-serve) tp_serve "" --requests 192 --output-tokens 64 ;;  # run gen-8b first: the 16 GB checkpoint is made once

@@ -89,6 +89,10 @@ def build_parser(description: str | None = __doc__, engine: bool = True) -> argp
     p.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false",
                    help="the server and the engine read each step's tokens before launching the next")
     p.add_argument("--client-procs", type=int, default=1, help="client processes sharing the streams")
+    if engine:
+        p.add_argument("--step-baseline", action=argparse.BooleanOptionalAction, default=None,
+                       help="time the graphed decode step at this workload's contexts in the same invocation and "
+                            "report each closed-loop level against it (default: on for cuda, one rank, no --target)")
     p.add_argument("--server-log", type=pathlib.Path, default=None, help="where the started server logs")
     p.add_argument("--py-spy", type=pathlib.Path, default=None, metavar="DIR",
                    help="record the started server's gRPC process with py-spy (raw, per thread, idle included) "
@@ -122,6 +126,8 @@ def finish_args(args: argparse.Namespace) -> argparse.Namespace:
     args.max_running_seqs = args.max_running_seqs or args.concurrency
     args.warmup_requests = args.concurrency if args.warmup_requests is None else args.warmup_requests
     args.max_seq_len = args.prompt_tokens + args.output_tokens + 8
+    if getattr(args, "step_baseline", False) is None:
+        args.step_baseline = args.device == "cuda" and args.tensor_parallel_size == 1 and args.target is None
     return args
 
 
@@ -488,6 +494,20 @@ def free_device(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
+def against_graphed_step(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The decode step timed at this workload's own contexts, now, on this machine; each closed-loop row's
+    tokens/s over what that step allows at its streams (bench/step_baseline.py)."""
+    from bench import step_baseline
+
+    batch = {level: min(level, args.max_running_seqs) for level in args.levels}
+    baseline = step_baseline.measure(args, sorted(set(batch.values())))
+    allows = {r["batch"]: r["allows_tok_per_s"] for r in baseline["rows"]}
+    for row in rows:
+        row["step_allows_tok_per_s"] = allows[batch[row["streams"]]]
+        row["vs_graphed_step"] = row["tok_per_s"] / row["step_allows_tok_per_s"]
+    return baseline
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import logging
@@ -502,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = sorted(grpc_rows + engine_rows, key=lambda r: r["streams"])
     overhead = {g["streams"]: g["tok_per_s"] / e["tok_per_s"] for g, e in zip(grpc_rows, engine_rows)
                 if e["tok_per_s"]}
+    baseline = against_graphed_step(args, rows) if args.step_baseline and args.rate is None else None
     workload_info = {k: getattr(args, k) for k in ("model", "device", "dtype", "levels", "requests",
                                                    "prompt_tokens", "output_tokens", "rate", "stream_interval",
                                                    "max_running_seqs", "max_seq_len", "warmup_requests", "target",
@@ -511,19 +532,23 @@ def main(argv: list[str] | None = None) -> int:
         "workload": workload_info,
         "results": rows,
         "grpc_over_engine_token_throughput": {str(k): v for k, v in overhead.items()},
+        "graphed_step": baseline,
         "notes": "client-side receive times (engine path: the engine process without gRPC, sink times where "
                  "its pipe is read); ITL is one "
                  "sample per chunk, coalesced_chunks counts chunks carrying more than one token",
     }, device=args.device)
     print_table(rows, ["streams", "path", "ok", "errors", "wall_s", "req_per_s", "tok_per_s", "ttft_p50_ms",
                        "ttft_p99_ms", "server_queue_p50_ms", "server_ttft_p50_ms", "itl_p50_ms", "itl_p99_ms",
-                       "itl_max_ms", "long_gaps", "tpot_p50_ms", "tokens_per_chunk"],
+                       "itl_max_ms", "long_gaps", "tpot_p50_ms", "tokens_per_chunk", "vs_graphed_step"],
                 title=f"\n{args.model} {args.dtype} on {args.device}: {requests} requests per level, "
                       f"{args.prompt_tokens} prompt + {args.output_tokens} output tokens"
                       f"{'' if args.rate is None else f', Poisson {args.rate}/s'}"
                       f"{f' (server: {args.server_args})' if args.server_args else ''}")
     for streams, ratio in overhead.items():
         print(f"serving overhead at {streams} streams: gRPC / engine-alone token throughput = {ratio:.3f}")
+    for row in (baseline or {}).get("rows", []):
+        print(f"the {baseline['mode']} step of {row['batch']} rows at contexts {baseline['contexts']} (same invocation): "
+              f"{row['step_ms']:.3f} ms, allows {row['allows_tok_per_s']:,.0f} tokens/s")
     for row in rows:
         if row["errors"]:
             print(f"first error at {row['streams']} streams ({row['path']}):", row["first_error"])

@@ -33,8 +33,6 @@ from service.engine.decode_step import ModelDecodeStep
 from service.model import KVCache
 from service.model.builtin import BUILTIN_SHAPES
 
-# Measured earlier on 2 x H200 (gpt-fast, Llama-3.1-8B shape, bf16): TP -> {batch: ms per step}.
-GPT_FAST_MS = {1: {1: 4.74, 64: 8.43}, 2: {1: 4.54, 64: 6.84}}
 _REDUCES_PER_GRAPH = 64  # all-reduces captured in one graph, to time one without launch overhead
 
 
@@ -156,11 +154,8 @@ def main(argv: list[str] | None = None) -> None:
         for key in ("eager_ms", "graph_ms"):
             if ref is not None and r.get(key) and ref.get(key):
                 r[f"{key.removesuffix('_ms')}_vs_tp1"] = r[key] / ref[key]
-        gpt_fast = GPT_FAST_MS.get(r["tp"], {}).get(r.get("batch"))
-        if gpt_fast is not None and args.model == "builtin:llama-8b" and args.device == "cuda":
-            r["gpt_fast_ms"] = gpt_fast
     print_table(rows, ["tp", "all_reduce", "batch", "eager_ms", "graph_ms", "graph_vs_tp1", "eager_vs_tp1",
-                       "reduce_us", "gpt_fast_ms", "error"],
+                       "reduce_us", "error"],
                 title=f"{args.model} {args.dtype} decode step, context {args.context} ({args.device})")
     targets = {1: 0.6, 64: 0.65}  # issue 16: TP=2 graphed step over TP=1
     verdicts = [

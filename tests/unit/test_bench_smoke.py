@@ -11,13 +11,13 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-PROVENANCE = {"name", "command", "timestamp", "git_commit", "machine"}
+PROVENANCE = {"name", "command", "timestamp", "git_commit", "git_dirty", "source_digest", "machine", "packages"}
 
 
-def _run(script: str, args: list[str], results: pathlib.Path) -> dict:
+def _run(script: str, args: list[str], results: pathlib.Path, timeout: float = 120) -> dict:
     env = {**os.environ, "GRAPHSERVE_BENCH_RESULTS": str(results), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, f"bench/{script}", *args], check=False, cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     (path,) = results.glob("*.json")
     record = json.loads(path.read_text())
@@ -37,6 +37,10 @@ def test_decode_bench(tmp_path: pathlib.Path) -> None:
     anchors = record["anchors"]
     assert not anchors["errors"], anchors["errors"]
     assert anchors["generate"][0]["ms_per_token"] > 0 and anchors["static_cache"][0]["eager_ms"] > 0
+    gpt_fast = anchors["gpt_fast"]  # measured in the same call (eager on a CPU), every sample kept
+    assert not gpt_fast["errors"] and gpt_fast["compile"] == "none"
+    assert [r["batch"] for r in gpt_fast["rows"]] == [1, 2] and all(len(r["samples_ms"]) == 2 for r in gpt_fast["rows"])
+    assert "gpt_fast_reference_ms" not in record  # no figure typed in
     assert (tmp_path / record["plot"]).is_file()
 
 
@@ -44,7 +48,7 @@ def test_serve_bench(tmp_path: pathlib.Path) -> None:
     record = _run("serve_bench.py", [
         "--device", "cpu", "--cache-dir", str(tmp_path / "models"), "--concurrency", "1,4",
         "--prompt-tokens", "16", "--output-tokens", "8", "--warmup-requests", "0",
-        "--server-log", str(tmp_path / "server.log"), "--server-args", "--log-level info"], tmp_path)
+        "--server-log", str(tmp_path / "server.log"), "--server-args", "--log-level info", "--step-baseline"], tmp_path)
     rows = record["results"]
     assert [(r["streams"], r["path"]) for r in rows] == [(1, "grpc"), (1, "engine"), (4, "grpc"), (4, "engine")]
     for row in rows:  # 4 requests per stream at each level, on one server and one engine process
@@ -52,6 +56,12 @@ def test_serve_bench(tmp_path: pathlib.Path) -> None:
         assert {"ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "req_per_s", "tok_per_s"} <= row.keys()
         # the engine's own times, through gRPC (the Finished message) and on the engine alone (Finish)
         assert 0 <= row["server_queue_p50_ms"] <= row["server_ttft_p50_ms"] <= row["ttft_p50_ms"], row
+    # the step at this workload's contexts (16 prompt + 8 output tokens), timed in the same invocation
+    step = record["graphed_step"]
+    assert step["mode"] == "eager" and step["contexts"] == [16, 19, 22] and [r["batch"] for r in step["rows"]] == [1, 4]
+    for row in rows:
+        allows = next(r["allows_tok_per_s"] for r in step["rows"] if r["batch"] == row["streams"])
+        assert row["vs_graphed_step"] == pytest.approx(row["tok_per_s"] / allows)
     assert set(record["grpc_over_engine_token_throughput"]) == {"1", "4"}
     assert all(v > 0 for v in record["grpc_over_engine_token_throughput"].values())
     # the server's log splits its first tokens by level
@@ -63,18 +73,30 @@ def test_serve_bench(tmp_path: pathlib.Path) -> None:
 
 def test_serving_load(tmp_path: pathlib.Path) -> None:
     record = _run("serving_load.py", [
-        "--device", "cpu", "--cache-dir", str(tmp_path / "models"), "--rates", "8,16", "--requests", "6",
-        "--starts", "cold,warm", "--warm-requests", "3", "--prompt-median", "16", "--output-median", "6",
-        "--max-prompt", "64", "--max-output", "16", "--max-running-seqs", "8", "--burst", "3:32"], tmp_path)
-    cold, _, warm, _, burst = record["results"]
-    assert [r["run"] for r in record["results"]] == ["cold 8/s", "cold 16/s", "warm 8/s", "warm 16/s", "burst 3x32"]
+        "--device", "cpu", "--cache-dir", str(tmp_path / "models"), "--rates", "8", "--requests", "6", "--repeat", "2",
+        "--starts", "warm", "--warm-requests", "3", "--prompt-median", "16", "--output-median", "6",
+        "--max-prompt", "64", "--max-output", "16", "--max-running-seqs", "8", "--burst", "3:32",
+        "--slo-ttft-p99-ms", "100000", "--slo-rates", "8,16"], tmp_path, timeout=180)
+    runs = {r["run"]: r for r in record["results"]}
+    # the search's probe at 8/s is the curve's point, not run again
+    assert list(runs) == ["warm 8/s #1", "warm 8/s #2", "warm 16/s #1", "warm 16/s #2", "burst 3x32"]
+    assert [runs["warm 8/s #1"]["seed"], runs["warm 8/s #2"]["seed"]] == [0, 1]  # each repeat a fresh draw
     assert (tmp_path / record["plot"]).is_file()  # the rate curve
-    for row, n in ((cold, 6), (warm, 6), (burst, 3)):
+    for row in runs.values():
+        n = 3 if row["rate"] is None else 6
         assert row["ok"] == n and row["errors"] == 0
         assert row["start_to_serving_s"] > 0 and row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0
-        assert row["itl_max_ms"] >= row["itl_p99_ms"] and row["step_gap_max_ms"] > 0  # from the server's /metrics
+        assert row["itl_max_ms"] >= row["itl_p99_ms"] > 0 and row["msg_gap_max_ms"] >= row["msg_gap_p99_ms"] > 0
+        assert row["tpot_p99_ms"] >= row["tpot_p50_ms"] > 0 and row["step_gap_max_ms"] > 0  # from the server's /metrics
         # on a CPU every step is eager (mode none); the lone rows' share from this run's stats, not the last run's
         assert row["eager_steps"] > 0 and 0 <= row["lone_row_eager_steps"] <= row["eager_steps"]
+    assert [(p["run"], p["repeats"], p["slo_held"]) for p in record["curve"]] == [("warm 8/s", 2, True)]
+    ttft = record["curve"][0]["spread"]["ttft_p99_ms"]
+    assert sorted([runs["warm 8/s #1"]["ttft_p99_ms"], runs["warm 8/s #2"]["ttft_p99_ms"]]) == [ttft["min"], ttft["max"]]
+    assert ttft["median"] == pytest.approx((ttft["min"] + ttft["max"]) / 2)
+    search = record["search"]  # a limit every rate keeps: the high bound holds
+    assert (search["highest_rate_held"], search["lowest_rate_failed"]) == (16.0, None)
+    assert [p["rate"] for p in search["probes"]] == [8.0, 16.0]
 
 
 def test_host_budget(tmp_path: pathlib.Path) -> None:
