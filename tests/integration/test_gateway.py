@@ -321,3 +321,24 @@ def test_response_format_through_the_gateway_gives_valid_json(fleet) -> None:  #
     with pytest.raises(openai.BadRequestError) as info:
         oa.chat.completions.create(model=MODEL, messages=CONVERSATIONS[0], max_tokens=20, extra_body={"regex": "(unclosed"})
     assert "regex" in str(info.value)
+
+
+def test_a_hostile_response_format_fails_alone_through_the_gateway(fleet) -> None:  # noqa: ANN001
+    """A 48-byte schema whose pattern the grammar library cannot follow cheaply: the client gets a 400
+    naming the field, streaming or not, never a completion that breaks the schema; others are served."""
+    _, gateway = fleet
+    oa = client(gateway)
+    hostile = {"type": "json_schema", "json_schema": {"name": "h", "schema": {"type": "string",
+                                                                              "pattern": "^a{1000}{70}$"}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        oa.chat.completions.create(model=MODEL, messages=CONVERSATIONS[0], max_tokens=40, response_format=hostile)
+    assert "json_schema" in str(info.value)
+    outcomes = []
+    try:
+        for chunk in oa.chat.completions.create(model=MODEL, messages=CONVERSATIONS[0], max_tokens=40, stream=True,
+                                                response_format=hostile):
+            outcomes += [c.finish_reason for c in chunk.choices if c.finish_reason]
+    except openai.APIError as exc:
+        outcomes.append(type(exc).__name__)
+    assert "stop" not in outcomes and "length" not in outcomes, outcomes
+    assert oa.completions.create(model=MODEL, prompt="still serving", max_tokens=3, temperature=0).usage.completion_tokens == 3
