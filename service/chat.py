@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from service.server.validation import encode_capped, need, too_many_tokens
+from service.engine.validation import encode_capped, need, too_many_tokens
 
 ROLES = ("system", "user", "assistant", "tool")
 

@@ -12,14 +12,48 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from service.engine.constraint_limits import ConstraintLimits
-
 ENV_PREFIX = "GRAPHSERVE_"
 SECRET_FIELDS = ("admin_token",)
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message says which flag and what to change."""
+
+
+@dataclass(frozen=True)
+class ConstraintLimits:
+    """Budgets for structured outputs (flags of the same names, `--max-constraint-bytes` ...): what a
+    constraint of a few bytes may cost (service/engine/constraint_limits.py checks its size,
+    constraint_prepare.py and mask_fill.py hold its compile and its masks to the CPU budgets)."""
+
+    # Text of a regex, a grammar or a JSON schema, or all choices together, in UTF-8 bytes.
+    max_constraint_bytes: int = 64 * 1024
+    # Entries of a choice list (the grammar library keeps at most 2,000 items in one row).
+    max_constraint_choices: int = 1024
+    # Nesting of a JSON schema's objects and arrays (brackets deep).
+    max_constraint_depth: int = 64
+    # CPU seconds for compiling a constraint and computing its first token mask, on a grammar worker.
+    constraint_compile_timeout: float = 2.0
+    # CPU milliseconds for one row's token mask in one step; a row over it fails, the step goes on.
+    # Measured with a 128k vocabulary on a 2-core host: legitimate masks p99 0.6 ms, max 4.4 ms (a
+    # 1,000-entry choice's second step); a row also fails if it keeps using over a quarter of this.
+    constraint_mask_timeout_ms: float = 10.0
+    # Bytes of compiled constraints kept for reuse (each measured when compiled; one over an eighth of
+    # this is never kept). Typical JSON schemas take well under a MB.
+    constraint_cache_bytes: int = 64 << 20
+    # Compiles waiting or running at once; more are refused (RESOURCE_EXHAUSTED, retry later).
+    max_pending_constraints: int = 32
+
+    def validate(self) -> None:
+        """ValueError naming the flag of the first bad value."""
+        for name in ("max_constraint_bytes", "max_constraint_choices", "max_constraint_depth",
+                     "constraint_cache_bytes", "max_pending_constraints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("constraint_compile_timeout", "constraint_mask_timeout_ms"):
+            value = getattr(self, name)
+            if not 0 < value < float("inf"):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
 
 
 GRAPH_MODES = ("none", "full", "piecewise", "full_and_piecewise")

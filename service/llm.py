@@ -37,7 +37,7 @@ from service.config import ConfigError, ServeConfig, default_max_running_seqs
 from service.engine import request as engine_request
 from service.engine.constraint_limits import InvalidConstraint
 from service.engine.request import Constraint  # noqa: F401 - exported: SamplingParams(constraint=Constraint(...))
-from service.server.validation import (
+from service.engine.validation import (
     MAX_SAMPLES,
     Fields,
     Limits,

@@ -8,6 +8,8 @@ from typing import Any
 
 from tokenizers import decoders
 
+from service.model.byte_level import BYTE_CHARS
+
 _REPLACEMENT = "\ufffd"
 # Prompt tokens decoded as left context of the first completion tokens: enough for tokenizers whose
 # decoders strip a leading space from the first token of a sequence (SentencePiece "Metaspace"),
@@ -134,17 +136,6 @@ def _complete_end(full_text: str, start: int) -> int:
 
 
 _PROBE_IDS = list(range(0, 64)) + list(range(256, 320))
-
-
-def _byte_chars() -> list[str]:
-    """GPT-2's printable stand-in for each byte value, in byte order: the characters of byte-level
-    tokens (a token "Ġthe" is the bytes b" the")."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    extra = iter(range(256, 512))
-    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
-
-
-BYTE_CHARS = _byte_chars()
 
 
 class _TokenBytes(dict):

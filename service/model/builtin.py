@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from service.engine.detokenizer import BYTE_CHARS
+from service.model.byte_level import BYTE_CHARS
 from service.model.spec import ModelLoadError
 
 BUILTIN_PREFIX = "builtin:"

@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from service.config import ServeConfig
+from service.engine.validation import Limits
 from service.model.spec import ModelLoadError
 from service.proto import inference_pb2, inference_pb2_grpc
 from service.server.admin_server import start_admin_server
@@ -38,7 +39,6 @@ from service.server.faults import Faults
 from service.server.inference_servicer import InferenceServicer
 from service.server.streams import AdmissionLimits, Streams
 from service.server.transport import add_port
-from service.server.validation import Limits
 from service.server.vllm_servicer import SERVICE_NAME as VLLM_SERVICE
 from service.server.vllm_servicer import ModelFacts, VllmEngineServicer
 from service.telemetry.gc_pauses import freeze_startup_heap, watch_gc_pauses

@@ -1,6 +1,6 @@
 """The graphserve.v1 Inference servicer: protobuf in, checked domain request to the engine, protobuf out.
 
-The checks are validation.py's (shared with the vLLM protocol and the Python API); the stream's life
+The checks are engine/validation.py's (shared with the vLLM protocol and the Python API); the stream's life
 (admission, back-pressure, stall timeout, abort, drain) is streams.py's.
 """
 
@@ -13,9 +13,7 @@ import grpc
 
 from service.chat import ChatError, chat_prompt_ids
 from service.engine.request import Finish, FinishReason, GenerationRequest, TokenDelta, TokenLogprobs
-from service.proto import inference_pb2, inference_pb2_grpc
-from service.server.streams import Stream, Streams, answers_rejections
-from service.server.validation import (
+from service.engine.validation import (
     GRAPHSERVE_FIELDS,
     MAX_STREAM_INTERVAL,
     InvalidRequest,
@@ -30,6 +28,8 @@ from service.server.validation import (
     need,
     samples,
 )
+from service.proto import inference_pb2, inference_pb2_grpc
+from service.server.streams import Stream, Streams, answers_rejections
 
 # Text prompts above this many bytes are tokenized off the event loop; chats always are (rendering
 # the template is Python work per message).

@@ -41,7 +41,7 @@ from service.engine.request import (
     RequestEvent,
     TokenDelta,
 )
-from service.server.validation import MAX_SAMPLES, Fields, InvalidRequest, constraint_message, request_id_of
+from service.engine.validation import MAX_SAMPLES, Fields, InvalidRequest, constraint_message, request_id_of
 
 log = structlog.get_logger("graphserve.server")
 

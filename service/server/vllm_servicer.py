@@ -2,7 +2,7 @@
 
 What gateways speak to vLLM workers: the Shepherd Model Gateway (smg) sends tokenized prompts,
 detokenizes, applies stop strings and chat templates itself, balances replicas on GetLoads, and
-fetches the tokenizer with GetTokenizer. The checks are validation.py's (shared with graphserve.v1
+fetches the tokenizer with GetTokenizer. The checks are engine/validation.py's (shared with graphserve.v1
 and the Python API); the stream's life is streams.py's.
 
 Semantics follow vLLM's servicer: chunks carry the new token ids (a delta) and their count; the
@@ -34,9 +34,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from service.engine.request import Finish, FinishReason, GenerationRequest, TokenDelta, TokenLogprobs
-from service.server.engine_control import EngineControl
-from service.server.streams import Stream, Streams, answers_rejections
-from service.server.validation import (
+from service.engine.validation import (
     Fields,
     Limits,
     RequestValues,
@@ -48,6 +46,8 @@ from service.server.validation import (
     need,
     samples,
 )
+from service.server.engine_control import EngineControl
+from service.server.streams import Stream, Streams, answers_rejections
 
 PROTO_VERSION = importlib.metadata.version("smg-grpc-proto")
 SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name

@@ -15,14 +15,31 @@ same counts; the histograms keep graphserve's finer buckets) and from what the s
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.samples import Sample
 
-if TYPE_CHECKING:
-    from service.telemetry.engine_metrics import EngineMetrics
+
+class EngineMetricsView(Protocol):
+    """What this collector reads of the engine's metrics (engine_metrics.EngineMetrics)."""
+
+    running: MetricWrapperBase
+    waiting: MetricWrapperBase
+    prompt_tokens: MetricWrapperBase
+    generated_tokens: MetricWrapperBase
+    requests: MetricWrapperBase
+    ttft: MetricWrapperBase
+    itl: MetricWrapperBase
+    duration: MetricWrapperBase
+    queue_time: MetricWrapperBase
+    prefix_queries: MetricWrapperBase
+    prefix_hits: MetricWrapperBase
+    preemptions: MetricWrapperBase
+    kv_cache_usage: float
+    lora_requests: tuple[tuple[str, ...], tuple[str, ...], int, float] | None
+
 
 ENGINE = "0"
 # graphserve's finish reasons as vLLM's: an end-of-sequence token and a stop string or token are both "stop".
@@ -38,7 +55,7 @@ def _finished_reason(labels: dict[str, str]) -> dict[str, str]:
 class VllmCollector:
     """Collects `engine`'s metrics as vLLM names them (a prometheus-client collector)."""
 
-    def __init__(self, engine: EngineMetrics, model_name: str) -> None:
+    def __init__(self, engine: EngineMetricsView, model_name: str) -> None:
         self.labels = {"model_name": model_name, "engine": ENGINE}
         self.engine = m = engine
         # (graphserve metric, vLLM name, vLLM help, labels of the graphserve sample -> vLLM's)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.server.validation import InvalidRequest, encode_capped
+from service.engine.validation import InvalidRequest, encode_capped
 
 
 class WordTokenizer:

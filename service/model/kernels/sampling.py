@@ -14,6 +14,7 @@ import functools
 import structlog
 import torch
 
+from service.model.kernels import bitmask as token_bitmask
 from service.model.kernels._triton import cdiv, tl, triton
 
 log = structlog.get_logger("graphserve.kernels")
@@ -22,10 +23,8 @@ _BLOCK = 2048
 
 def apply_bitmask_torch(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """logits[rows[i], v] = -inf where bit v of bitmask[i] is 0 (bitmask int32 [C, words], any device)."""
-    from service.engine.structured import apply_bitmask
-
     constrained = logits[rows]
-    apply_bitmask(constrained, bitmask)
+    token_bitmask.apply_bitmask(constrained, bitmask)
     logits[rows] = constrained
 
 

@@ -1,5 +1,5 @@
 """Request validation, the one source of truth for every way in: both gRPC protocols
-(graphserve_requests.py, vllm_requests.py) and the Python API (service/llm.py).
+(service/server/inference_servicer.py, vllm_servicer.py) and the Python API (service/llm.py).
 
 Protocol-free: each caller hands over plain values and a `Fields` that names them as its users
 spell them, so every message names the field and says what to change. Runs before admission and
