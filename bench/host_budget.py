@@ -179,7 +179,7 @@ def _budget(spent: dict[str, list], seconds: float) -> dict[str, float]:
 def run(args: argparse.Namespace) -> list[dict]:
     from service.config import load_config
     from service.engine.builder import load_runner, new_engine
-    from service.engine.request import GenerationRequest, SamplingParams, StoppingParams
+    from service.engine.request import GenerationRequest, SamplingParams
     from service.telemetry.engine_metrics import EngineMetrics
 
     argv = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
@@ -205,8 +205,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             finished[0] = 0
             t0 = time.perf_counter()
             for i, prompt in enumerate(prompts):
-                request = GenerationRequest(f"s{n}-{i}", prompt, SamplingParams(temperature=0.0),
-                                            StoppingParams(max_tokens=args.output_tokens, ignore_eos=True),
+                request = GenerationRequest(f"s{n}-{i}", prompt,
+                                            SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True, seed=0),
                                             arrival_time=time.monotonic(), stream_text=not args.token_ids_only)
                 engine.submit(request, _Sink(request.request_id))
             while finished[0] < streams:

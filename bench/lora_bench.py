@@ -140,7 +140,7 @@ def bench_load(args: argparse.Namespace) -> list[dict]:
     register until 0.5 s after the new stream's first token, and the largest gaps with what ran."""
     from service.config import ServeConfig
     from service.engine.builder import close_engine, load_runner, new_engine
-    from service.engine.request import Finish, GenerationRequest, SamplingParams, StoppingParams, TokenDelta
+    from service.engine.request import Finish, GenerationRequest, SamplingParams, TokenDelta
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="lora-bench-"))
     if args.model.startswith(BUILTIN_PREFIX):
@@ -172,7 +172,8 @@ def bench_load(args: argparse.Namespace) -> list[dict]:
             done.release()
 
     def request(i: int, adapter: str = "", tokens: int = 1200) -> GenerationRequest:
-        return GenerationRequest(f"r{i}", [1 + i % 50] * 16, SamplingParams(0.0), StoppingParams(tokens, ignore_eos=True),
+        return GenerationRequest(f"r{i}", [1 + i % 50] * 16,
+                                 SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, seed=0),
                                  adapter=adapter, arrival_time=time.monotonic())
 
     for i in range(args.streams):

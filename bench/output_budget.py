@@ -82,7 +82,7 @@ def _measure(tokenizer: Any, eos: frozenset[int], kind: str, streams: int, steps
     """One pass: (ms per step reading the tokens, ms per step encoding and pickling the events)."""
     from service.engine.engine import Engine, _InFlight
     from service.engine.output import RequestOutput
-    from service.engine.request import GenerationRequest, SamplingParams, StepTokens, StoppingParams
+    from service.engine.request import GenerationRequest, SamplingParams, StepTokens
     from service.engine.scheduler import Scheduler
     from service.engine.sequence import Sequence, SequenceStatus
     from service.server.engine_worker import encode_events
@@ -94,8 +94,7 @@ def _measure(tokenizer: Any, eos: frozenset[int], kind: str, streams: int, steps
     seqs = []
     for i in range(streams):
         prompt = [rng.randrange(256, size - 300) for _ in range(32)]
-        request = GenerationRequest(f"s{i}", prompt, SamplingParams(temperature=0.0),
-                                    StoppingParams(max_tokens=steps + 1, ignore_eos=True),
+        request = GenerationRequest(f"s{i}", prompt, SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True, seed=0),
                                     arrival_time=time.monotonic(), stream_text=kind != "ids")
         seq = Sequence(request)
         seq.status = SequenceStatus.RUNNING

@@ -388,7 +388,6 @@ def run_engine(engine: Any, prompts: list[list[int]], offsets: list[float],
         Finish,
         GenerationRequest,
         SamplingParams,
-        StoppingParams,
         TokenDelta,
     )
 
@@ -420,8 +419,8 @@ def run_engine(engine: Any, prompts: list[list[int]], offsets: list[float],
         trace = Trace(sent=time.perf_counter())
         traces.append(trace)
         engine.submit(GenerationRequest(
-            request_id=f"{tag}-{i}", prompt_token_ids=prompt, sampling=SamplingParams(temperature=0.0),
-            stopping=StoppingParams(max_tokens=args.output_tokens, ignore_eos=True),
+            request_id=f"{tag}-{i}", prompt_token_ids=prompt,
+                sampling=SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True, seed=0),
             stream_interval=args.stream_interval, arrival_time=time.monotonic()), sink_for(trace))
     for _ in prompts:
         if not finished.acquire(timeout=600):

@@ -18,44 +18,37 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
-import os
 import queue
 import random
-import re
 import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import structlog
 
 from service.chat import ChatMessage, Conversation, chat_prompt
-from service.config import ConfigError, ServeConfig, default_max_running_seqs
+from service.config import ServeConfig
 from service.engine import request as engine_request
 from service.engine.constraint_limits import InvalidConstraint
 from service.engine.request import Constraint  # noqa: F401 - exported: SamplingParams(constraint=Constraint(...))
+from service.engine.sampling_params import PYTHON_FIELDS, SamplingParams
 from service.engine.validation import (
-    MAX_SAMPLES,
-    Fields,
     Limits,
-    RequestValues,
-    check_constraint,
     check_prompt_ids,
-    check_samples,
-    check_sampling,
     constraint_message,
     generation_request,
     samples,
 )
+from service.llm_config import config_of
 
 log = structlog.get_logger("graphserve.llm")
 
 PromptInput = str | Sequence[int]
 # How the Python API's messages name what they check.
-LLM_FIELDS = Fields("SamplingParams.", "SamplingParams.", "prompt", "max_seq_len")
+LLM_FIELDS = PYTHON_FIELDS
 # generate() shows a progress bar from this many prompts on (use_tqdm=None).
 TQDM_MIN_PROMPTS = 8
 
@@ -74,96 +67,6 @@ def _check_not_bytes(prompt: object, name: str) -> None:
     if isinstance(prompt, bytes | bytearray | memoryview):
         raise TypeError(f"{name} is {type(prompt).__name__}: give text (decode it first, e.g. "
                         ".decode('utf-8')) or a list of token ids")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample the completions of a prompt and when to stop each.
-
-    temperature 0 is greedy. top_k 0 (or -1) and top_p 1 disable those filters. The same seed, prompt
-    and parameters give the same tokens whatever else shares the batch; seed None draws one (or
-    takes the next of the LLM's `seed`). max_tokens None is the LLM's `default_max_tokens`, capped by
-    the room the context leaves. Generation stops before a `stop` string (not included in the text)
-    and after a token of `stop_token_ids` or the model's end-of-sequence token (unless ignore_eos).
-
-    As in vLLM: min_p drops tokens below min_p x the top token's probability; presence_penalty and
-    frequency_penalty (OpenAI's, in [-2, 2]) lower the logits of tokens the completion holds (once, and
-    per occurrence); repetition_penalty (transformers', > 0, 1 is off) divides the positive logits and
-    multiplies the negative ones of every token in the prompt or the completion; min_tokens keeps EOS,
-    the stop token ids and the stop strings from ending the completion earlier; logit_bias adds a
-    value in [-100, 100] to a token's logit. logprobs: the log-probability of each completion token and
-    of the `logprobs` most likely ones (0 to 20), the model's own (before the processing above);
-    prompt_logprobs: the same for each prompt token after the first (such a prompt takes nothing
-    from the prefix cache).
-    constraint: the completion follows a JSON schema, any JSON object, a regex, an EBNF grammar or one
-    of a list of choices (Constraint, exported here), and ends when the grammar is complete.
-    n: independent completions of the prompt (1 to 16), completion i sampled with seed + i; they share
-    the prompt's prefill through the prefix cache.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int | None = None
-    stop: str | Sequence[str] | None = None
-    stop_token_ids: Sequence[int] | None = None
-    ignore_eos: bool = False
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    logit_bias: dict[int, float] | None = None
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    # Structured output, e.g. Constraint("json_schema", schema_text), Constraint("choice", ("yes", "no"))
-    constraint: engine_request.Constraint | None = None
-    n: int = 1
-
-    def __post_init__(self) -> None:
-        # Python types here; the values are checked by the server's own checks (validation.py).
-        t, p = self.temperature, self.top_p
-        _need(isinstance(t, int | float) and not isinstance(t, bool),
-              f"SamplingParams.temperature must be a finite number >= 0 (0 is greedy), got {t!r}")
-        _need(isinstance(p, int | float) and not isinstance(p, bool), f"SamplingParams.top_p must be in (0, 1], got {p!r}")
-        _need(_is_int(self.top_k) and self.top_k >= -1, f"SamplingParams.top_k must be an int >= 0 (0 or -1: off), got {self.top_k!r}")
-        _need(self.seed is None or _is_int(self.seed), f"SamplingParams.seed must be None or an int in [0, 2**64), got {self.seed!r}")
-        _need(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-              f"SamplingParams.max_tokens must be None or an int >= 1, got {self.max_tokens!r}")
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        _need(all(isinstance(s, str) and s for s in stop), f"SamplingParams.stop must hold non-empty strings, got {self.stop!r}")
-        _need(isinstance(self.ignore_eos, bool), f"SamplingParams.ignore_eos must be True or False, got {self.ignore_eos!r}")
-        ids = tuple(self.stop_token_ids or ())
-        _need(all(_is_int(i) and i >= 0 for i in ids), f"SamplingParams.stop_token_ids must hold token ids >= 0, got {ids!r}")
-        for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-            value = getattr(self, name)
-            _need(isinstance(value, int | float) and not isinstance(value, bool),
-                  f"SamplingParams.{name} must be a number, got {value!r}")
-        _need(_is_int(self.min_tokens), f"SamplingParams.min_tokens must be an int >= 0, got {self.min_tokens!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            _need(value is None or _is_int(value), f"SamplingParams.{name} must be None or an int in [0, 20], got {value!r}")
-        bias = dict(self.logit_bias or {})
-        _need(all(_is_int(t) and isinstance(b, int | float) and not isinstance(b, bool) for t, b in bias.items()),
-              f"SamplingParams.logit_bias must map token ids to numbers, got {self.logit_bias!r}")
-        object.__setattr__(self, "logit_bias", bias)
-        _need(self.constraint is None or isinstance(self.constraint, engine_request.Constraint),
-              f"SamplingParams.constraint must be None or a Constraint, got {self.constraint!r}")
-        object.__setattr__(self, "top_k", max(0, self.top_k))
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", ids)
-        _need(_is_int(self.n), f"SamplingParams.n must be an int in [1, {MAX_SAMPLES}], got {self.n!r}")
-        check_sampling(self.values(), LLM_FIELDS)
-        check_samples(self.n, "SamplingParams.n")
-
-    def values(self) -> RequestValues:
-        return RequestValues(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                             max_tokens=self.max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                             ignore_eos=self.ignore_eos, min_p=self.min_p, presence_penalty=self.presence_penalty,
-                             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                             min_tokens=self.min_tokens, logit_bias=tuple(self.logit_bias.items()),
-                             logprobs=self.logprobs, constraint=self.constraint, prompt_logprobs=self.prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -207,138 +110,6 @@ class GenerationOutput:
     # Per prompt token, when SamplingParams.prompt_logprobs asked: None for the first, then its
     # log-probability given the tokens before it and the top ones there (as vLLM returns them).
     prompt_logprobs: list[engine_request.TokenLogprobs | None] | None = None
-
-
-@dataclass(frozen=True)
-class _Options:
-    """LLM's keywords besides `model`. The seed's vLLM-style names map onto the server's config."""
-
-    tensor_parallel_size: int = 1
-    # LoRA adapter directories (PEFT): "PATH" (its name is the path as given) or "NAME=PATH", or a list
-    lora_weights: str | Path | Sequence[str | Path] | None = None
-    max_loras: int = 0  # device slots (0: 4, or as many adapters as lora_weights names, whichever is more)
-    max_lora_rank: int = ServeConfig.max_lora_rank
-    cudagraph_mode: str = ServeConfig.cudagraph_mode  # any case: "FULL", "full", "none"
-    cudagraph_capture_sizes: Sequence[int] | None = None
-    device: str = ServeConfig.device
-    dtype: Any = ServeConfig.dtype  # "auto", "float32", ... or a torch.dtype
-    max_running_seqs: int | None = None  # default: the server's, raised to the largest capture size
-    max_seq_len: int = ServeConfig.max_seq_len
-    max_num_batched_tokens: int = ServeConfig.max_num_batched_tokens
-    default_max_tokens: int = ServeConfig.default_max_tokens
-    overlap_steps: bool = ServeConfig.overlap_steps
-    # Each prompt's tokens independent of the other prompts and of chunking (ServeConfig.batch_invariant)
-    batch_invariant: bool = ServeConfig.batch_invariant
-    # Paged KV (ServeConfig.block_size, kv_cache_memory, prefix_caching; vLLM's enable_prefix_caching)
-    block_size: int = ServeConfig.block_size
-    kv_cache_memory: str | int | float = ServeConfig.kv_cache_memory
-    kv_cache_dtype: str = ServeConfig.kv_cache_dtype  # "auto" (the model's dtype) or "fp8", as vLLM's
-    enable_prefix_caching: bool = ServeConfig.prefix_caching
-    graph_memory_budget: str | None = None
-    stats_file: str | Path | None = None
-    warm_start: bool = ServeConfig.warm_start
-    model_cache_dir: str | Path | None = None
-    seed: int | None = None  # seeds the seeds of requests that give none
-    log_level: str = "warning"  # used only when the program has not configured structlog
-
-
-VALID_KEYWORDS = ("model", *(f.name for f in dataclasses.fields(_Options)))
-# Config flags whose LLM keyword has another name (for error messages).
-_KEYWORD_OF_FLAG = {"capture-sizes": "cudagraph_capture_sizes", "lora-modules": "lora_weights",
-                    "prefix-caching": "enable_prefix_caching"}
-
-
-def _config_of(model: str, o: _Options) -> ServeConfig:
-    """The server's config for these keywords, validated by the server's own checks."""
-    sizes = None if o.cudagraph_capture_sizes is None else ",".join(str(s) for s in o.cudagraph_capture_sizes)
-    max_running = o.max_running_seqs
-    if max_running is None:  # capture sizes above the default batch would be refused: raise the batch
-        largest = max((s for s in o.cudagraph_capture_sizes or () if _is_int(s)), default=0)
-        max_running = max(default_max_running_seqs(o.device), largest)
-    mode = o.cudagraph_mode.value if hasattr(o.cudagraph_mode, "value") else o.cudagraph_mode
-    dtype = o.dtype if isinstance(o.dtype, str) else str(o.dtype).removeprefix("torch.")
-    config = ServeConfig(
-        model=str(model), model_cache_dir=None if o.model_cache_dir is None else Path(o.model_cache_dir),
-        device=o.device, dtype=dtype, tensor_parallel_size=o.tensor_parallel_size,
-        max_running_seqs=max_running, max_seq_len=o.max_seq_len,
-        max_num_batched_tokens=o.max_num_batched_tokens, default_max_tokens=o.default_max_tokens,
-        max_tokens_limit=max(ServeConfig.max_tokens_limit, o.default_max_tokens), overlap_steps=o.overlap_steps,
-        batch_invariant=o.batch_invariant, block_size=o.block_size, kv_cache_memory=str(o.kv_cache_memory),
-        kv_cache_dtype=o.kv_cache_dtype, prefix_caching=o.enable_prefix_caching,
-        cudagraph_mode=str(mode).lower(), capture_sizes=sizes,
-        graph_memory_budget=None if o.graph_memory_budget is None else str(o.graph_memory_budget),
-        stats_file=None if o.stats_file is None else Path(o.stats_file), warm_start=o.warm_start,
-        log_level=o.log_level, lora_modules=_lora_modules(o.lora_weights),
-        max_loras=o.max_loras or (max(4, len(_lora_entries(o.lora_weights))) if o.lora_weights else 0),
-        max_lora_rank=o.max_lora_rank,
-    )
-    try:
-        config.validate()
-    except ConfigError as exc:  # the server names its flags; name the keywords instead
-        message = re.sub(r"--([a-z][a-z-]*)", lambda m: _KEYWORD_OF_FLAG.get(m[1], m[1].replace("-", "_")), str(exc))
-        raise ConfigError(message) from None
-    return config
-
-
-_INT_KEYWORDS = ("tensor_parallel_size", "max_loras", "max_lora_rank", "max_seq_len", "max_num_batched_tokens",
-                 "default_max_tokens", "block_size")
-_BOOL_KEYWORDS = ("overlap_steps", "batch_invariant", "warm_start", "enable_prefix_caching")
-
-
-def _check_types(o: _Options) -> None:
-    """TypeError for a keyword of the wrong type, before any is used: the server's flags are parsed
-    as their type, so neither takes "8" for 8 nor "no" (a true string) for False."""
-    def need(ok: bool, name: str, what: str) -> None:
-        if not ok:
-            value = getattr(o, name)
-            raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
-
-    for name in _INT_KEYWORDS:
-        need(_is_int(getattr(o, name)), name, "an int")
-    for name in ("max_running_seqs", "seed"):
-        need(getattr(o, name) is None or _is_int(getattr(o, name)), name, "an int or None")
-    for name in _BOOL_KEYWORDS:
-        need(isinstance(getattr(o, name), bool), name, "True or False")
-    for name in ("device", "log_level", "kv_cache_dtype"):
-        need(isinstance(getattr(o, name), str), name, "a string")
-    sizes = o.cudagraph_capture_sizes
-    need(sizes is None or (isinstance(sizes, Sequence) and not isinstance(sizes, str | bytes)
-                           and all(_is_int(s) for s in sizes)), "cudagraph_capture_sizes", "None or a list of ints")
-    kv = o.kv_cache_memory
-    need(isinstance(kv, str | int | float) and not isinstance(kv, bool), "kv_cache_memory",
-         "'auto', bytes ('8GiB', 8 << 30) or a fraction of device memory (0.5)")
-    budget = o.graph_memory_budget
-    need(budget is None or (isinstance(budget, str | int | float) and not isinstance(budget, bool)),
-         "graph_memory_budget", "None, bytes ('8GiB', 8 << 30) or a fraction of device memory (0.2)")
-    for name in ("stats_file", "model_cache_dir"):
-        need(getattr(o, name) is None or isinstance(getattr(o, name), str | os.PathLike), name, "None or a path")
-
-
-def _check_unavailable(o: _Options) -> None:
-    tp = o.tensor_parallel_size
-    if not _is_int(tp) or tp < 1:
-        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
-    for _, path in _lora_entries(o.lora_weights):
-        if not Path(path).is_dir():
-            raise ConfigError(f"lora_weights: {path!r} is not a directory; give PEFT adapter directories "
-                              "(adapter_config.json + adapter_model.safetensors), as 'PATH' or 'NAME=PATH'")
-
-
-def _lora_entries(weights: str | Path | Sequence[str | Path] | None) -> list[tuple[str, str]]:
-    """lora_weights as (name, path): "NAME=PATH" names it, a bare path is its own name."""
-    if weights is None:
-        return []
-    items = [weights] if isinstance(weights, str | Path) else list(weights)
-    entries = []
-    for item in map(str, items):
-        name, sep, path = item.partition("=")
-        entries.append((name, path) if sep and name and not Path(item).is_dir() else (item, item))
-    return entries
-
-
-def _lora_modules(weights: str | Path | Sequence[str | Path] | None) -> str | None:
-    entries = _lora_entries(weights)
-    return ",".join(f"{name}={path}" for name, path in entries) or None
 
 
 class _Collector:
@@ -415,19 +186,12 @@ def _release(held: dict[str, Any]) -> None:
 class LLM:
     """A model served in this process: `generate` for prompts, `chat` for conversations.
 
-    Keywords (besides `model`, "builtin:<name>" or a local Hugging Face directory): see VALID_KEYWORDS;
+    Keywords (besides `model`, "builtin:<name>" or a local Hugging Face directory): llm_config.KEYWORDS;
     an unknown one is a TypeError. The device is held until `close()` (or the end of a `with` block).
     """
 
     def __init__(self, model: str = ServeConfig.model, **options: Any) -> None:
-        unknown = sorted(set(options) - set(VALID_KEYWORDS))
-        if unknown:
-            raise TypeError(f"LLM() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
-                            f"valid keywords: {', '.join(VALID_KEYWORDS)}")
-        o = _Options(**options)
-        _check_types(o)
-        _check_unavailable(o)
-        self.config = config = _config_of(model, o)
+        self.config = config = config_of(model, options)
         if not structlog.is_configured():
             from service.telemetry.log import configure_logging
 
@@ -449,7 +213,8 @@ class LLM:
         # The server's request limits; no server cap on max_tokens beyond the context.
         self._limits = dataclasses.replace(Limits.from_config(config, self.vocab_size),
                                            max_seq_len=self.max_seq_len, max_tokens_limit=2**31)
-        self._seeds = random.Random(o.seed) if o.seed is not None else None
+        seed = options.get("seed")
+        self._seeds = random.Random(seed) if seed is not None else None
         self._ids = itertools.count()
         log.info("llm_ready", model=config.model, device=str(lr.loaded.device), graph_mode=lr.mode.value,
                  seconds=round(time.monotonic() - t0, 2))
@@ -547,20 +312,17 @@ class LLM:
         """The engine's requests of one prompt, one per sample (seed, seed + 1, ...), checked by the
         server's checks (validation.py): ValueError naming the field."""
         fields = dataclasses.replace(LLM_FIELDS, prompt_ids=f"prompt {index}")
-        values = p.values()
-        if values.seed is None and self._seeds is not None:
-            values = dataclasses.replace(values, seed=self._seeds.getrandbits(63))
-        check_constraint(values, self._limits, fields)
-        if values.constraint is not None:  # compiled now (bounded, cached): a bad one fails before any submit
-            try:
-                self._engine.constraints.preparer.prepare_now(values.constraint)
-            except InvalidConstraint as exc:
-                raise ValueError(constraint_message(values.constraint.kind, str(exc), fields)) from None
-        request = generation_request(f"llm-{next(self._ids)}", check_prompt_ids(ids, self._limits, fields), values,
+        if p.seed is None and self._seeds is not None:
+            p = dataclasses.replace(p, seed=self._seeds.getrandbits(63))
+        request = generation_request(f"llm-{next(self._ids)}", check_prompt_ids(ids, self._limits, fields), p,
                                      self._limits, fields, adapter=adapter)
+        if p.constraint is not None:  # compiled now (bounded, cached): a bad one fails before any submit
+            try:
+                self._engine.constraints.preparer.prepare_now(p.constraint)
+            except InvalidConstraint as exc:
+                raise ValueError(constraint_message(p.constraint.kind, str(exc), fields)) from None
         # Nothing streams: the text arrives in one piece with the finish.
-        request = dataclasses.replace(request, stream_interval=request.stopping.max_tokens)
-        return samples(request, p.n, "SamplingParams.n")
+        return samples(dataclasses.replace(request, stream_interval=request.sampling.max_tokens))
 
     @staticmethod
     def _wait(engine: Any, done: queue.SimpleQueue, samples_per_prompt: list[int], show: bool) -> None:

@@ -27,12 +27,12 @@ class RequestOutput:
     def __init__(self, seq: Sequence, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
         self.seq = seq
         request = seq.request
-        stopping = request.stopping
-        self._stop_ids = frozenset(stopping.stop_token_ids)
-        self._end_ids = self._stop_ids | (frozenset() if stopping.ignore_eos else eos_token_ids)  # stop ids and EOS
-        self._max_tokens = stopping.max_tokens
+        p = request.sampling
+        self._stop_ids = frozenset(p.stop_token_ids)
+        self._end_ids = self._stop_ids | (frozenset() if p.ignore_eos else eos_token_ids)  # stop ids and EOS
+        self._max_tokens = p.max_tokens
         self._interval = request.stream_interval
-        self._stops = StopStringMatcher(stopping.stop) if any(stopping.stop) else None
+        self._stops = StopStringMatcher(p.stop) if any(p.stop) else None
         self._detokenizer = (new_detokenizer(tokenizer, request.prompt_token_ids)
                              if request.stream_text or self._stops is not None else None)
         self._pending_ids: list[int] = []

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
-import functools
 from dataclasses import dataclass
+
+# The request's vocabulary lives in its own module; a request is written with it.
+from service.engine.sampling_params import CONSTRAINT_KINDS, MAX_LOGPROBS, Constraint, SamplingParams  # noqa: F401
 
 
 class FinishReason(enum.Enum):
@@ -14,90 +16,23 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
-MAX_LOGPROBS = 20  # top log-probabilities per token at most (the OpenAI API's limit)
-CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """Structured output: the completion follows a JSON schema, any JSON object, a regex (the whole
-    output), an EBNF grammar (GBNF with a `root` rule, or Lark) or one of a list of choices
-    (service/engine/structured.py compiles it)."""
-
-    kind: str  # one of CONSTRAINT_KINDS
-    value: str | tuple[str, ...] = ""  # schema text, regex, grammar, or the choices ("" for json_object)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.value, list):  # keep it hashable: it is the compiler's cache key
-            object.__setattr__(self, "value", tuple(self.value))
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How a request's next token is chosen (service/engine/sampler.py applies it, in vLLM's order:
-    logit bias and min_tokens, then the penalties, then temperature, min_p, top-k and top-p)."""
-
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0  # in (0, 1]; 1 disables
-    top_k: int = 0  # 0 disables
-    seed: int = 0  # always set: the servicer assigns one when the client gave none
-    min_p: float = 0.0  # drop tokens below min_p x the top token's probability; 0 disables
-    # OpenAI's penalties, on the completion's tokens only: logit -= presence * (count > 0) + frequency * count.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    # The CTRL / transformers penalty on every token of the prompt and the completion: a positive
-    # logit is divided by it, a negative one multiplied. 1 disables.
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0  # EOS and the stop token ids are not sampled before this many completion tokens
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
-    # Log-probabilities of each sampled token and of the `logprobs` most likely ones (None: none;
-    # 0: the sampled token's only). They are the model's (log_softmax of its logits), before any of
-    # the processing above, as vLLM reports them.
-    logprobs: int | None = None
-    constraint: Constraint | None = None  # the grammar the completion must follow
-    # Log-probabilities of each prompt token after the first (given the tokens before it) and of the
-    # `prompt_logprobs` most likely ones there (None: none). Such a prompt is computed whole: it takes
-    # nothing from the prefix cache (the cached part has no logits).
-    prompt_logprobs: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @functools.cached_property  # the fields are frozen; the engine asks per row per step
-    def penalized(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
-    @functools.cached_property
-    def plain_greedy(self) -> bool:
-        """Greedy and nothing else that changes the logits or asks for more than the token (a grammar
-        aside: its mask applies either way): such a row samples the argmax."""
-        return (self.temperature == 0.0 and not self.logit_bias and not self.penalized and self.logprobs is None
-                and self.min_tokens == 0)
-
-
-@dataclass(frozen=True)
-class StoppingParams:
-    max_tokens: int
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-
 @dataclass
 class GenerationRequest:
     """A validated request, already tokenized, as the engine receives it."""
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingParams
-    stopping: StoppingParams
+    sampling: SamplingParams  # resolved (validation.resolve): seed and max_tokens set
     stream_interval: int = 1
     arrival_time: float = 0.0  # time.monotonic() at arrival
     adapter: str = ""  # a loaded LoRA adapter's name; "" is the base model
     # Whether the client reads the completion's text. The vLLM protocol streams token ids only: its
     # deltas carry no text unless stop strings need the text decoded anyway.
     stream_text: bool = True
+
+    def __post_init__(self) -> None:
+        assert self.sampling.seed is not None and self.sampling.max_tokens is not None, (
+            "the engine takes resolved sampling parameters (validation.resolve): a seed and max_tokens")
 
 
 @dataclass(frozen=True)

@@ -350,9 +350,9 @@ class ModelRunner:
             request = seq.request
             counter = seq.num_completion_tokens + seq.num_pending  # the index of the token sampled now
             banned = ()
-            if counter < request.sampling.min_tokens:
-                stopping = request.stopping
-                banned = stopping.stop_token_ids + (() if stopping.ignore_eos else self._eos_ids)
+            p = request.sampling
+            if counter < p.min_tokens:
+                banned = p.stop_token_ids + (() if p.ignore_eos else self._eos_ids)
             if request.sampling.penalized:
                 self._track_history(seq)
             rows.append(SampleRow(request.sampling, counter, _slot(seq), banned))

@@ -206,7 +206,7 @@ class Scheduler:
             pending = seq.num_pending
             done = len(seq.completion_token_ids)
             if ((done or pending) and seq.num_prefilled_tokens >= seq.prefill_len and not seq.paused
-                    and done + pending < seq.request.stopping.max_tokens):
+                    and done + pending < seq.request.sampling.max_tokens):
                 decodes.append(seq)
                 if seq.next_position() >= len(seq.block_ids) * block_size:
                     short.append(seq)

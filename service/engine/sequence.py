@@ -100,7 +100,7 @@ class Sequence:
     @property
     def exhausted(self) -> bool:
         """Every token max_tokens allows is sampled (some may still be in flight): no more decodes."""
-        return self.num_completion_tokens + self.num_pending >= self.request.stopping.max_tokens
+        return self.num_completion_tokens + self.num_pending >= self.request.sampling.max_tokens
 
     def last_token_id(self) -> int:
         """The input of the next decode step: the newest token, generated or (before any) prompt.

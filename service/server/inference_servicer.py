@@ -18,9 +18,8 @@ from service.engine.validation import (
     MAX_STREAM_INTERVAL,
     InvalidRequest,
     Limits,
-    RequestValues,
+    SamplingParams,
     check_adapter,
-    check_constraint,
     check_prompt_ids,
     constraint_of,
     encode_capped,
@@ -80,9 +79,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 prompt = await asyncio.to_thread(prompt_ids, request, self.tokenizer, self.limits)
             else:
                 prompt = prompt_ids(request, self.tokenizer, self.limits)
-            check_constraint(RequestValues(constraint=constraint_of(request.sampling)), self.limits, GRAPHSERVE_FIELDS)
-            gen = to_generation_request(request, request_id, prompt, self.limits, arrival_time=stream.arrival)
-            return samples(gen, request.n if request.HasField("n") else 1)
+            return samples(to_generation_request(request, request_id, prompt, self.limits, arrival_time=stream.arrival))
 
         await streams.serve(context, (context.peer(), request_id), prepare, _Writer(request_id), GRAPHSERVE_FIELDS)
 
@@ -190,9 +187,10 @@ def prompt_ids(request: inference_pb2.GenerateRequest, tokenizer: Any, limits: L
 def to_generation_request(request: inference_pb2.GenerateRequest, request_id: str, prompt: list[int], limits: Limits,
                           arrival_time: float | None = None) -> GenerationRequest:
     s, t = request.sampling, request.stopping
-    values = RequestValues(
-        temperature=s.temperature if s.HasField("temperature") else None,
-        top_p=s.top_p if s.HasField("top_p") else None,
+    params = SamplingParams(
+        n=request.n if request.HasField("n") else 1,
+        temperature=s.temperature if s.HasField("temperature") else 1.0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
         top_k=s.top_k,  # unsigned on the wire; 0 disables it
         seed=s.seed if s.HasField("seed") else None,
         max_tokens=t.max_tokens if t.HasField("max_tokens") else None,
@@ -203,8 +201,9 @@ def to_generation_request(request: inference_pb2.GenerateRequest, request_id: st
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         constraint=constraint_of(s),
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        fields=GRAPHSERVE_FIELDS,
     )
-    return generation_request(request_id, prompt, values, limits, GRAPHSERVE_FIELDS, adapter=request.adapter,
+    return generation_request(request_id, prompt, params, limits, GRAPHSERVE_FIELDS, adapter=request.adapter,
                               stream_interval=_stream_interval(request), arrival_time=arrival_time)
 
 

@@ -37,8 +37,7 @@ from service.engine.request import Finish, FinishReason, GenerationRequest, Toke
 from service.engine.validation import (
     Fields,
     Limits,
-    RequestValues,
-    check_constraint,
+    SamplingParams,
     check_prompt_ids,
     constraint_of,
     encode_capped,
@@ -51,7 +50,7 @@ from service.server.streams import Stream, Streams, answers_rejections
 
 PROTO_VERSION = importlib.metadata.version("smg-grpc-proto")
 SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
-FIELDS = Fields("sampling_params.", "sampling_params.", "tokenized.input_ids", "--max-seq-len")
+FIELDS = Fields("sampling_params.", "sampling_params.", "tokenized.input_ids", "--max-seq-len", "sampling_params.n")
 INLINE_TOKENIZE_BYTES = 16 * 1024  # text prompts above this are tokenized off the event loop
 TOKENIZER_CHUNK_BYTES = 64 * 1024
 # The files a gateway needs to tokenize, detokenize and render chats as the worker would (smg's list).
@@ -126,12 +125,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             check_supported(request)
             prompt = await self._prompt_ids(request)
             writer.prompt = prompt
-            values = request_values(request.sampling_params)
-            check_constraint(values, self.limits, FIELDS)
             # Its messages carry token ids only: the engine decodes text only for stop strings.
-            gen = generation_request(request_id, prompt, values, self.limits, FIELDS, arrival_time=stream.arrival,
-                                     stream_text=False)
-            return samples(gen, max(1, request.sampling_params.n), "sampling_params.n")  # 0 is unset on the wire
+            return samples(generation_request(request_id, prompt, sampling_params_of(request.sampling_params),
+                                              self.limits, FIELDS, arrival_time=stream.arrival, stream_text=False))
 
         await streams.serve(context, _scope(context, request_id), prepare, writer, FIELDS)
 
@@ -361,10 +357,11 @@ def check_supported(request: vllm_engine_pb2.GenerateRequest) -> None:
                     "json_schema, json_object, regex, grammar, choice)")
 
 
-def request_values(p: vllm_engine_pb2.SamplingParams) -> RequestValues:
-    return RequestValues(
-        temperature=p.temperature if p.HasField("temperature") else None,
-        top_p=p.top_p if p.top_p != 0 else None,  # not optional on the wire: 0 is unset
+def sampling_params_of(p: vllm_engine_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        n=max(1, p.n),  # 0 is unset on the wire
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_p=p.top_p if p.top_p != 0 else 1.0,  # not optional on the wire: 0 is unset
         top_k=p.top_k,
         # int32 on the wire: a negative seed is taken as its 32-bit two's-complement value
         seed=(p.seed & 0xFFFFFFFF) if p.HasField("seed") else None,
@@ -376,6 +373,7 @@ def request_values(p: vllm_engine_pb2.SamplingParams) -> RequestValues:
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         constraint=constraint_of(p),
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        fields=FIELDS,
     )
 
 

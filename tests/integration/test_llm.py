@@ -249,7 +249,7 @@ def test_keywords_are_checked_before_loading() -> None:
         LLM(model="builtin:tiny", cudagraph_mode="Sometimes")
     with pytest.raises(ConfigError, match=r"cudagraph_capture_sizes: capture size 4096 is outside \[1, 2048\]"):
         LLM(model="builtin:tiny", max_running_seqs=32, cudagraph_capture_sizes=[8, 4096])
-    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
         LLM(model="builtin:tiny", tensor_parallel_size=0)
 
 

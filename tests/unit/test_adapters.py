@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from service.engine.adapters import AdapterExists, AdapterInUse, AdapterNotFound, AdapterRegistry
-from service.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from service.engine.request import GenerationRequest, SamplingParams
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import Sequence
 
@@ -78,7 +78,7 @@ def test_unload_refused_while_streams_hold_the_adapter() -> None:
 
 
 def _seq(i: int, adapter: str) -> Sequence:
-    request = GenerationRequest(f"r{i}", [1, 2, 3], SamplingParams(0.0), StoppingParams(4), adapter=adapter)
+    request = GenerationRequest(f"r{i}", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4, seed=0), adapter=adapter)
     return Sequence(request)
 
 

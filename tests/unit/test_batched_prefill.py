@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cache_manager import CudaGraphMode, GraphCacheConfig
-from service.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from service.engine.request import GenerationRequest, SamplingParams
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import PrefillChunk
 from service.engine.sequence import Sequence
@@ -154,7 +154,7 @@ def test_runner_prefills_all_prompts_in_one_packed_call(model, monkeypatch):
     ps = prompts(seed=4)
     seqs = [
         Sequence(
-            GenerationRequest(f"r{j}", p.tolist(), SamplingParams(temperature=0.0), StoppingParams(max_tokens=4),
+            GenerationRequest(f"r{j}", p.tolist(), SamplingParams(temperature=0.0, max_tokens=4, seed=0),
                               arrival_time=time.monotonic()),
             slot=slot,
         )

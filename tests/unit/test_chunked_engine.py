@@ -5,13 +5,14 @@ every request streams the same tokens as with the whole prompt in one step and a
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 from cache_manager import CudaGraphMode, GraphCacheConfig
 from service.engine.engine import Engine
-from service.engine.request import FinishReason, GenerationRequest, SamplingParams, StoppingParams
+from service.engine.request import FinishReason, GenerationRequest, SamplingParams
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
 from service.model.loader import LoadedModel
@@ -30,16 +31,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def requests(loaded: LoadedModel) -> list[GenerationRequest]:  # noqa: F811
     tok = loaded.tokenizer
-    greedy = SamplingParams(temperature=0.0)
+    greedy = SamplingParams(temperature=0.0, seed=0)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
     long_prompt = torch.randint(0, loaded.spec.vocab_size, (LONG,), generator=torch.Generator().manual_seed(0))
     shorts = [
-        GenerationRequest(f"d{i}", tok(text)["input_ids"], params, StoppingParams(max_tokens=24, ignore_eos=True),
+        GenerationRequest(f"d{i}", tok(text)["input_ids"], replace(params, max_tokens=24, ignore_eos=True),
                           arrival_time=time.monotonic())
         for i, (text, params) in enumerate([("The service reads a request", greedy), ("Tokens stream back", sampled),
                                             ("Hello", greedy)])
     ]
-    long = GenerationRequest("long", long_prompt.tolist(), greedy, StoppingParams(max_tokens=8, ignore_eos=True),
+    long = GenerationRequest("long", long_prompt.tolist(), replace(greedy, max_tokens=8, ignore_eos=True),
                              arrival_time=time.monotonic())
     return [*shorts, long]
 

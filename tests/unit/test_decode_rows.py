@@ -8,14 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.engine.decode_rows import DecodeRows, rebuild
-from service.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from service.engine.request import GenerationRequest, SamplingParams
 from service.engine.sequence import Sequence, SequenceStatus
 
 OPS = st.sampled_from(["step", "step", "step", "step", "join", "finish", "preempt", "swap", "drain"])
 
 
 def _seq(i: int, slot: int) -> Sequence:
-    request = GenerationRequest(f"r{i}", list(range(1, 3 + i % 5)), SamplingParams(), StoppingParams(max_tokens=10**6))
+    request = GenerationRequest(f"r{i}", list(range(1, 3 + i % 5)), SamplingParams(max_tokens=10**6, seed=0))
     return Sequence(request, status=SequenceStatus.RUNNING, slot=slot)
 
 

@@ -14,7 +14,6 @@ from service.engine.request import (
     GenerationRequest,
     SamplingParams,
     StepTokens,
-    StoppingParams,
 )
 from service.engine.scheduler import Scheduler
 
@@ -70,8 +69,9 @@ class Collector:
 
 
 def request(request_id: str, max_tokens: int = 10**9) -> GenerationRequest:
-    return GenerationRequest(request_id, [5, 6, 7], SamplingParams(temperature=0.0),
-                             StoppingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=time.monotonic())
+    return GenerationRequest(request_id, [5, 6, 7],
+                             SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=0),
+                             arrival_time=time.monotonic())
 
 
 def make_engine() -> tuple[Engine, ScriptedRunner, Collector]:

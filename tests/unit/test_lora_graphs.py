@@ -17,7 +17,7 @@ from cache_manager import CudaGraphMode, GraphCacheConfig
 from cache_manager.testing import FakeGraphBackend
 from service.engine.adapters import AdapterRegistry
 from service.engine.engine import Engine
-from service.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from service.engine.request import GenerationRequest, SamplingParams
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
 from service.model.lora import read_adapter
@@ -71,8 +71,9 @@ def test_base_and_lora_batches_use_their_own_graphs(loaded, tmp_path: pathlib.Pa
     def serve(jobs: list[tuple[list[int], str]], tag: str) -> None:
         ids = []
         for i, (p, adapter) in enumerate(jobs):
-            request = GenerationRequest(f"{tag}{i}", p, SamplingParams(temperature=0.0),
-                                        StoppingParams(max_tokens=NEW, ignore_eos=True), arrival_time=time.monotonic(),
+            request = GenerationRequest(f"{tag}{i}", p,
+                                        SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, seed=0),
+                                        arrival_time=time.monotonic(),
                                         adapter=adapter)
             engine.submit(request, out.sink(request.request_id))
             ids.append(request.request_id)

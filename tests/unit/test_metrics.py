@@ -20,7 +20,7 @@ from cache_manager import (
     CudaGraphMode,
     RequestedSize,
 )
-from service.engine.request import Finish, FinishReason, GenerationRequest, SamplingParams, StoppingParams
+from service.engine.request import Finish, FinishReason, GenerationRequest, SamplingParams
 from service.engine.sequence import Sequence, SequenceStatus
 from service.telemetry.engine_metrics import EngineMetrics
 from service.telemetry.metrics import Metrics
@@ -41,8 +41,8 @@ def value(samples: dict, name: str, **labels: str) -> float | None:
 
 
 def make_seq(request_id: str, prompt_len: int, max_tokens: int, arrival: float = 10.0) -> Sequence:
-    request = GenerationRequest(request_id, list(range(1, prompt_len + 1)), SamplingParams(temperature=0.0),
-                                StoppingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=arrival)
+    request = GenerationRequest(request_id, list(range(1, prompt_len + 1)),
+                                SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=0), arrival_time=arrival)
     return Sequence(request)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -19,7 +20,6 @@ from service.engine.request import (
     GenerationRequest,
     SamplingParams,
     StepTokens,
-    StoppingParams,
     TokenDelta,
 )
 from service.engine.runner import ModelRunner
@@ -107,21 +107,20 @@ def make_engine(loaded: LoadedModel, overlap: bool, graphs: CudaGraphMode = Cuda
 
 def requests(loaded: LoadedModel, stop_text: str) -> list[GenerationRequest]:
     tok = loaded.tokenizer
-    greedy = SamplingParams(temperature=0.0)
+    greedy = SamplingParams(temperature=0.0, seed=0)
     sampled = SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=1234)
     specs = [
-        (greedy, StoppingParams(max_tokens=1)),
-        (greedy, StoppingParams(max_tokens=2, ignore_eos=True)),
-        (sampled, StoppingParams(max_tokens=40, ignore_eos=True)),
-        (greedy, StoppingParams(max_tokens=40, stop=(stop_text,), ignore_eos=True)),
-        (sampled, StoppingParams(max_tokens=17)),
-        (greedy, StoppingParams(max_tokens=25, ignore_eos=True)),
-        (greedy, StoppingParams(max_tokens=9, ignore_eos=True)),
+        replace(greedy, max_tokens=1),
+        replace(greedy, max_tokens=2, ignore_eos=True),
+        replace(sampled, max_tokens=40, ignore_eos=True),
+        replace(greedy, max_tokens=40, stop=(stop_text,), ignore_eos=True),
+        replace(sampled, max_tokens=17),
+        replace(greedy, max_tokens=25, ignore_eos=True),
+        replace(greedy, max_tokens=9, ignore_eos=True),
     ]
     return [
-        GenerationRequest(f"r{i}", tok(PROMPTS[i % len(PROMPTS)])["input_ids"], sampling, stopping,
-                          arrival_time=time.monotonic())
-        for i, (sampling, stopping) in enumerate(specs)
+        GenerationRequest(f"r{i}", tok(PROMPTS[i % len(PROMPTS)])["input_ids"], sampling, arrival_time=time.monotonic())
+        for i, sampling in enumerate(specs)
     ]
 
 
@@ -141,7 +140,7 @@ def run(loaded: LoadedModel, reqs: list[GenerationRequest], overlap: bool,
 def stop_text(loaded: LoadedModel) -> str:
     """A piece of what the stop-string request generates alone by its 12th token, so it stops early."""
     probe = GenerationRequest("probe", loaded.tokenizer(PROMPTS[STOP_STRING_REQUEST])["input_ids"],
-                              SamplingParams(temperature=0.0), StoppingParams(max_tokens=12, ignore_eos=True),
+                              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, seed=0),
                               arrival_time=time.monotonic())
     out, _, _ = run(loaded, [probe], overlap=False)
     text = out.text["probe"]
@@ -181,7 +180,7 @@ def test_no_row_is_wasted_on_a_request_that_ends_by_length(loaded: LoadedModel, 
     for r in reqs:
         finish = out.finish[r.request_id]
         if finish.reason is FinishReason.LENGTH:
-            assert runner.rows[r.request_id] == r.stopping.max_tokens, r.request_id
+            assert runner.rows[r.request_id] == r.sampling.max_tokens, r.request_id
         else:  # found only when its token is read: at most the one step launched meanwhile is surplus
             assert finish.completion_tokens <= runner.rows[r.request_id] <= finish.completion_tokens + 1
 
@@ -209,7 +208,7 @@ def test_abort_while_a_step_is_in_flight(loaded: LoadedModel, stop_text: str):
     engine.stop()
     finish = out.finish[aborted]
     assert isinstance(finish, Finish) and finish.reason is FinishReason.ABORT
-    assert 3 <= len(out.tokens[aborted]) < reqs[5].stopping.max_tokens
+    assert 3 <= len(out.tokens[aborted]) < reqs[5].sampling.max_tokens
     plain, _, _ = run(loaded, reqs, overlap=False)
     for r in reqs:
         if r.request_id != aborted:

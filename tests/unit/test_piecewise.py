@@ -15,7 +15,7 @@ from cache_manager import BucketState, CudaGraphMode, GraphCacheConfig
 from cache_manager.testing import FakeGraphBackend
 from service.engine.engine import Engine
 from service.engine.piecewise_step import PiecewiseStep
-from service.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from service.engine.request import GenerationRequest, SamplingParams
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
 from service.model.kv_cache import KVCache
@@ -92,11 +92,11 @@ def run_engine(loaded, mode: CudaGraphMode, sizes: tuple[int, ...] | None = None
     runner.graphs.notify = engine.wake
     if prepare:  # as a server's start does: the largest graph of each kind before the first step
         runner.graphs.prepare(timeout_s=60)
-    greedy = SamplingParams(temperature=0.0)
+    greedy = SamplingParams(temperature=0.0, seed=0, max_tokens=12, ignore_eos=True)
     prompts = [prompt(n, seed) for n, seed in [(5, 1), (40, 2), (3, 3), (100, 4), (12, 5)]]  # 100: chunked over steps
     out = Results()
     for i, p in enumerate(prompts):
-        request = GenerationRequest(f"r{i}", p, greedy, StoppingParams(max_tokens=12, ignore_eos=True),
+        request = GenerationRequest(f"r{i}", p, greedy,
                                     arrival_time=time.monotonic())
         engine.submit(request, out.sink(request.request_id))
     engine.start()

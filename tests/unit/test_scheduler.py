@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.engine.block_pool import BlockPool
-from service.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from service.engine.request import GenerationRequest, SamplingParams
 from service.engine.scheduler import PrefillChunk, ScheduledBatch, Scheduler
 from service.engine.sequence import Sequence, SequenceStatus
 
@@ -18,8 +18,7 @@ def make_seq(request_id: str, prompt_len: int = 4, *, prompt: list[int] | None =
     request = GenerationRequest(
         request_id=request_id,
         prompt_token_ids=list(prompt) if prompt is not None else list(range(1, prompt_len + 1)),
-        sampling=SamplingParams(),
-        stopping=StoppingParams(max_tokens=max_tokens),
+        sampling=SamplingParams(max_tokens=max_tokens, seed=0),
         adapter=adapter,
     )
     return Sequence(request)
@@ -466,8 +465,8 @@ class SimEngine:
             if seq.status is SequenceStatus.FINISHED or seq.aborted:
                 continue  # surplus
             seq.completion_token_ids.append(self.device[seq][seq.num_completion_tokens])
-            assert seq.num_completion_tokens <= seq.request.stopping.max_tokens
-            if seq.num_completion_tokens == seq.request.stopping.max_tokens or seq in self.stop:
+            assert seq.num_completion_tokens <= seq.request.sampling.max_tokens
+            if seq.num_completion_tokens == seq.request.sampling.max_tokens or seq in self.stop:
                 self.finished_waiting += seq.status is SequenceStatus.WAITING
                 self.sched.finish(seq)  # a preempted one may be waiting
                 assert seq.status is SequenceStatus.FINISHED and seq.block_ids == []
@@ -547,7 +546,7 @@ def test_random_operations_on_a_small_pool_finish_every_request(data: st.DataObj
             expected.append(greedy(seq.request.adapter, seq.request.prompt_token_ids + expected))
         assert seq.completion_token_ids == expected
         if seq in sim.finished and seq not in sim.stop:
-            assert seq.num_completion_tokens == seq.request.stopping.max_tokens, seq.request_id
+            assert seq.num_completion_tokens == seq.request.sampling.max_tokens, seq.request_id
     check_blocks(sched, sim.seqs)
     stats = sched.blocks.stats()
     assert stats.used == 0 and stats.free == num_blocks - 1
@@ -726,7 +725,7 @@ def test_running_out_of_blocks_preempts_the_newest_which_recomputes_and_complete
     assert old.num_preemptions == 0 and new.num_preemptions >= 1
     for seq in (old, new):  # each completes, with the tokens it would have had without preemption
         expected: list[int] = []
-        while len(expected) < seq.request.stopping.max_tokens:
+        while len(expected) < seq.request.sampling.max_tokens:
             expected.append(greedy("", seq.request.prompt_token_ids + expected))
         assert seq.completion_token_ids == expected and seq in sim.finished
     # Its last admission recomputed, in chunks, the prompt and every completion token known then

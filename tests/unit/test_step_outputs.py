@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -20,7 +21,6 @@ from service.engine.request import (
     FinishReason,
     GenerationRequest,
     SamplingParams,
-    StoppingParams,
     TokenDelta,
 )
 from service.engine.runner import ModelRunner
@@ -107,10 +107,9 @@ def run(loaded: LoadedModel, reqs: list[GenerationRequest], abort_after: dict[st
 
 
 def request(loaded: LoadedModel, i: int, **fields) -> GenerationRequest:  # noqa: ANN003
-    stopping = StoppingParams(max_tokens=MAX_TOKENS, ignore_eos=True, stop=fields.pop("stop", ()),
-                              stop_token_ids=fields.pop("stop_token_ids", ()))
-    sampling = fields.pop("sampling", SamplingParams(temperature=0.0))
-    return GenerationRequest(f"r{i}", loaded.tokenizer(PROMPTS[i])["input_ids"], sampling, stopping,
+    sampling = replace(fields.pop("sampling", SamplingParams(temperature=0.0, seed=0)), max_tokens=MAX_TOKENS,
+                       ignore_eos=True, stop=fields.pop("stop", ()), stop_token_ids=fields.pop("stop_token_ids", ()))
+    return GenerationRequest(f"r{i}", loaded.tokenizer(PROMPTS[i])["input_ids"], sampling,
                              arrival_time=time.monotonic(), **fields)
 
 
@@ -130,7 +129,7 @@ def test_streams_of_one_batch_get_their_tokens_once_in_order_under_aborts(loaded
     reqs = [
         request(loaded, 0),
         request(loaded, 1, stream_interval=3),
-        request(loaded, 2, stream_interval=7, sampling=SamplingParams(temperature=0.0, logprobs=2)),
+        request(loaded, 2, stream_interval=7, sampling=SamplingParams(temperature=0.0, logprobs=2, seed=0)),
         request(loaded, 3, stream_text=False),
         request(loaded, 4, stream_text=False, stop=(stop_in("r4"),)),
         request(loaded, 5, stop=(stop_in("r5"),)),
@@ -158,17 +157,17 @@ def test_streams_of_one_batch_get_their_tokens_once_in_order_under_aborts(loaded
         else:
             assert (tokens, client.text, finish.reason, finish.matched_stop) == (
                 alone.tokens, alone.text, alone.finish.reason, alone.finish.matched_stop), rid
-        if not r.stream_text and not r.stopping.stop:
+        if not r.stream_text and not r.sampling.stop:
             assert client.text == "", rid
-        elif not r.stopping.stop:
+        elif not r.sampling.stop:
             assert client.text == decode(tokens, skip_special_tokens=True), rid
         if r.sampling.logprobs is not None:
             assert all(len(d.logprobs) == len(d.token_ids) for d in client.deltas), rid
     for rid in ("r4", "r5", "r6"):  # stop strings: the text ends right before the first one
         client, stop = together[rid], together[rid].finish.matched_stop
-        assert client.finish.reason is FinishReason.STOP and stop == reqs[int(rid[1:])].stopping.stop[0]
+        assert client.finish.reason is FinishReason.STOP and stop == reqs[int(rid[1:])].sampling.stop[0]
         assert client.text == text_of[rid][:text_of[rid].index(stop)], rid
         assert client.tokens == free[rid].tokens[:len(client.tokens)], rid
-    stop_id = reqs[7].stopping.stop_token_ids[0]
+    stop_id = reqs[7].sampling.stop_token_ids[0]
     assert together["r7"].finish.matched_stop == stop_id
     assert together["r7"].tokens == free["r7"].tokens[:free["r7"].tokens.index(stop_id)]

@@ -125,7 +125,7 @@ def _rank(rank: int, world: int, port: int, cache_dir: str) -> dict:
 def _lead(rank: int, world: int, port: int, cache_dir: str) -> dict:
     from service.config import load_config
     from service.engine.builder import LoadedRunner, new_engine, prepare_graphs
-    from service.engine.request import GenerationRequest, SamplingParams, StoppingParams
+    from service.engine.request import GenerationRequest, SamplingParams
     from tests.unit.test_overlap import Results
 
     backend = RecordingBackend(CAPTURE_DELAY_S)
@@ -149,8 +149,9 @@ def _lead(rank: int, world: int, port: int, cache_dir: str) -> dict:
         engine.call(lambda: graphs.wait_idle(30)).result(60)  # what the last phase queued has run
         ids = []
         for i, (prompt, n) in enumerate(JOBS):
-            request = GenerationRequest(f"{tag}{i}", prompt, SamplingParams(temperature=0.0),
-                                        StoppingParams(max_tokens=n, ignore_eos=True), arrival_time=time.monotonic())
+            request = GenerationRequest(f"{tag}{i}", prompt,
+                                        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, seed=0),
+                                        arrival_time=time.monotonic())
             engine.submit(request, out.sink(request.request_id))
             ids.append(request.request_id)
         out.wait(ids, timeout=60)
@@ -199,7 +200,7 @@ def _one_rank_tokens(cache_dir: pathlib.Path) -> list[list[int]]:
     loaded = load_model("builtin:tiny", torch.device("cpu"), torch.float32, cache_dir)
     runner = ModelRunner(loaded, SLOTS, MAX_SEQ, GraphCacheConfig(mode="none", capture_sizes=None, max_batch=SLOTS))
     from service.engine.engine import Engine
-    from service.engine.request import GenerationRequest, SamplingParams, StoppingParams
+    from service.engine.request import GenerationRequest, SamplingParams
     from service.engine.scheduler import Scheduler
     from tests.unit.test_overlap import Results
 
@@ -208,8 +209,7 @@ def _one_rank_tokens(cache_dir: pathlib.Path) -> list[list[int]]:
     out = Results()
     try:
         for i, (prompt, n) in enumerate(JOBS):
-            engine.submit(GenerationRequest(str(i), prompt, SamplingParams(temperature=0.0),
-                                            StoppingParams(max_tokens=n, ignore_eos=True),
+            engine.submit(GenerationRequest(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, seed=0),
                                             arrival_time=time.monotonic()), out.sink(str(i)))
         out.wait([str(i) for i in range(len(JOBS))], timeout=60)
     finally:
