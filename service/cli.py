@@ -49,6 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"graphserve: {exc}", file=sys.stderr)
         return 2
+    from service.preflight import check_serve
+
+    problems = check_serve(config)  # before any port opens or process starts
+    for problem in problems:
+        print(f"graphserve: {problem}", file=sys.stderr)
+    if problems:
+        return 2
     configure_logging(config.log_format, config.log_level)
     structlog.get_logger("graphserve").info("config", **config.redacted())
     from service.server.app import App  # heavy imports (torch) after the flags are known good
