@@ -356,7 +356,8 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+        absent = action.default is None or action.default is False or action.default == [] or action.default == argparse.SUPPRESS
+        if "default" in text or absent or not action.option_strings:
             return text
         return text + " (default: %(default)s)"
 
