@@ -1,18 +1,30 @@
 # syntax=docker/dockerfile:1
 # graphserve: gRPC LLM inference with a CUDA-graph cache.
 #
-#   docker build -t registry.example.com/graphserve:0.1.0 .
+#   docker build -t registry.example.com/graphserve:0.1.0 .                           # GPU (CUDA 13)
+#   docker build --build-arg FLAVOR=cpu -t registry.example.com/graphserve:0.1.0-cpu .  # CPU (k8s/overlays/cpu-dev)
 #
-# The default targets CUDA 13 (NVIDIA driver >= 580). For older drivers build against CUDA 12.8:
+# The GPU image targets CUDA 13 (NVIDIA driver >= 580). For older drivers build against CUDA 12.8:
 #   docker build --build-arg CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
 #                --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t ... .
 
+ARG FLAVOR=cuda
 ARG CUDA_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
+ARG CPU_IMAGE=ubuntu:24.04
+# One torch per flavor, the Makefile's pins (tests/deploy/test_torch_versions.py holds them equal).
+ARG TORCH_CUDA_VERSION=2.11.0
+ARG TORCH_CPU_VERSION=2.13.0
+
+FROM ${CUDA_IMAGE} AS base-cuda
+FROM ${CPU_IMAGE} AS base-cpu
 
 # ---- build: a venv with torch, the generated protobuf stubs and graphserve -----------------------
-FROM ${CUDA_IMAGE} AS build
-ARG TORCH_VERSION=2.11.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
+FROM base-${FLAVOR} AS build
+ARG FLAVOR
+ARG TORCH_CUDA_VERSION
+ARG TORCH_CPU_VERSION
+# Empty: the CUDA 13 index for cuda, the CPU index for cpu.
+ARG TORCH_INDEX_URL=
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -21,8 +33,12 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-# torch first, from the CUDA index, in its own layer: it is most of the image and changes rarely.
-RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+# torch first, from its index, in its own layer: it is most of the image and changes rarely.
+RUN if [ "${FLAVOR}" = cpu ]; then \
+      pip install "torch==${TORCH_CPU_VERSION}" --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"; \
+    else \
+      pip install "torch==${TORCH_CUDA_VERSION}" --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cu130}"; \
+    fi
 WORKDIR /src
 COPY pyproject.toml README.md Makefile ./
 COPY protos/ protos/
@@ -37,8 +53,8 @@ RUN pip install "grpcio-tools==1.84.*" \
  && pip uninstall -y grpcio-tools \
  && python -m compileall -q /opt/venv
 
-# ---- runtime: the CUDA runtime base, python, the venv, a non-root user ---------------------------
-FROM ${CUDA_IMAGE} AS runtime
+# ---- runtime: the CUDA runtime (or plain Ubuntu) base, python, the venv, a non-root user ---------
+FROM base-${FLAVOR} AS runtime
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 \
  && rm -rf /var/lib/apt/lists/* \

@@ -2,8 +2,12 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build of torch; for a GPU install the CUDA build first (README: "Install for a GPU").
-TORCH_SPEC ?= torch==2.13.0
+# One torch per kind of machine, named here and nowhere else by hand: the Dockerfile's ARGs and README's
+# GPU install line must say the same (tests/deploy/test_torch_versions.py).
+# The CPU build (make setup, CI, the cpu image); the CUDA 13 build (the GPU image, README: "Install for a GPU").
+TORCH_CPU_VERSION := 2.13.0
+TORCH_CUDA_VERSION := 2.11.0
+TORCH_SPEC ?= torch==$(TORCH_CPU_VERSION)
 PROTO_SRC := protos/graphserve/v1
 PROTO_OUT := service/proto
 STUBS := $(PROTO_OUT)/inference_pb2.py $(PROTO_OUT)/admin_pb2.py

@@ -14,20 +14,23 @@ _REASONS = {v.number: v.name.removeprefix("FINISH_REASON_").lower()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="graphserve generate", description="Stream a completion from a server.")
-    p.add_argument("prompt")
+    from service.config import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="graphserve generate", description="Stream a completion from a server.",
+                                formatter_class=HelpFormatter)
+    p.add_argument("prompt", help="the prompt text")
     p.add_argument("--chat", action="store_true",
                    help="send the prompt as a user message, rendered with the model's chat template")
     p.add_argument("--system", default=None, help="a system message before the prompt (implies --chat)")
-    p.add_argument("--target", default="127.0.0.1:50051")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[])
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--target", default="127.0.0.1:50051", help="the server's gRPC address")
+    p.add_argument("--max-tokens", type=int, default=64, help="completion tokens at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: 1, off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0: off")
+    p.add_argument("--seed", type=int, default=None, help="a seed for a repeatable sample (default: random)")
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds for the whole call")
     p.add_argument("--adapter", default="", help="a loaded LoRA adapter's name (default: the base model)")
     return p
 

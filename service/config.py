@@ -132,6 +132,8 @@ class ServeConfig:
     # client holds, as a client that opens streams past it, or while the server closes the last ones, is refused
     max_streams_per_connection: int = 512
     max_stream_backlog_tokens: int = 128  # undelivered tokens per stream before it is paused
+    # An engine step whose host work takes longer is logged (slow_step, at most one line per 10 s); 0: never
+    slow_step_threshold_ms: float = 100.0
     # Structured outputs (service/engine/constraint_limits.py): sizes checked before any compile, CPU
     # budgets of the compile (with the first mask) and of each row's mask per step, the compiled cache
     max_constraint_bytes: int = ConstraintLimits.max_constraint_bytes
@@ -266,6 +268,8 @@ class ServeConfig:
         need(self.watchdog_timeout > 0, "--watchdog-timeout must be > 0 seconds")
         need(self.engine_stop_timeout > 0, "--engine-stop-timeout must be > 0 seconds")
         need(self.stream_stall_timeout > 0, "--stream-stall-timeout must be > 0 seconds")
+        need(math.isfinite(self.slow_step_threshold_ms) and self.slow_step_threshold_ms >= 0,
+             "--slow-step-threshold-ms must be a finite number of milliseconds >= 0 (0: no slow_step warnings)")
         need(math.isfinite(self.stream_message_rate) and self.stream_message_rate >= 0,
              "--stream-message-rate must be a number of messages per second >= 0 (0: no limit)")
         need(
@@ -346,44 +350,91 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help ends with its default once: written into the help where it needs words (it
+    depends on the device, or is the absence of a file), else taken from the parser."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        absent = action.default is None or action.default is False or action.default == [] or action.default == argparse.SUPPRESS
+        if "default" in text or absent or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
+# vLLM's names for flags whose meaning is the same here (`vllm serve` command lines keep working).
+VLLM_ALIASES = {"--max-seq-len": "--max-model-len", "--max-running-seqs": "--max-num-seqs",
+                "--prefix-caching": "--enable-prefix-caching"}
+# vLLM flags with no equal here: refused with what to use instead, never taken for something else.
+VLLM_WITHOUT_EQUAL = {
+    "--gpu-memory-utilization": "graphserve sizes the KV cache alone, after the weights and the graph budget: "
+                                "--kv-cache-memory auto (the default) takes what is free less 5% of the device; give "
+                                "a fraction of device memory (--kv-cache-memory 0.4) or bytes (--kv-cache-memory 20GiB)",
+    "--trust-remote-code": "graphserve runs its own model code and never a checkpoint's: drop the flag",
+}
+
+
+class _Refused(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string} (vLLM's) has no equal in graphserve: {VLLM_WITHOUT_EQUAL[option_string or '']}")
+
+
+def _switch(group: argparse._ArgumentGroup, flag: str, default: bool, help: str) -> None:  # noqa: A002
+    """--flag / --no-flag (and vLLM's name and its negation, where VLLM_ALIASES has one)."""
+    names = [flag] + ([VLLM_ALIASES[flag]] if flag in VLLM_ALIASES else [])
+    group.add_argument(*names, dest=flag[2:].replace("-", "_"), action=argparse.BooleanOptionalAction,
+                       default=default, help=help)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of `graphserve serve`. Defaults come from ServeConfig."""
+    """The parser of `graphserve serve`. Defaults come from ServeConfig; vLLM's flag names are aliases
+    where the meaning is the same (VLLM_ALIASES, --enforce-eager)."""
     d = ServeConfig()
     p = argparse.ArgumentParser(
         prog="graphserve serve",
-        description="Serve a model over gRPC. Every flag can also be set as GRAPHSERVE_<FLAG>.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Serve a model over gRPC (graphserve.v1 and vLLM's engine protocol on one port). Every flag can "
+                    "also be set as GRAPHSERVE_<FLAG> (--max-seq-len: GRAPHSERVE_MAX_SEQ_LEN); the command line wins.",
+        formatter_class=HelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"graphserve {version()}")
     g = p.add_argument_group("model")
+    g.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
+                   help="the model, as `vllm serve MODEL` takes it: the same as --model")
     g.add_argument("--model", default=d.model, help="builtin:<name> or a local Hugging Face directory")
     g.add_argument("--served-model-name", default=None,
                    help="the model's name in the vLLM engine protocol and on vllm: metrics (default: --model)")
-    g.add_argument("--model-cache-dir", type=Path, default=None, help="where built-in models are generated")
-    g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
-    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+    g.add_argument("--model-cache-dir", type=Path, default=None,
+                   help="where built-in models are generated (default: $XDG_CACHE_HOME/graphserve, ~/.cache/graphserve)")
+    g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"], help="auto: cuda if visible, else cpu")
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on cuda, float32 on cpu")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    help="split the model across N ranks (one process each; N GPUs on cuda, gloo on cpu)")
     g = p.add_argument_group("server")
-    g.add_argument("--host", default=d.host)
-    g.add_argument("--port", type=int, default=d.port)
-    g.add_argument("--max-running-seqs", type=int, default=None,
-                   help="sequences running at once, the largest decode batch (default: 256 on cuda, 32 on cpu)")
-    g.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="prompt + completion tokens")
+    g.add_argument("--host", default=d.host, help="address of the Inference, vLLM engine and health services")
+    g.add_argument("--port", type=int, default=d.port, help="their gRPC port")
+    g.add_argument("--max-running-seqs", VLLM_ALIASES["--max-running-seqs"], dest="max_running_seqs", type=int,
+                   default=None, help="sequences running at once, the largest decode batch (default: 256 on cuda, "
+                                      f"{d.max_running_seqs} on cpu)")
+    g.add_argument("--max-seq-len", VLLM_ALIASES["--max-seq-len"], dest="max_seq_len", type=int, default=d.max_seq_len,
+                   help="prompt + completion tokens of one sequence")
     g.add_argument("--max-num-batched-tokens", "--max-prefill-tokens", dest="max_num_batched_tokens", type=int,
                    default=d.max_num_batched_tokens,
                    help="tokens per engine step: every running decode plus prompt chunks; a longer prompt is "
                         "prefilled over several steps (>= --max-running-seqs; --max-prefill-tokens is deprecated)")
-    g.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
-    g.add_argument("--overlap-steps", dest="overlap_steps", action="store_true", default=d.overlap_steps,
-                   help="launch step t+1 on the device before the host reads step t's tokens")
-    g.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false")
-    g.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=d.batch_invariant,
-                   help="every request's results independent of the other requests in its batch and of chunked "
-                        "prefill (batch-invariant matmul, attention and norms); slower, see README")
-    g.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false")
-    g.add_argument("--quantization", choices=["none", "fp8"], default=d.quantization,
+    g.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
+                   help="completion tokens of a request that sets no max_tokens")
+    _switch(g, "--overlap-steps", d.overlap_steps, "launch step t+1 on the device before the host reads step t's tokens")
+    _switch(g, "--batch-invariant", d.batch_invariant,
+            "every request's results independent of the other requests in its batch and of chunked prefill "
+            "(batch-invariant matmul, attention and norms); slower, see README")
+    g.add_argument("--quantization", "-q", choices=["none", "fp8"], default=d.quantization,
                    help="fp8: the decoder's projection weights in FP8 E4M3 with one scale per output channel, "
                         "quantized at load (half their memory; NVIDIA compute capability 8.9+); see README")
+    g.add_argument("--slow-step-threshold-ms", type=float, default=d.slow_step_threshold_ms,
+                   help="an engine step whose host work takes longer is a slow step: at most one slow_step warning "
+                        "per 10 s, with the count and the slowest; 0: none")
     g = p.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (a power of two)")
     g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
@@ -394,16 +445,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what the KV cache stores: auto, the model's dtype; fp8, E4M3 with one scale per layer for "
                         "keys and one for values (the checkpoint's k_scale/v_scale, else 1.0): half the bytes per "
                         "token, twice the tokens in the same --kv-cache-memory (GPUs: compute capability 8.9+)")
-    g.add_argument("--prefix-caching", dest="prefix_caching", action="store_true", default=d.prefix_caching,
-                   help="reuse the KV of full blocks a prompt shares with earlier ones (same tokens from the start, "
-                        "same adapter)")
-    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    _switch(g, "--prefix-caching", d.prefix_caching,
+            "reuse the KV of full blocks a prompt shares with earlier ones (same tokens from the start, same adapter)")
     g = p.add_argument_group("LoRA adapters")
     g.add_argument("--lora-modules", default=None,
                    help="PEFT adapter directories loaded at start, NAME=PATH[,NAME=PATH...]; requests pick one by name")
     g.add_argument("--max-loras", type=int, default=d.max_loras,
-                   help="adapter slots on the device (0: 4 when --lora-modules is given, else adapters are off); "
-                        "more adapters than slots take turns (least recently used slot not in use)")
+                   help="adapter slots on the device (default 0: 4 when --lora-modules is given, else adapters are "
+                        "off); more adapters than slots take turns (least recently used slot not in use)")
     g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="the largest adapter rank served")
     g.add_argument("--lora-kernel", default=d.lora_kernel, choices=["stacked", "gather"],
                    help="how the batched LoRA products run (bench/lora_bench.py compares them)")
@@ -412,45 +461,53 @@ def build_parser() -> argparse.ArgumentParser:
                         "paths are taken under it); default none: only --lora-modules load, and LoadAdapter is "
                         "refused")
     g.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras,
-                   help="adapters registered at once, their weights in host memory (default 32)")
+                   help="adapters registered at once, their weights in host memory")
     g = p.add_argument_group("graph cache")
     g.add_argument("--cudagraph-mode", default=d.cudagraph_mode, type=str.lower, choices=GRAPH_MODES,
                    help="full: a graph per uniform-decode batch; piecewise: per-layer graphs of any step, attention "
-                        "eager between them; full_and_piecewise (default): full for decode, piecewise for the rest")
+                        "eager between them; full_and_piecewise: full for decode, piecewise for the rest; none: "
+                        "eager (any case; a CPU always runs none)")
+    g.add_argument("--enforce-eager", dest="cudagraph_mode", action="store_const", const="none",
+                   help="vLLM's name for --cudagraph-mode none: no CUDA graphs")
     g.add_argument("--capture-sizes", default=None,
                    help="comma-separated token counts; full graphs use those <= --max-running-seqs, piecewise "
                         "those <= --max-num-batched-tokens (default: 1,2,4,8,16,24,...,max-running-seqs for full; "
                         "1,2,4,...,2048 for piecewise)")
-    g.add_argument("--graph-memory-budget", default=None, help="bytes (8GiB) or a fraction of device memory")
-    g.add_argument("--stats-file", type=Path, default=None, help="capture-size statistics, kept across restarts")
-    g.add_argument("--warm-start", dest="warm_start", action="store_true", default=d.warm_start)
-    g.add_argument("--no-warm-start", dest="warm_start", action="store_false")
+    g.add_argument("--graph-memory-budget", default=None,
+                   help="bytes (8GiB) or a fraction of device memory (default: 0.1 of device memory)")
+    g.add_argument("--stats-file", type=Path, default=None,
+                   help="capture-size statistics, kept across restarts (default: none, every start is cold)")
+    _switch(g, "--warm-start", d.warm_start,
+            "pre-capture the hot sizes of the last run (--stats-file), else the largest size of each kind")
     g.add_argument("--startup-graph-timeout", type=float, default=d.startup_graph_timeout,
                    help="seconds before SERVING for the kernel warm-up and the warm-start graphs "
                         "(the largest sizes on a cold start); 0: everything in the background")
     g = p.add_argument_group("operations")
-    g.add_argument("--admin-host", default=d.admin_host)
-    g.add_argument("--admin-port", type=int, default=d.admin_port)
-    g.add_argument("--admin-token-file", type=Path, default=None, help="or GRAPHSERVE_ADMIN_TOKEN")
-    g.add_argument("--metrics-port", type=int, default=d.metrics_port, help="0 disables /metrics")
-    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout, help="seconds")
+    g.add_argument("--admin-host", default=d.admin_host, help="address of the GraphCacheAdmin service")
+    g.add_argument("--admin-port", type=int, default=d.admin_port, help="its port (open only with an admin token)")
+    g.add_argument("--admin-token-file", type=Path, default=None,
+                   help="the admin bearer token, or GRAPHSERVE_ADMIN_TOKEN (default: none, the admin port stays closed)")
+    g.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics; 0 disables it")
+    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
+                   help="seconds in-flight streams get to finish after SIGTERM")
     g.add_argument("--engine-stop-timeout", type=float, default=d.engine_stop_timeout,
                    help="seconds the engine gets to stop after the drain before it is killed")
-    g.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout, help="seconds")
-    g.add_argument("--log-format", default=d.log_format, choices=["auto", "json", "console"])
-    g.add_argument("--log-level", default=d.log_level)
+    g.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
+                   help="seconds without engine progress, with work pending, before health is NOT_SERVING")
+    g.add_argument("--log-format", default=d.log_format, choices=["auto", "json", "console"],
+                   help="auto: readable on a terminal, JSON lines otherwise")
+    g.add_argument("--log-level", default=d.log_level, help="debug, info, warning, error or critical")
     g = p.add_argument_group("limits")
-    for name in (
-        "max_tokens_limit", "max_prompt_bytes", "max_chat_messages", "max_stop_strings", "max_stop_string_bytes", "max_stop_token_ids",
-        "max_waiting_requests", "max_waiting_tokens", "max_concurrent_streams", "max_receive_message_bytes",
-        "max_streams_per_connection", "max_stream_backlog_tokens",
-    ):
-        g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    for name, text in LIMIT_HELP.items():
+        g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), help=text)
     g.add_argument("--stream-stall-timeout", type=float, default=d.stream_stall_timeout,
                    help="seconds a client may accept no data before its stream is aborted")
     g.add_argument("--stream-message-rate", type=float, default=d.stream_message_rate,
                    help="messages per second written across all streams: with S streams open each gets one at "
                         "most every S/rate seconds, the tokens in between merged; 0: no limit")
+    _switch(g, "--allow-chat-special-tokens", d.allow_chat_special_tokens,
+            "special tokens written in chat message content (e.g. <|eot_id|>) become control tokens; off, they are "
+            "tokenized as plain text so a user cannot forge turns")
     g = p.add_argument_group("structured outputs")
     g.add_argument("--max-constraint-bytes", type=int, default=d.max_constraint_bytes,
                    help="bytes of a regex, grammar or JSON schema, or of all choices together; checked before "
@@ -469,38 +526,60 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes of compiled constraints kept for reuse (each measured when compiled)")
     g.add_argument("--max-pending-constraints", type=int, default=d.max_pending_constraints,
                    help="constraints compiling or queued at once; more are refused with RESOURCE_EXHAUSTED")
-    g = p.add_argument_group("limits")
-    g.add_argument("--allow-chat-special-tokens", dest="allow_chat_special_tokens", action="store_true",
-                   default=d.allow_chat_special_tokens,
-                   help="special tokens written in chat message content (e.g. <|eot_id|>) become control tokens; "
-                        "off, they are tokenized as plain text so a user cannot forge turns")
-    g.add_argument("--no-allow-chat-special-tokens", dest="allow_chat_special_tokens", action="store_false")
     g = p.add_argument_group("transport security")
-    g.add_argument("--tls-cert", type=Path, default=None)
-    g.add_argument("--tls-key", type=Path, default=None)
-    g.add_argument("--tls-client-ca", type=Path, default=None, help="require client certificates (mTLS)")
+    g.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: TLS on the main and admin ports")
+    g.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    g.add_argument("--tls-client-ca", type=Path, default=None, help="require client certificates signed by this CA (mTLS)")
+    for flag in VLLM_WITHOUT_EQUAL:  # not in --help: refused with what to use instead
+        p.add_argument(flag, action=_Refused, nargs="?", help=argparse.SUPPRESS)
     return p
 
 
-# On/off flags: GRAPHSERVE_<FLAG>=true|false gives the flag or its negation.
-_SWITCHES = {"--warm-start": "--no-warm-start", "--overlap-steps": "--no-overlap-steps",
-             "--prefix-caching": "--no-prefix-caching",
-             "--batch-invariant": "--no-batch-invariant",
-             "--allow-chat-special-tokens": "--no-allow-chat-special-tokens"}
+LIMIT_HELP = {
+    "max_tokens_limit": "the largest max_tokens a request may ask for",
+    "max_prompt_bytes": "bytes of a text prompt, or of a whole chat conversation as sent",
+    "max_chat_messages": "messages of one chat request",
+    "max_stop_strings": "stop strings of one request",
+    "max_stop_string_bytes": "bytes of one stop string",
+    "max_stop_token_ids": "stop token ids of one request",
+    "max_waiting_requests": "requests queued for admission; more are refused with RESOURCE_EXHAUSTED",
+    "max_waiting_tokens": "prompt tokens queued for admission; more are refused with RESOURCE_EXHAUSTED",
+    "max_concurrent_streams": "open streams of all clients; more are refused with RESOURCE_EXHAUSTED",
+    "max_receive_message_bytes": "bytes of one request message",
+    "max_streams_per_connection": "open streams of one HTTP/2 connection (at most half of --max-concurrent-streams)",
+    "max_stream_backlog_tokens": "tokens a stream's client has not read before its sequence pauses",
+}
+
+
+def version() -> str:
+    """The installed package's version (the source tree's pyproject when run uninstalled)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("graphserve")
+    except PackageNotFoundError:
+        import tomllib
+
+        return tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["version"]
 
 
 def _env_argv(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> list[str]:
-    """Flags from GRAPHSERVE_* variables, placed before the command line so the command line wins."""
+    """Flags from GRAPHSERVE_* variables, placed before the command line so the command line wins. An
+    on/off flag takes true or false (GRAPHSERVE_WARM_START=false is --no-warm-start)."""
     argv: list[str] = []
     for action in parser._actions:  # noqa: SLF001 - argparse has no public walk of its actions
+        if isinstance(action, (_Refused, argparse._HelpAction, argparse._VersionAction)):  # noqa: SLF001
+            continue
         for flag in (s for s in action.option_strings if s.startswith("--")):  # aliases too
-            if flag == "--help" or flag in _SWITCHES.values():
-                continue
-            value = environ.get(ENV_PREFIX + flag[2:].replace("-", "_").upper())
+            negated = isinstance(action, argparse.BooleanOptionalAction) and flag.startswith("--no-")
+            value = None if negated else environ.get(ENV_PREFIX + flag[2:].replace("-", "_").upper())
             if value is None:
                 continue
-            if flag in _SWITCHES:
-                argv.append(flag if _bool(value) else _SWITCHES[flag])
+            if isinstance(action, argparse.BooleanOptionalAction):
+                argv.append(flag if _bool(value) else "--no-" + flag[2:])
+            elif action.nargs == 0:  # --enforce-eager
+                argv += [flag] if _bool(value) else []
             else:
                 argv += [flag, value]
     return argv
@@ -509,7 +588,11 @@ def _env_argv(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> li
 def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServeConfig:
     environ = os.environ if environ is None else environ
     parser = build_parser()
-    ns = parser.parse_args(_env_argv(parser, environ) + list(argv or []))
+    ns = parser.parse_intermixed_args(_env_argv(parser, environ) + list(argv or []))
+    if ns.model_arg is not None:
+        if "--model" in (argv or []) or any(a.startswith("--model=") for a in argv or []):
+            raise ConfigError(f"the model is given twice: as MODEL ({ns.model_arg}) and as --model: give one")
+        ns.model = ns.model_arg
     values = {f.name: getattr(ns, f.name) for f in fields(ServeConfig) if hasattr(ns, f.name)}
     if values.get("max_running_seqs") is None:
         values["max_running_seqs"] = default_max_running_seqs(values.get("device", "auto"))

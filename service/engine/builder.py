@@ -203,6 +203,7 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
     engine = Engine(lr.runner, scheduler, lr.loaded.tokenizer,
                     frozenset(lr.loaded.spec.eos_token_ids), publish=publish, observer=observer,
                     between_steps=between_steps, overlap=c.overlap_steps, constraints=lr.constraints)
+    engine.slow_step_s = c.slow_step_threshold_ms / 1000
     for graphs in caches:
         graphs.notify = engine.wake  # a finished capture is committed between steps, even when idle
         if graphs.config.inline_capture:  # every rank's steps stop for a capture: only when no request waits

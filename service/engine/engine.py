@@ -38,8 +38,9 @@ from service.engine.request import (
 from service.engine.scheduler import PrefillChunk, Scheduler
 from service.engine.sequence import Sequence, SequenceStatus
 
-# A step whose host work (schedule, launch, reading the tokens) took longer than this is logged.
-_SLOW_STEP_S = 0.1
+# A step whose host work (schedule, launch, reading the tokens) took longer than Engine.slow_step_s is
+# logged: the first at once, then at most one line per interval with the count and the slowest.
+SLOW_STEP_LOG_INTERVAL_S = 10.0
 log = structlog.get_logger("graphserve.engine")
 
 Sink = Callable[[RequestEvent], None]
@@ -142,6 +143,8 @@ class Engine:
         self.error: BaseException | None = None  # set when a step failed; the engine is then dead
         self.last_progress = time.monotonic()
         self._tokens_read_at: float | None = None  # the last step that delivered tokens (None: no stream since)
+        self.slow_step_s = 0.1  # --slow-step-threshold-ms; 0: never logged
+        self._slow_steps: tuple[int, dict[str, Any] | None, float] = (0, None, float("-inf"))  # count, slowest, logged at
 
     # ---- any thread ------------------------------------------------------------------------
 
@@ -363,11 +366,18 @@ class Engine:
             if launched.seqs:
                 self._tokens_read(time.monotonic())
         done = time.monotonic()
-        if done - started > _SLOW_STEP_S:  # what a stall was made of, for the operator
-            log.warning("slow_step", ms=round((done - started) * 1000, 1), schedule_ms=round((now - started) * 1000, 1),
-                        launch_ms=round((launched_at - now) * 1000, 1), read_ms=round((done - launched_at) * 1000, 1),
-                        decodes=len(batch.decodes), prompt_chunks=len(batch.prefills),
-                        prompt_tokens=sum(c.num_tokens for c in batch.prefills))
+        if self.slow_step_s and done - started > self.slow_step_s:  # what a stall was made of, for the operator
+            count, slowest, logged_at = self._slow_steps
+            if slowest is None or done - started > slowest["ms"] / 1000:
+                slowest = dict(ms=round((done - started) * 1000, 1), schedule_ms=round((now - started) * 1000, 1),
+                               launch_ms=round((launched_at - now) * 1000, 1), read_ms=round((done - launched_at) * 1000, 1),
+                               decodes=len(batch.decodes), prompt_chunks=len(batch.prefills),
+                               prompt_tokens=sum(c.num_tokens for c in batch.prefills))
+            if done - logged_at >= SLOW_STEP_LOG_INTERVAL_S:
+                log.warning("slow_step", slow_steps=count + 1, threshold_ms=round(self.slow_step_s * 1000, 1), **slowest)
+                self._slow_steps = (0, None, done)
+            else:
+                self._slow_steps = (count + 1, slowest, logged_at)
         self._publish_step(events)
         if not self.scheduler.num_running:
             self._tokens_read_at = None  # idle time is no stream's gap

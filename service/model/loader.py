@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from service.model import fp8, kv_quant
-from service.model.builtin import BUILTIN_PREFIX, ensure_builtin
+from service.model.builtin import BUILTIN_PREFIX, BUILTIN_SHAPES, ensure_builtin
 from service.model.llama import LlamaForCausalLM
 from service.model.parallel import TensorParallel, read_shard
 from service.model.spec import ModelLoadError, ModelSpec
@@ -176,3 +176,20 @@ def load_model(
         name=model, path=path, spec=spec, model=net, tokenizer=tokenizer, device=device, dtype=dtype,
         kv_dtype=kv_dtype, kv_scales=kv_scales,
     )
+
+
+def check_model(model: str, cache_dir: pathlib.Path | None = None) -> ModelSpec | None:
+    """What load_model would refuse before reading a weight: an unknown built-in name, a directory
+    without config.json, an architecture or config we do not serve, no tokenizer, no safetensors
+    weights. Raises ModelLoadError saying which. A built-in (None) is not generated here."""
+    if model.startswith(BUILTIN_PREFIX):
+        name = model[len(BUILTIN_PREFIX):]
+        if name not in BUILTIN_SHAPES:
+            raise ModelLoadError(f"unknown builtin model {name!r}; known: {', '.join(sorted(BUILTIN_SHAPES))}")
+        return None
+    path = _model_dir(model, cache_dir)
+    spec = _read_spec(path)
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        raise ModelLoadError(f"{path}: no tokenizer (expected one of {', '.join(_TOKENIZER_FILES)})")
+    _weight_files(path)
+    return spec

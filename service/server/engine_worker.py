@@ -73,7 +73,7 @@ class _Worker:
         self.engine: Any = None
         self.graphs: Any = None
         self.runner: Any = None  # LoadedRunner
-        self.metrics = EngineMetrics(model_name=spec.config.model_name)
+        self.metrics = EngineMetrics(model_name=spec.config.model_name, max_seq_len=spec.config.max_seq_len)
         self.received = 0
         self.received_tokens = 0
         self.replies = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphserve-reply")
@@ -128,6 +128,8 @@ class _Worker:
         self.runner = lr
         self.engine = new_engine(c, lr, publish=self.publish, observer=self.metrics)
         self.calls = EngineCalls(self.engine, lr, self.metric_families, reads=self.replies)
+        blocks = self.engine.scheduler.block_stats()
+        self.metrics.set_cache_config(blocks.block_size, c.kv_cache_dtype, c.prefix_caching, blocks.num_blocks)
         graphs.on_capture_stall = self.metrics.graph_capture_stall.observe
         caches = lr.runner.graph_caches
         self.metrics.capturing = lambda: any(cache.capturing for cache in caches)

@@ -21,7 +21,10 @@ def server_credentials(config: ServeConfig) -> grpc.ServerCredentials | None:
 def add_port(server: grpc.aio.Server, address: str, config: ServeConfig) -> int:
     """Bind address; returns the port (useful when the config asked for port 0)."""
     credentials = server_credentials(config)
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:  # grpcio raises where it used to return 0
+        port = 0
     if port == 0:
         raise SystemExit(f"could not bind {address}: is the port in use?")
     return port

@@ -17,7 +17,7 @@ import collections
 import time
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import Metric
 from prometheus_client.metrics import MetricWrapperBase
 
@@ -42,6 +42,19 @@ QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
                  10.0, 20.0, 40.0, 80.0, 160.0)
 
 
+
+
+def one_two_five(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's buckets of per-request token counts)."""
+    buckets, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > limit:
+                return tuple(buckets)
+            buckets.append(step * scale)
+        scale *= 10
+
+
 class StepHistogram(Histogram):
     """A Histogram that also observes one value many times in one call: a step's streams mostly saw
     the same inter-token gap, and one observation per token was the engine thread's largest metric
@@ -58,8 +71,12 @@ class StepHistogram(Histogram):
 class EngineMetrics:
     """The engine's metrics in a registry of their own; implements the EngineObserver protocol."""
 
-    def __init__(self, model_name: str = "") -> None:
-        """`model_name`: the served model, the model_name label of the vllm: series."""
+    def __init__(self, model_name: str = "", max_seq_len: int = 2048) -> None:
+        """`model_name`: the served model, the model_name label of the vllm: series; `max_seq_len` bounds
+        the buckets of the per-request token histograms."""
+        # prometheus-client's switch is process-wide: no family of this process exports _created samples
+        # (a gauge series per counter and histogram that nobody queries).
+        disable_created_metrics()
         self.registry = r = CollectorRegistry()
         self.requests = Counter("graphserve_requests", "Finished requests by finish reason.",
                                 ["finish_reason"], registry=r)
@@ -93,6 +110,11 @@ class EngineMetrics:
         # Whether a graph capture is in flight now (set by whoever owns the graph caches; engine thread).
         self.capturing: Callable[[], bool] = lambda: False
         self.prompt_tokens = Counter("graphserve_prompt_tokens", "Prompt tokens prefilled.", registry=r)
+        self.request_prompt_tokens = Histogram("graphserve_request_prompt_tokens", "Prompt tokens of each finished "
+                                               "sequence.", buckets=one_two_five(max_seq_len), registry=r)
+        self.request_generation_tokens = Histogram("graphserve_request_generation_tokens", "Completion tokens of "
+                                                   "each finished sequence.", buckets=one_two_five(max_seq_len),
+                                                   registry=r)
         self.generated_tokens = Counter("graphserve_generated_tokens", "Completion tokens sampled.", registry=r)
         self.stats_save_failures = Gauge("graphserve_graph_stats_save_failures",
                                          "Stats-file saves that failed since start.", registry=r)
@@ -120,7 +142,13 @@ class EngineMetrics:
         self.kv_cache_usage = 0.0  # fraction of the KV cache in use, 0..1
         # (running adapters, waiting adapters, adapter slots, time.time() of the update); None: adapters off
         self.lora_requests: tuple[tuple[str, ...], tuple[str, ...], int, float] | None = None
+        self.cache_config: dict[str, str] | None = None  # set once the KV cache is sized (set_cache_config)
         r.register(VllmCollector(self, model_name))
+
+    def set_cache_config(self, block_size: int, cache_dtype: str, enable_prefix_caching: bool, num_gpu_blocks: int) -> None:
+        """The KV cache as sized at start, for vllm:cache_config_info (vLLM's label names)."""
+        self.cache_config = {"block_size": str(block_size), "cache_dtype": cache_dtype,
+                             "enable_prefix_caching": str(enable_prefix_caching), "num_gpu_blocks": str(num_gpu_blocks)}
 
     def set_kv_cache_usage(self, used: int, total: int) -> None:
         """KV blocks held by requests of `total`."""
@@ -200,6 +228,8 @@ class EngineMetrics:
         self.requests.labels(finish.reason.value).inc()
         self.adapter_requests.labels(self.adapter_label(seq.request.adapter)).inc()
         self.duration.observe(finish.total_seconds)
+        self.request_prompt_tokens.observe(seq.num_prompt_tokens)
+        self.request_generation_tokens.observe(finish.completion_tokens)
         # The engine may report the last token after the finish: keep its time until on_tokens uses it.
         entry = self._last_token.get(seq.key)
         if entry is None or entry[1] >= finish.completion_tokens:

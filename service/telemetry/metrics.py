@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -129,6 +129,7 @@ class Metrics:
     """The gRPC process's metrics registry and its /metrics server."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        disable_created_metrics()  # process-wide: no _created samples (engine_metrics.EngineMetrics says why)
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.engine = EngineMetricsCollector()  # first: the families keep their order in the scrape

@@ -37,7 +37,10 @@ class EngineMetricsView(Protocol):
     prefix_queries: MetricWrapperBase
     prefix_hits: MetricWrapperBase
     preemptions: MetricWrapperBase
+    request_prompt_tokens: MetricWrapperBase
+    request_generation_tokens: MetricWrapperBase
     kv_cache_usage: float
+    cache_config: dict[str, str] | None
     lora_requests: tuple[tuple[str, ...], tuple[str, ...], int, float] | None
 
 
@@ -74,6 +77,9 @@ class VllmCollector:
              "Prefix cache queries, in terms of number of queried tokens.", None),
             (m.prefix_hits, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", None),
             (m.preemptions, "vllm:num_preemptions", "Cumulative number of preemption from the engine.", None),
+            (m.request_prompt_tokens, "vllm:request_prompt_tokens", "Number of prefill tokens processed.", None),
+            (m.request_generation_tokens, "vllm:request_generation_tokens", "Number of generation tokens processed.",
+             None),
         ]
 
     def collect(self) -> Iterator[Metric]:
@@ -84,6 +90,12 @@ class VllmCollector:
                                labels=list(self.labels))
         kv.add_metric(list(self.labels.values()), self.engine.kv_cache_usage)
         yield kv
+        cache = self.engine.cache_config
+        if cache is not None:  # as vLLM: the config in labels, the value 1
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                     labels=[*cache, "engine"])
+            info.add_metric([*cache.values(), ENGINE], 1.0)
+            yield info
         lora = self.engine.lora_requests
         if lora is not None:  # as in vLLM: only on a server with adapter slots
             running, waiting, max_lora, at = lora
@@ -94,7 +106,7 @@ class VllmCollector:
 
     def _renamed(self, family: Metric, name: str, documentation: str, relabel: Relabel | None) -> Metric:
         """`family` as `name`, its samples with vLLM's labels; samples that map to the same labels
-        are summed (counts) or take the earliest (`_created`)."""
+        are summed."""
         out = Metric(name, documentation, family.type)
         merged: dict[tuple[str, tuple[tuple[str, str], ...]], Sample] = {}
         for s in family.samples:
@@ -104,8 +116,6 @@ class VllmCollector:
             seen = merged.get(key)
             if seen is None:
                 merged[key] = s._replace(name=sample_name, labels=labels)
-            elif sample_name.endswith("_created"):
-                merged[key] = seen._replace(value=min(seen.value, s.value))
             else:
                 merged[key] = seen._replace(value=seen.value + s.value)
         out.samples = list(merged.values())

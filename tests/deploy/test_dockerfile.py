@@ -100,10 +100,20 @@ def test_runtime_environment():
     assert "GRAPHSERVE_MODEL_CACHE_DIR=/var/cache/graphserve" in env
 
 
-def test_torch_is_pinned():
-    text = DOCKERFILE.read_text()
-    assert re.search(r"ARG TORCH_VERSION=\d+\.\d+\.\d+", text)
-    assert '"torch==${TORCH_VERSION}"' in text
+def test_torch_is_pinned_for_each_flavor():
+    args = global_args()
+    for name in ("TORCH_CUDA_VERSION", "TORCH_CPU_VERSION"):
+        assert re.fullmatch(r"\d+\.\d+\.\d+", args[name]), f"ARG {name} must pin a release"
+
+
+def test_flavors_share_one_build_and_one_runtime():
+    """FLAVOR picks the base of both stages (the CUDA runtime or plain Ubuntu); everything else is one."""
+    args = global_args()
+    assert args["FLAVOR"] == "cuda"
+    bases = {rest.split()[-1].lower(): substitute(rest.split()[0], args) for rest in
+             (stage[0][1] for stage in stages()[1:]) if " AS " in rest.upper()}
+    assert {"base-cuda", "base-cpu"} <= set(bases)
+    assert bases["build"] == bases["runtime"] == "base-${FLAVOR}".replace("${FLAVOR}", args["FLAVOR"])
 
 
 def dockerignore_regex(pattern: str) -> re.Pattern[str]:

@@ -337,3 +337,5 @@ def test_cpu_dev_overlay_has_no_gpu(rendered):
     assert (f["--device"], f["--model"]) == ("cpu", "builtin:tiny")
     assert workload(docs)["spec"]["replicas"] == 1
     assert not [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+    assert c["image"].endswith("-cpu"), "the CPU image (docker build --build-arg FLAVOR=cpu), not the CUDA one"
+    assert not container(rendered["overlays/gpu"])["image"].endswith("-cpu")

@@ -4,8 +4,6 @@ client as users of an OpenAI-compatible endpoint would: what they get equals wha
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +20,7 @@ from transformers import AutoTokenizer
 from service.proto import inference_pb2 as pb
 from service.proto import inference_pb2_grpc
 from tests.support.gateway import Gateway, find_smg
-from tests.support.process import ServerProcess
+from tests.support.process import ServerProcess, kill_tree
 from tests.support.server import generate, generate_samples
 
 pytestmark = pytest.mark.skipif(find_smg() is None, reason="smg is not installed (the dev extra has it)")
@@ -56,16 +54,6 @@ def fleet(model_cache_dir, tmp_path_factory) -> Iterator[tuple[list[ServerProces
         gateway.close()
         for replica in replicas:
             replica.close()
-
-
-def kill_tree(pid: int) -> None:
-    children = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            children += [int(c) for c in f.read().split()]
-    for child in children:
-        os.kill(child, signal.SIGKILL)
-    os.kill(pid, signal.SIGKILL)
 
 
 def client(gateway: Gateway) -> openai.OpenAI:

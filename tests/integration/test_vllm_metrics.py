@@ -50,8 +50,8 @@ def test_counters_and_histograms_advance_by_what_the_clients_saw(model_cache_dir
     with running_server(["--model-cache-dir", str(model_cache_dir), "--max-seq-len", "256"]) as server:
         port, stub = server.app.metrics_port, server.stub()
         types, before = scrape(port)
-        # (prometheus-client's text format also writes each counter's and histogram's _created as a gauge)
-        assert {n: t for n, t in types.items() if n.startswith("vllm:") and not n.endswith("_created")} == {
+        assert not [n for n in types if n.endswith("_created")], "no _created series"
+        assert {n: t for n, t in types.items() if n.startswith("vllm:")} == {
             "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
             "vllm:kv_cache_usage_perc": "gauge",
             "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
@@ -59,7 +59,12 @@ def test_counters_and_histograms_advance_by_what_the_clients_saw(model_cache_dir
             "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_queue_time_seconds": "histogram",
             "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
             "vllm:num_preemptions": "counter",
+            "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
+            "vllm:cache_config_info": "gauge",
         }  # no adapter slots: no vllm:lora_requests_info, as in vLLM without LoRA
+        [(labels, value)] = [(dict(k[1]), v) for k, v in before.items() if k[0] == "vllm:cache_config_info"]
+        assert value == 1 and labels["block_size"] == "16" and labels["cache_dtype"] == "auto"
+        assert labels["enable_prefix_caching"] == "True" and int(labels["num_gpu_blocks"]) > 0 and labels["engine"] == "0"
         chunks, finished = generate(stub, **greedy("Once upon a time", 6))
         tokens = [t for c in chunks for t in c.token_ids]
         # The same prompt again, stopped by its third token: vLLM's "stop".
@@ -85,6 +90,10 @@ def test_counters_and_histograms_advance_by_what_the_clients_saw(model_cache_dir
     assert delta("vllm:e2e_request_latency_seconds_count") == 2
     assert delta("vllm:request_queue_time_seconds_count") == 2
     assert delta("vllm:inter_token_latency_seconds_count") == completion_tokens - 2
+    assert delta("vllm:request_prompt_tokens_sum") == prompt_tokens
+    assert delta("vllm:request_generation_tokens_sum") == completion_tokens
+    assert delta("vllm:request_generation_tokens_bucket", le="5.0") == 1  # the stopped one (3 tokens)
+    assert delta("vllm:request_generation_tokens_count") == 2
     # The vllm: series are the graphserve_ ones renamed: the same counts.
     assert vllm(after, "vllm:generation_tokens_total") == after[("graphserve_generated_tokens_total", ())]
     assert vllm(after, "vllm:num_requests_running") == 0

@@ -66,6 +66,16 @@ class ServerProcess:
             self._log.close()
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a server and its engine process, as a crash, a dying node or the OOM killer would."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    for child in [*children, pid]:
+        os.kill(child, signal.SIGKILL)
+
+
 def kill_mid_stream(channel: grpc.Channel, pid: int) -> tuple[grpc.RpcError, float]:
     """Start a long greedy stream, SIGKILL `pid` once tokens flow, read the stream to its end; returns
     the error it ended with and the seconds from the kill to that end."""

@@ -1,0 +1,102 @@
+"""Start-up checks of `graphserve serve` and `graphserve gateway`, before any process, port or model
+load starts: each problem is one line naming the flag, and the command exits 2.
+
+The cheap checks (ports, the model directory's files) run first; the architecture check reads the
+model's config.json through the model package (transformers: seconds), which the server imports
+next anyway.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import socket
+from pathlib import Path
+
+from service.config import ServeConfig
+
+
+def port_problem(flag: str, host: str, port: int) -> str | None:
+    """Why host:port cannot be bound now, or None. Bound as the servers bind it (address reuse on,
+    so a port left in TIME_WAIT by the last run is free)."""
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"{flag}: the host {host!r} does not resolve ({exc.strerror})"
+    for family, kind, proto, _, address in infos[:1]:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return f"{flag}: {host}:{port} is in use (another graphserve?); pick another port with {flag}"
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    return f"{flag}: {host} is not an address of this machine"
+                if exc.errno == errno.EACCES:
+                    return f"{flag}: binding port {port} needs privileges; pick a port above 1023"
+                return f"{flag}: cannot bind {host}:{port}: {exc.strerror}"
+    return None
+
+
+def port_problems(ports: list[tuple[str, str, int]]) -> list[str]:
+    """(flag, host, port) triples: each port free, none given twice."""
+    problems, seen = [], {}
+    for flag, host, port in ports:
+        if port and port in seen:
+            problems.append(f"{flag} {port} is also {seen[port]}: give each a port of its own")
+            continue
+        seen[port] = flag
+        problem = port_problem(flag, host, port)
+        if problem is not None:
+            problems.append(problem)
+    return problems
+
+
+def serve_ports(config: ServeConfig) -> list[tuple[str, str, int]]:
+    """The ports `graphserve serve` binds: gRPC, /metrics, and admin when a token opens it."""
+    ports = [("--port", config.host, config.port), ("--metrics-port", config.host, config.metrics_port)]
+    if config.admin_token:
+        ports.append(("--admin-port", config.admin_host, config.admin_port))
+    return ports
+
+
+def model_file_problem(model: str) -> str | None:
+    """A local model directory that cannot be one: seen without importing the model code."""
+    if model.startswith("builtin:"):
+        return None
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        return f"--model {model}: no such directory (a local Hugging Face directory, or builtin:<name>)"
+    config = path / "config.json"
+    if not config.is_file():
+        return f"--model {model}: no config.json in it (is it a Hugging Face model directory?)"
+    try:
+        json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        return f"--model {model}: config.json is not JSON ({exc})"
+    return None
+
+
+def model_problem(model: str, cache_dir: Path | None) -> str | None:
+    """The model package's verdict: architecture, config, tokenizer and weight files (none read)."""
+    from service.model.loader import check_model
+    from service.model.spec import ModelLoadError
+
+    try:
+        check_model(model, cache_dir)
+    except ModelLoadError as exc:
+        return f"--model {model}: {exc}"
+    return None
+
+
+def check_serve(config: ServeConfig) -> list[str]:
+    """Every start-up problem of `graphserve serve` with this config, one line each (empty: start)."""
+    problems = port_problems(serve_ports(config))
+    file_problem = model_file_problem(config.model)
+    if file_problem is not None:
+        return [*problems, file_problem]
+    model = model_problem(config.model, config.model_cache_dir)
+    return problems + ([model] if model else [])
