@@ -42,7 +42,7 @@ from service.engine.sampler import (
     token_logprobs,
     unpack_logprobs,
 )
-from service.engine.scheduler import PrefillChunk
+from service.engine.scheduled_step import PrefillChunk, ScheduledStep
 from service.engine.sequence import Sequence
 from service.engine.step_channel import StepInputs
 from service.model.device_copy import to_device
@@ -177,22 +177,21 @@ class ModelRunner:
         gc.freeze()
 
     @torch.inference_mode()
-    def step(self, decodes: list[Sequence], prefills: list[PrefillChunk]) -> list[int]:
+    def step(self, step: ScheduledStep) -> list[int]:
         """One engine step, launched and read back at once. Returns one token per sampling sequence
         (decodes, then the sequences whose prompt a chunk completes)."""
-        return self.collect(self.launch(decodes, prefills)).token_ids
+        return self.collect(self.launch(step)).token_ids
 
     @torch.inference_mode()
-    def launch(self, decodes: list[Sequence], prefills: list[PrefillChunk],
-               before_sampling: Callable[[], None] | None = None) -> LaunchedStep:
+    def launch(self, step: ScheduledStep, before_sampling: Callable[[], None] | None = None) -> LaunchedStep:
         """Queue one engine step on the device without waiting for it: one forward pass over the
         running decodes and the prompt chunks, then the sampling. A decode whose input token is still
         pending (sampled by the previous launch, not yet read by the host) takes it from that launch's
         device tokens. before_sampling runs between the two, while the device computes the forward
         pass (the engine reads the previous step there when grammar masks need its tokens)."""
-        assert decodes or prefills, "an empty step"
+        assert not step.empty, "an empty step"
         try:
-            tokens, sampling, logprobs, prompt = self.mixed(decodes, prefills, before_sampling)
+            tokens, sampling, logprobs, prompt = self.mixed(step, before_sampling)
             self.role.sampled(tokens)
         except Exception as exc:
             self.decode_rows.reset()  # its rows were not launched
@@ -230,19 +229,19 @@ class ModelRunner:
             logprobs = [None if k is None else next(rows) for k in ks]
         return StepTokens(ids, logprobs, () if launched.prompt is None else launched.prompt.unpack())
 
-    def mixed(self, decodes: list[Sequence], chunks: list[PrefillChunk],
-              before_sampling: Callable[[], None] | None = None
-              ) -> tuple[torch.Tensor, list[Sequence], torch.Tensor | None, PromptLogprobs | None]:
-        """Decodes and prompt chunks (or decodes alone) in one forward pass (one host->device copy of
-        the step's rows); returns a token for each sampling sequence (on device), the sequences (each
-        decode, then each chunk that completes its prompt), the packed log-probabilities of those
-        that asked for them (sampler.Sampled), and the prompt logprobs the chunks computed."""
+    def mixed(self, step: ScheduledStep, before_sampling: Callable[[], None] | None = None
+              ) -> tuple[torch.Tensor, tuple[Sequence, ...], torch.Tensor | None, PromptLogprobs | None]:
+        """The step's decodes and prompt chunks (or decodes alone) in one forward pass (one host->device
+        copy of its rows); returns a token for each sampling sequence (on device), the sequences
+        (step.sampling), the packed log-probabilities of those that asked for them (sampler.Sampled),
+        and the prompt logprobs the chunks computed."""
+        decodes, chunks = list(step.decodes), step.prefills
         rows, previous_tokens = self._previous
         # A row whose token is still in flight takes it from the previous launch's row on the device
         # (token id 0 here); rows that continue the last launch's are not rebuilt (decode_rows.py).
         d = self.decode_rows.build(decodes, rows)
         token_ids, positions, slots, pending_rows = d.token_ids, d.positions, d.slots, d.pending_rows
-        sampling = decodes + [c.seq for c in chunks if c.completes_prompt]
+        sampling = step.sampling
         lora_slots = None
         if any(s.lora_slot for s in decodes) or any(c.seq.lora_slot for c in chunks):
             lora_slots = [s.lora_slot for s in decodes] + [c.seq.lora_slot for c in chunks for _ in range(c.num_tokens)]
@@ -344,7 +343,7 @@ class ModelRunner:
         """The base graph cache, then the LoRA one when the server serves adapters."""
         return [self.graphs] + ([self.lora_graphs] if self.lora_graphs is not None else [])
 
-    def _sample_rows(self, seqs: list[Sequence]) -> list[SampleRow]:
+    def _sample_rows(self, seqs: tuple[Sequence, ...]) -> list[SampleRow]:
         rows = []
         for seq in seqs:
             request = seq.request
@@ -358,7 +357,7 @@ class ModelRunner:
             rows.append(SampleRow(request.sampling, counter, _slot(seq), banned))
         return rows
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[SampleRow] | None) -> Sampled:
+    def _sample(self, logits: torch.Tensor, seqs: tuple[Sequence, ...], rows: list[SampleRow] | None) -> Sampled:
         """rows None: every row is plain greedy (SamplingBatch.greedy)."""
         batch = SamplingBatch.greedy() if rows is None else SamplingBatch.build(rows, self.device)
         constrained = [b for b, seq in enumerate(seqs) if seq.matcher is not None]
@@ -366,7 +365,7 @@ class ModelRunner:
             batch.bitmask = self._masks(seqs, constrained)
         return sample(logits, batch, self._history)
 
-    def _masks(self, seqs: list[Sequence], constrained: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _masks(self, seqs: tuple[Sequence, ...], constrained: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The constrained rows and their grammar masks (copied to the device without a wait: the
         engine reads the step in flight before it samples a step with constrained rows, so every
         earlier step, and the copy from this buffer it made, is complete when it is refilled). A row

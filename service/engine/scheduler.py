@@ -25,52 +25,11 @@ import dataclasses
 import heapq
 import itertools
 import time
-from dataclasses import dataclass, field
 
 from service.engine.adapters import AdapterRegistry
 from service.engine.block_pool import ROOT, BlockPool, PoolStats, chain_hashes
+from service.engine.scheduled_step import PrefillChunk, ScheduledStep
 from service.engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass(frozen=True)
-class PrefillChunk:
-    """Prompt tokens [start, end) of one sequence, prefilled in this step."""
-
-    seq: Sequence
-    start: int
-    end: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-    @property
-    def completes_prompt(self) -> bool:
-        """The chunk holds the last token to prefill: the step samples the next completion token."""
-        return self.end == self.seq.prefill_len
-
-    def token_ids(self) -> list[int]:
-        return self.seq.token_ids(self.start, self.end)
-
-
-@dataclass
-class ScheduledBatch:
-    decodes: list[Sequence] = field(default_factory=list)  # running, with >= 1 completion token
-    prefills: list[PrefillChunk] = field(default_factory=list)  # prompt chunks, oldest prompt first
-
-    @property
-    def empty(self) -> bool:
-        return not self.prefills and not self.decodes
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
-
-    @property
-    def sampling(self) -> list[Sequence]:
-        """The sequences that get a token from this step, in the runner's order: decodes, then the
-        sequences whose prompt this step completes."""
-        return self.decodes + [c.seq for c in self.prefills if c.completes_prompt]
 
 
 class Scheduler:
@@ -183,7 +142,7 @@ class Scheduler:
         assert self._running.get(seq.slot) is seq, f"slot {seq.slot} is not held by {seq.request_id}"
         self._release(seq)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self) -> ScheduledStep:
         if self._aborted_running:
             for seq in self._aborted_running:
                 if seq.status is SequenceStatus.RUNNING:  # not finished since its abort
@@ -191,7 +150,6 @@ class Scheduler:
                     self._aborted.append(seq)
             self._aborted_running = []
 
-        batch = ScheduledBatch()
         preempted_before = self.num_preemptions
         # Slot order keeps rows stable between steps, which keeps copies into static buffers simple.
         # A sequence decodes once its first token exists (seen or in flight) and until max_tokens
@@ -199,7 +157,7 @@ class Scheduler:
         # sequences (the step's per-sequence work is the engine thread's largest part at 256 rows).
         running = self._running
         block_size = self.block_size
-        decodes = batch.decodes
+        decodes: list[Sequence] = []
         short = []  # decodes whose next position needs a new block
         for slot in sorted(running):
             seq = running[slot]
@@ -216,8 +174,9 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 self._reserve(seq, seq.next_position() + 1)
         if self.num_preemptions != preempted_before:
-            batch.decodes = decodes = [s for s in decodes if s.status is SequenceStatus.RUNNING]
-        budget = self.max_num_batched_tokens - len(batch.decodes)  # >= 1 whenever a prompt is unfinished
+            decodes = [s for s in decodes if s.status is SequenceStatus.RUNNING]
+        prefills: list[PrefillChunk] = []
+        budget = self.max_num_batched_tokens - len(decodes)  # >= 1 whenever a prompt is unfinished
 
         # Prompts already started go on first, oldest first; FIFO admission after them: a long prompt
         # is not skipped over, it takes what the budget leaves and continues next step. A sequence
@@ -227,7 +186,7 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.status is SequenceStatus.RUNNING:  # not preempted by an older one this step
-                budget -= self._add_chunk(batch, seq, budget)
+                budget -= self._add_chunk(prefills, seq, budget)
         now = time.monotonic()
         blocked: list[Sequence] = []  # waiting sequences that cannot run now, in arrival order
         # After a preemption this step admits nobody: the blocks just given back would let the preempted
@@ -259,35 +218,35 @@ class Scheduler:
             self._num_paused += seq.paused  # paused while it waited
             self._running[seq.slot] = seq
             self._prefilling.append(seq)
-            budget -= self._add_chunk(batch, seq, budget)  # its blocks are free (_admit_blocks)
+            budget -= self._add_chunk(prefills, seq, budget)  # its blocks are free (_admit_blocks)
         self._waiting.extendleft(reversed(blocked))
         self._prefilling = [seq for seq in self._prefilling if seq.num_unprefilled_tokens]
         if self.num_preemptions != preempted_before:  # one preempted after its chunk or decode was added leaves
-            batch.decodes = [s for s in batch.decodes if s.status is SequenceStatus.RUNNING]
-            batch.prefills = [c for c in batch.prefills if c.seq.status is SequenceStatus.RUNNING]
+            decodes = [s for s in decodes if s.status is SequenceStatus.RUNNING]
+            prefills = [c for c in prefills if c.seq.status is SequenceStatus.RUNNING]
         # What this step computes, and the full blocks it completes for the prefix cache (a decode
         # completes one every block_size steps: the cheap test first).
         caching = self.blocks.prefix_caching
-        for seq in batch.decodes:
+        for seq in decodes:
             seq.num_computed_tokens = computed = seq.next_position() + 1
             if caching and computed // block_size > seq.num_registered_blocks:
                 self._register_full_blocks(seq)
-        for chunk in batch.prefills:
+        for chunk in prefills:
             chunk.seq.num_computed_tokens = chunk.end
             self._register_full_blocks(chunk.seq)
         assert len(self._free_slots) + len(running) == self.max_running
-        return batch
+        return ScheduledStep(tuple(decodes), tuple(prefills))
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _add_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+    def _add_chunk(self, prefills: list[PrefillChunk], seq: Sequence, budget: int) -> int:
         """Schedule the next chunk of seq's prompt within budget and the blocks it needs; returns its
         token count (0 when seq itself was preempted for blocks)."""
         start = seq.num_prefilled_tokens
         end = min(seq.prefill_len, start + budget)
         if not self._reserve(seq, end):
             return 0
-        batch.prefills.append(PrefillChunk(seq, start, end))
+        prefills.append(PrefillChunk(seq, start, end))
         seq.num_prefilled_tokens = end
         return end - start
 

@@ -11,7 +11,7 @@ import torch
 from cache_manager import CudaGraphMode, GraphCacheConfig
 from service.engine.request import GenerationRequest, SamplingParams, StoppingParams
 from service.engine.runner import ModelRunner
-from service.engine.scheduler import PrefillChunk
+from service.engine.scheduled_step import PrefillChunk, ScheduledStep
 from service.engine.sequence import Sequence
 from service.model.kv_cache import KVCache
 from service.model.llama import LlamaForCausalLM
@@ -169,7 +169,7 @@ def test_runner_prefills_all_prompts_in_one_packed_call(model, monkeypatch):
     monkeypatch.setattr(runner.pieces, "hidden", lambda batch: calls.append(batch.size) or real(batch))
     monkeypatch.setattr(model, "prefill", lambda *a: pytest.fail("per-prompt prefill called"))
 
-    tokens = runner.step([], [PrefillChunk(seq, 0, seq.num_prompt_tokens) for seq in seqs])
+    tokens = runner.step(ScheduledStep(prefills=tuple(PrefillChunk(seq, 0, seq.num_prompt_tokens) for seq in seqs)))
     assert calls == [sum(LENS)]
     assert tokens == expected.argmax(dim=-1).tolist()
     got, want = runner.kv.slot_view(runner.kv.k[0]), kv_ref.slot_view(kv_ref.k[0])

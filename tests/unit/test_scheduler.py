@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from service.engine.block_pool import BlockPool
 from service.engine.request import GenerationRequest, SamplingParams, StoppingParams
-from service.engine.scheduler import PrefillChunk, ScheduledBatch, Scheduler
+from service.engine.scheduled_step import PrefillChunk, ScheduledStep
+from service.engine.scheduler import Scheduler
 from service.engine.sequence import Sequence, SequenceStatus
 
 
@@ -82,13 +83,13 @@ def test_admits_fifo_into_lowest_free_slots_up_to_max_running() -> None:
     for seq in seqs:
         sched.add(seq)
     batch = sched.schedule()
-    assert ids(batch.prefills) == ["r0", "r1"] and batch.decodes == []
+    assert ids(batch.prefills) == ["r0", "r1"] and batch.decodes == ()
     assert [c.seq.slot for c in batch.prefills] == [0, 1]
     assert all(c.seq.status is SequenceStatus.RUNNING and c.seq.scheduled_at is not None for c in batch.prefills)
     assert (sched.num_running, sched.num_waiting, sched.num_free_slots) == (2, 1, 0)
 
     # Prefilled sequences have their first token after the step: now they decode.
-    assert batch.sampling == seqs[:2]
+    assert batch.sampling == tuple(seqs[:2])
     sample(batch.sampling)
     sched.finish(seqs[0])
     assert seqs[0].status is SequenceStatus.FINISHED and seqs[0].slot is None
@@ -105,12 +106,12 @@ def test_token_budget_splits_prompts_into_chunks_across_steps() -> None:
     assert sched.waiting_prompt_tokens == 12
     batch = sched.schedule()
     assert chunks(batch.prefills) == [("r0", 0, 4), ("r1", 0, 4), ("r2", 0, 2)] and batch.num_tokens == 10
-    assert batch.sampling == seqs[:2]  # r2's prompt is not complete: no token for it yet
+    assert batch.sampling == tuple(seqs[:2])  # r2's prompt is not complete: no token for it yet
     assert sched.waiting_prompt_tokens == 0 and sched.num_running == 3
     sample(batch.sampling)
     batch = sched.schedule()
     assert ids(batch.decodes) == ["r0", "r1"] and chunks(batch.prefills) == [("r2", 2, 4)]
-    assert batch.sampling == seqs
+    assert batch.sampling == tuple(seqs)
 
 
 def test_long_prompt_is_served_in_chunks_beside_every_decode() -> None:
@@ -179,7 +180,7 @@ def test_abort_running_sequence_frees_slot_at_next_schedule() -> None:
     # The step in flight may still use the slot: nothing is freed before the step boundary.
     assert running.slot == 0 and sched.num_running == 1 and sched.take_aborted() == []
     batch = sched.schedule()
-    assert batch.decodes == [] and ids(batch.prefills) == ["wait"] and waiting.slot == 0
+    assert batch.decodes == () and ids(batch.prefills) == ["wait"] and waiting.slot == 0
     assert sched.take_aborted() == [running]
     assert running.slot is None and running.status is SequenceStatus.FINISHED
 
@@ -415,7 +416,7 @@ class SimEngine:
             assert self.sched.blocks.refs(block) == 1, f"{seq.request_id} writes shared block {block}"
             self.kv[(block, pos % self.bs)] = self._kv_of(seq, pos)
 
-    def step(self, read: bool = True) -> ScheduledBatch:
+    def step(self, read: bool = True) -> ScheduledStep:
         """Schedule and launch a step, then read the tokens of this one (or, with overlap, of the one
         before). read=False leaves them in self.unread for the caller to read."""
         sched = self.sched
@@ -427,7 +428,7 @@ class SimEngine:
         waiting = [s for s in self.seqs if s.status is SequenceStatus.WAITING]
         assert sched.num_waiting == len(waiting)
         assert sched.waiting_prompt_tokens == sum(s.num_prompt_tokens for s in waiting)
-        scheduled = batch.decodes + [c.seq for c in batch.prefills]
+        scheduled = [*batch.decodes, *(c.seq for c in batch.prefills)]
         assert len(set(scheduled)) == len(scheduled), f"a sequence is scheduled twice: {ids(scheduled)}"
         assert all(s.status is SequenceStatus.RUNNING and not s.aborted for s in scheduled)
         for seq in batch.decodes:
@@ -601,7 +602,7 @@ def test_a_prefix_hit_still_computes_the_last_prompt_token() -> None:
     batch = sched.schedule()
     # The second block is cached too, but its last token must be computed: its logits give the first
     # completion token. So only the first block is taken.
-    assert chunks(batch.prefills) == [("again", 16, 32)] and batch.sampling == [again]
+    assert chunks(batch.prefills) == [("again", 16, 32)] and batch.sampling == (again,)
     assert again.num_cached_tokens == 16 and again.num_prefilled_tokens == 32
     assert sched.block_stats().prefix_hits == 16
     # A one-token prompt, or any prompt within one block, has nothing to take.
