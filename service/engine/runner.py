@@ -1,11 +1,11 @@
 """The model runner: one device's step, the only code that touches the device.
 
-It owns the paged KV cache (and its block table, which it updates from the sequences' blocks
-before each step), the static decode inputs and the graph cache, and turns a scheduled step
-(decodes and prompt chunks) into one forward pass and one sampled token per sampling sequence. A
-uniform-decode step (every row one decode token) replays a full decode graph through the graph
-cache; a step with any prompt chunk runs the forward split at attention (service.model.pieces),
-replayed from piecewise graphs. With tensor parallelism every rank runs the same `forward`, and
+It owns the paged KV cache (and its block table, which each step's updates from the KV manager
+edit in place), the static decode inputs and the graph cache, and turns a scheduled step
+(service/engine/scheduled_step.py: decodes and prompt chunks) into one forward pass and one sampled
+token per sampling sequence. A uniform-decode step (every row one decode token) replays a full
+decode graph through the graph cache; a step with any prompt chunk runs the forward split at
+attention (service.model.pieces), replayed from piecewise graphs. With tensor parallelism every rank runs the same `forward`, and
 the runner's role (service/engine/roles.py) is what differs: the leader (rank 0) plans the step's
 graphs and sends the step to the other ranks, a follower replays what the leader planned.
 `launch` queues a step without waiting; `collect` is the step's one host sync (the token ids
@@ -261,7 +261,7 @@ class ModelRunner:
             len(sampling),
             lora_slots,
             None if prompt is None else [t for s, start, n in asked for t in s.request.prompt_token_ids[start + 1: start + 1 + n]],
-            table_updates=_table_updates(decodes + [c.seq for c in chunks]),
+            table_updates=step.table_updates,
         )
         logits, packed = self.forward(inputs, previous_tokens)
         if prompt is not None:
@@ -396,17 +396,6 @@ class ModelRunner:
         if self._history.owner[slot] != owner:
             assert not seq.num_pending, "a sequence's first sampling after admission has no token in flight"
             self._history.reset(slot, owner, seq.request.prompt_token_ids, seq.completion_token_ids)
-
-
-def _table_updates(seqs: list[Sequence]) -> list[tuple[int, int, list[int]]]:
-    """The block-table entries of the step's sequences not yet written: (slot, first entry, blocks)."""
-    updates = []
-    for seq in seqs:
-        have = seq.num_table_blocks
-        if len(seq.block_ids) > have:
-            updates.append((_slot(seq), have, seq.block_ids[have:]))
-            seq.num_table_blocks = len(seq.block_ids)
-    return updates
 
 
 def _prompt_logprob_rows(chunk: PrefillChunk) -> int:

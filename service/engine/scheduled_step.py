@@ -3,7 +3,8 @@ turns into its inputs and, through step_channel.StepInputs, every tensor-paralle
 
 Pure data (no torch). Rows are the decodes first (one token each, in slot order), then the prompt
 chunks (oldest prompt first); the sequences that sample a token are the decodes, then those whose
-prompt a chunk completes.
+prompt a chunk completes. The block-table updates are the KV manager's (service/engine/kv_manager.py):
+the rows' entries that the blocks allocated for this step changed.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from service.engine.sequence import Sequence
+
+# Block-table row `slot`'s entries [first, first + len(blocks)) become `blocks`.
+TableUpdate = tuple[int, int, tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class PrefillChunk:
 class ScheduledStep:
     decodes: tuple[Sequence, ...] = ()  # running, with >= 1 completion token (seen or in flight)
     prefills: tuple[PrefillChunk, ...] = ()  # prompt chunks, oldest prompt first
+    table_updates: tuple[TableUpdate, ...] = ()
     # The sequences that get a token from this step, in the order of its tokens: the decodes, then
     # those whose prompt this step completes (a chunk that leaves part of it for later samples nothing).
     sampling: tuple[Sequence, ...] = field(init=False)
