@@ -1,10 +1,11 @@
 """The per-step message of tensor parallelism: what rank 0 sends the other ranks before each step.
 
-`StepInputs` is everything a rank needs to run a step's forward (rank 0 alone knows the sequences),
-with the graph operations every rank runs before it and the graph the step replays (rank 0's graph
-cache decides both); `StepChannel` sends it with one broadcast of a fixed-size int64 host buffer
-over a gloo group, so no rank has to sync its device to read it (a step too long for the buffer,
-e.g. many prefix-cache hits at once, sends the rest in a second broadcast).
+`StepInputs` is everything a rank needs to run a step's forward (rank 0 alone knows the sequences:
+its runner's InputBatch builds it from the scheduled step), with the graph operations every rank
+runs before it and the graph the step replays (rank 0's graph cache decides both); `StepChannel`
+sends it with one broadcast of a fixed-size int64 host buffer over a gloo group, so no rank has to
+sync its device to read it (a step too long for the buffer, e.g. many prefix-cache hits at once,
+sends the rest in a second broadcast).
 """
 
 from __future__ import annotations

@@ -153,8 +153,8 @@ def test_outputs_match_without_overlap_and_alone(loaded: LoadedModel, stop_text:
     reqs = requests(loaded, stop_text)
     overlapped, engine, recorded = run(loaded, reqs, overlap=True)
     plain, _, _ = run(loaded, reqs, overlap=False)
-    # The overlapped run reused its decode rows from launch to launch (decode_rows.py) most of the time
-    assert recorded.runner.decode_rows.reused > 20
+    # The overlapped run reused its decode rows from launch to launch (input_batch.py) most of the time
+    assert recorded.runner.input_batch.reused > 20
     for r in reqs:
         alone, _, _ = run(loaded, [r], overlap=True)
         assert overlapped.summary(r.request_id) == plain.summary(r.request_id) == alone.summary(r.request_id), r
