@@ -35,7 +35,8 @@ from service.engine.request import (
     RequestEvent,
     StepTokens,
 )
-from service.engine.scheduler import PrefillChunk, Scheduler
+from service.engine.scheduled_step import ScheduledStep
+from service.engine.scheduler import Scheduler
 from service.engine.sequence import Sequence, SequenceStatus
 
 # A step whose host work (schedule, launch, reading the tokens) took longer than Engine.slow_step_s is
@@ -53,17 +54,16 @@ Publish = Callable[[list[tuple[Sink, RequestEvent]]], None]
 
 
 class Runner(Protocol):
-    def launch(self, decodes: list[Sequence], prefills: list[PrefillChunk],
-               before_sampling: Callable[[], None] | None = None) -> Any:
-        """Queue one forward pass over the decodes (one token each) and the prompt chunks; returns a
-        handle for `collect`. A decode may have a token pending from the previous launch: the
+    def launch(self, step: ScheduledStep, before_sampling: Callable[[], None] | None = None) -> Any:
+        """Queue one forward pass over the step's decodes (one token each) and prompt chunks; returns
+        a handle for `collect`. A decode may have a token pending from the previous launch: the
         runner feeds it on the device. before_sampling (given only while a constrained request
         runs) is called after the forward pass is queued and before the tokens are sampled."""
         ...
 
     def collect(self, launched: Any) -> StepTokens:
         """The launched step's sampled tokens: one per decode, then one per chunk that completes its
-        prompt (ScheduledBatch.sampling's order), with the log-probabilities rows asked for."""
+        prompt (ScheduledStep.sampling's order), with the log-probabilities rows asked for."""
         ...
 
     def take_failed_constraints(self) -> list[tuple[Sequence, str]]:
@@ -74,7 +74,7 @@ class Runner(Protocol):
 
 @dataclass
 class _InFlight:
-    seqs: list[Sequence]  # the sequences that sample, in the order of the launch's tokens
+    seqs: tuple[Sequence, ...]  # the sequences that sample, in the order of the launch's tokens
     launched: Any  # the runner's handle
 
 
@@ -332,14 +332,14 @@ class Engine:
         """Schedule and launch a step; then read and publish the tokens of the step launched before it
         (with overlap) or of this one (without)."""
         started = time.monotonic()
-        batch = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule()
         now = time.monotonic()
         events = self._step_events = []
         for seq in self.scheduler.take_aborted():
             events.append(self._finish(seq, None, now))
-        seqs = batch.sampling  # a chunk that leaves part of its prompt for later steps samples nothing
+        seqs = scheduled.sampling  # a chunk that leaves part of its prompt for later steps samples nothing
         launched = None
-        if not batch.empty:
+        if not scheduled.empty:
             # A step with constrained rows: their masks need the tokens in flight, so the step in
             # flight is read after this step's forward pass is queued and before its sampling (the
             # host's work still overlaps the device's forward pass).
@@ -351,9 +351,9 @@ class Engine:
                     if in_flight.seqs:
                         self._tokens_read(time.monotonic())
 
-                handle = self.runner.launch(batch.decodes, batch.prefills, before_sampling=read_in_flight)
+                handle = self.runner.launch(scheduled, before_sampling=read_in_flight)
             else:
-                handle = self.runner.launch(batch.decodes, batch.prefills)
+                handle = self.runner.launch(scheduled)
             launched = _InFlight(seqs, handle)
             self._fail_constraints(self.runner.take_failed_constraints(), now, events)
             for seq in seqs:
@@ -371,8 +371,8 @@ class Engine:
             if slowest is None or done - started > slowest["ms"] / 1000:
                 slowest = dict(ms=round((done - started) * 1000, 1), schedule_ms=round((now - started) * 1000, 1),
                                launch_ms=round((launched_at - now) * 1000, 1), read_ms=round((done - launched_at) * 1000, 1),
-                               decodes=len(batch.decodes), prompt_chunks=len(batch.prefills),
-                               prompt_tokens=sum(c.num_tokens for c in batch.prefills))
+                               decodes=len(scheduled.decodes), prompt_chunks=len(scheduled.prefills),
+                               prompt_tokens=sum(c.num_tokens for c in scheduled.prefills))
             if done - logged_at >= SLOW_STEP_LOG_INTERVAL_S:
                 log.warning("slow_step", slow_steps=count + 1, threshold_ms=round(self.slow_step_s * 1000, 1), **slowest)
                 self._slow_steps = (0, None, done)
@@ -381,11 +381,12 @@ class Engine:
         self._publish_step(events)
         if not self.scheduler.num_running:
             self._tokens_read_at = None  # idle time is no stream's gap
-        if not batch.empty or events:
+        if not scheduled.empty or events:
             self.last_progress = time.monotonic()
-        self._stalled = batch.empty and not events and self._in_flight is None
-        if self.observer is not None and (not batch.empty or events):
-            self.observer.on_step(self.scheduler.num_running, self.num_waiting, len(batch.decodes), len(batch.prefills))
+        self._stalled = scheduled.empty and not events and self._in_flight is None
+        if self.observer is not None and (not scheduled.empty or events):
+            self.observer.on_step(self.scheduler.num_running, self.num_waiting, len(scheduled.decodes),
+                                  len(scheduled.prefills))
 
     def _tokens_read(self, now: float) -> None:
         if self._tokens_read_at is not None and self.observer is not None:

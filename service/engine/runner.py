@@ -1,8 +1,9 @@
 """The model runner: one device's step, the only code that touches the device.
 
-It owns the paged KV cache (and its block table, which it updates from the sequences' blocks
-before each step), the static decode inputs and the graph cache, and turns a scheduled step
-(decodes and prompt chunks) into one forward pass and one sampled token per sampling sequence. A
+It owns the paged KV cache (and its block table, which each step's updates from the KV manager
+edit in place), the persistent input batch (service/engine/input_batch.py), the static decode
+inputs and the graph cache, and turns a scheduled step (service/engine/scheduled_step.py: decodes
+and prompt chunks) into one forward pass and one sampled token per sampling sequence. A
 uniform-decode step (every row one decode token) replays a full decode graph through the graph
 cache; a step with any prompt chunk runs the forward split at attention (service.model.pieces),
 replayed from piecewise graphs. With tensor parallelism every rank runs the same `forward`, and
@@ -25,8 +26,8 @@ import torch
 from cache_manager import Fingerprint, GraphBackend, GraphCache, GraphCacheConfig
 from cache_manager.sizes import FULL, PIECEWISE
 from service.engine.block_pool import BlockPool
-from service.engine.decode_rows import DecodeRows
 from service.engine.decode_step import LoraDecodeStep, ModelDecodeStep, fed_back
+from service.engine.input_batch import InputBatch, slot_of
 from service.engine.mask_fill import MaskFiller
 from service.engine.piecewise_step import LoraPiecewiseStep, PiecewiseStep
 from service.engine.rank_memory import RankMemory
@@ -42,7 +43,7 @@ from service.engine.sampler import (
     token_logprobs,
     unpack_logprobs,
 )
-from service.engine.scheduler import PrefillChunk
+from service.engine.scheduled_step import ScheduledStep
 from service.engine.sequence import Sequence
 from service.engine.step_channel import StepInputs
 from service.model.device_copy import to_device
@@ -130,9 +131,10 @@ class ModelRunner:
         self._failed_constraints: list[tuple[Sequence, str]] = []
         self._tokens_ready = (torch.cuda.Event(), torch.cuda.Event()) if on_cuda else None
         self._turn = 0
-        # The latest launch: each sequence's row in it and its sampled tokens (on device).
-        self._previous: tuple[dict[str, int], torch.Tensor] = ({}, torch.zeros(0, dtype=torch.long))
-        self.decode_rows = DecodeRows()  # the last launch's decode rows, reused while they continue
+        # The latest launch's sampled tokens (on device), which the next one's pending rows feed back,
+        # and the persistent batch that builds each launch's inputs (it keeps that launch's rows).
+        self._previous_tokens = torch.zeros(0, dtype=torch.long)
+        self.input_batch = InputBatch(adapters=self.lora is not None)
 
     def new_block_pool(self, prefix_caching: bool = True) -> BlockPool:
         """The scheduler's block pool over this runner's KV cache."""
@@ -177,31 +179,30 @@ class ModelRunner:
         gc.freeze()
 
     @torch.inference_mode()
-    def step(self, decodes: list[Sequence], prefills: list[PrefillChunk]) -> list[int]:
+    def step(self, step: ScheduledStep) -> list[int]:
         """One engine step, launched and read back at once. Returns one token per sampling sequence
         (decodes, then the sequences whose prompt a chunk completes)."""
-        return self.collect(self.launch(decodes, prefills)).token_ids
+        return self.collect(self.launch(step)).token_ids
 
     @torch.inference_mode()
-    def launch(self, decodes: list[Sequence], prefills: list[PrefillChunk],
-               before_sampling: Callable[[], None] | None = None) -> LaunchedStep:
+    def launch(self, step: ScheduledStep, before_sampling: Callable[[], None] | None = None) -> LaunchedStep:
         """Queue one engine step on the device without waiting for it: one forward pass over the
         running decodes and the prompt chunks, then the sampling. A decode whose input token is still
         pending (sampled by the previous launch, not yet read by the host) takes it from that launch's
         device tokens. before_sampling runs between the two, while the device computes the forward
         pass (the engine reads the previous step there when grammar masks need its tokens)."""
-        assert decodes or prefills, "an empty step"
+        assert not step.empty, "an empty step"
         try:
-            tokens, sampling, logprobs, prompt = self.mixed(decodes, prefills, before_sampling)
+            tokens, logprobs, prompt = self.mixed(step, before_sampling)
             self.role.sampled(tokens)
         except Exception as exc:
-            self.decode_rows.reset()  # its rows were not launched
+            self.input_batch.reset()  # its rows were not launched
             error = self.role.explain(exc)
             if error is exc:
                 raise
             raise error from exc
-        self._previous = {seq.key: row for row, seq in enumerate(sampling)}, tokens
-        logprob_ks = [s.request.sampling.logprobs for s in sampling] if logprobs is not None else None
+        self._previous_tokens = tokens
+        logprob_ks = [s.request.sampling.logprobs for s in step.sampling] if logprobs is not None else None
         if self._tokens_ready is None:
             return LaunchedStep(tokens, None, None, logprobs, logprob_ks, prompt)
         # Two pinned buffers and events in turn: the host reads launch t while launch t+1 is queued.
@@ -230,41 +231,19 @@ class ModelRunner:
             logprobs = [None if k is None else next(rows) for k in ks]
         return StepTokens(ids, logprobs, () if launched.prompt is None else launched.prompt.unpack())
 
-    def mixed(self, decodes: list[Sequence], chunks: list[PrefillChunk],
-              before_sampling: Callable[[], None] | None = None
-              ) -> tuple[torch.Tensor, list[Sequence], torch.Tensor | None, PromptLogprobs | None]:
-        """Decodes and prompt chunks (or decodes alone) in one forward pass (one host->device copy of
-        the step's rows); returns a token for each sampling sequence (on device), the sequences (each
-        decode, then each chunk that completes its prompt), the packed log-probabilities of those
-        that asked for them (sampler.Sampled), and the prompt logprobs the chunks computed."""
-        rows, previous_tokens = self._previous
-        # A row whose token is still in flight takes it from the previous launch's row on the device
-        # (token id 0 here); rows that continue the last launch's are not rebuilt (decode_rows.py).
-        d = self.decode_rows.build(decodes, rows)
-        token_ids, positions, slots, pending_rows = d.token_ids, d.positions, d.slots, d.pending_rows
-        sampling = decodes + [c.seq for c in chunks if c.completes_prompt]
-        lora_slots = None
-        if any(s.lora_slot for s in decodes) or any(c.seq.lora_slot for c in chunks):
-            lora_slots = [s.lora_slot for s in decodes] + [c.seq.lora_slot for c in chunks for _ in range(c.num_tokens)]
-        prompt_rows = [_prompt_logprob_rows(c) for c in chunks]
+    def mixed(self, step: ScheduledStep, before_sampling: Callable[[], None] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None, PromptLogprobs | None]:
+        """The step's decodes and prompt chunks (or decodes alone) in one forward pass (one host->device
+        copy of its rows); returns a token for each of step.sampling (on device), the packed
+        log-probabilities of those that asked for them (sampler.Sampled), and the prompt logprobs the
+        chunks computed."""
+        inputs = self.input_batch.build(step)
+        sampling = step.sampling
         prompt = None
-        if any(prompt_rows):
-            asked = [(c.seq, c.start, n) for c, n in zip(chunks, prompt_rows) if n]
-            prompt = PromptLogprobs([(s.key, start, n, s.request.sampling.prompt_logprobs) for s, start, n in asked])
-        for c in chunks:
-            token_ids += c.token_ids()
-        inputs = StepInputs(
-            token_ids,
-            positions,
-            slots,
-            [ChunkSpec(_slot(c.seq), c.start, c.num_tokens, c.completes_prompt, n) for c, n in zip(chunks, prompt_rows)],
-            pending_rows if max(pending_rows, default=-1) >= 0 else None,
-            len(sampling),
-            lora_slots,
-            None if prompt is None else [t for s, start, n in asked for t in s.request.prompt_token_ids[start + 1: start + 1 + n]],
-            table_updates=_table_updates(decodes + [c.seq for c in chunks]),
-        )
-        logits, packed = self.forward(inputs, previous_tokens)
+        if inputs.logprob_targets is not None:
+            prompt = PromptLogprobs([(c.seq.key, c.start, spec.logprob_rows, c.seq.request.sampling.prompt_logprobs)
+                                     for c, spec in zip(step.prefills, inputs.chunks) if spec.logprob_rows])
+        logits, packed = self.forward(inputs, self._previous_tokens)
         if prompt is not None:
             prompt.packed = packed
         # Before before_sampling: reading the step in flight may finish some of these sequences
@@ -273,9 +252,9 @@ class ModelRunner:
         if before_sampling is not None:
             before_sampling()
         if not sampling:  # every chunk leaves part of its prompt for a later step
-            return torch.zeros(0, dtype=torch.long, device=self.device), sampling, None, prompt
+            return torch.zeros(0, dtype=torch.long, device=self.device), None, prompt
         sampled = self._sample(logits, sampling, rows)
-        return sampled.tokens, sampling, sampled.logprobs, prompt
+        return sampled.tokens, sampled.logprobs, prompt
 
     def forward(self, inputs: StepInputs, previous_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's forward pass -> float32 logits of its sampling rows, and the packed prompt logprobs
@@ -344,7 +323,7 @@ class ModelRunner:
         """The base graph cache, then the LoRA one when the server serves adapters."""
         return [self.graphs] + ([self.lora_graphs] if self.lora_graphs is not None else [])
 
-    def _sample_rows(self, seqs: list[Sequence]) -> list[SampleRow]:
+    def _sample_rows(self, seqs: tuple[Sequence, ...]) -> list[SampleRow]:
         rows = []
         for seq in seqs:
             request = seq.request
@@ -355,10 +334,10 @@ class ModelRunner:
                 banned = p.stop_token_ids + (() if p.ignore_eos else self._eos_ids)
             if request.sampling.penalized:
                 self._track_history(seq)
-            rows.append(SampleRow(request.sampling, counter, _slot(seq), banned))
+            rows.append(SampleRow(request.sampling, counter, slot_of(seq), banned))
         return rows
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[SampleRow] | None) -> Sampled:
+    def _sample(self, logits: torch.Tensor, seqs: tuple[Sequence, ...], rows: list[SampleRow] | None) -> Sampled:
         """rows None: every row is plain greedy (SamplingBatch.greedy)."""
         batch = SamplingBatch.greedy() if rows is None else SamplingBatch.build(rows, self.device)
         constrained = [b for b, seq in enumerate(seqs) if seq.matcher is not None]
@@ -366,7 +345,7 @@ class ModelRunner:
             batch.bitmask = self._masks(seqs, constrained)
         return sample(logits, batch, self._history)
 
-    def _masks(self, seqs: list[Sequence], constrained: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _masks(self, seqs: tuple[Sequence, ...], constrained: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The constrained rows and their grammar masks (copied to the device without a wait: the
         engine reads the step in flight before it samples a step with constrained rows, so every
         earlier step, and the copy from this buffer it made, is complete when it is refilled). A row
@@ -393,39 +372,14 @@ class ModelRunner:
         if self._history is None:
             self._history = TokenHistory(self._history_rows, self.loaded.spec.vocab_size, self.device)
         owner = (seq.key, seq.admitted)
-        slot = _slot(seq)
+        slot = slot_of(seq)
         if self._history.owner[slot] != owner:
             assert not seq.num_pending, "a sequence's first sampling after admission has no token in flight"
             self._history.reset(slot, owner, seq.request.prompt_token_ids, seq.completion_token_ids)
 
 
-def _table_updates(seqs: list[Sequence]) -> list[tuple[int, int, list[int]]]:
-    """The block-table entries of the step's sequences not yet written: (slot, first entry, blocks)."""
-    updates = []
-    for seq in seqs:
-        have = seq.num_table_blocks
-        if len(seq.block_ids) > have:
-            updates.append((_slot(seq), have, seq.block_ids[have:]))
-            seq.num_table_blocks = len(seq.block_ids)
-    return updates
-
-
-def _prompt_logprob_rows(chunk: PrefillChunk) -> int:
-    """The chunk's rows that give prompt logprobs: those before the prompt's last token (whose logits
-    sample the first completion token)."""
-    seq = chunk.seq
-    if not seq.needs_prompt_logits:
-        return 0
-    return max(0, min(chunk.start + chunk.num_tokens, seq.num_prompt_tokens - 1) - chunk.start)
-
-
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-
-
-def _slot(seq: Sequence) -> int:
-    assert seq.slot is not None, f"{seq.request_id} holds no KV slot"
-    return seq.slot
 
 
 @dataclass

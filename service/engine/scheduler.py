@@ -8,69 +8,28 @@ is split over steps, oldest prompt first), then decodes one token per step until
 finish() or the client aborts. Only the chunk that completes a prompt samples a token (the first
 completion token).
 
-KV memory is paged (service/engine/block_pool.py): a sequence holds blocks for the positions it
-has scheduled and takes one more whenever a step crosses into a new block. At admission the
-longest cached prefix of its prompt (full blocks, never the last token) is taken from the prefix
-cache and not computed again. When a running sequence needs a block and none is free, the most
-recently admitted running sequence (a paused one first) is preempted: it gives its blocks back
-(its full blocks stay in the prefix cache) and waits at the front of the queue to recompute its KV, prompt and
-completion so far, then continues; its client sees only latency. Not thread-safe: only the engine
-thread calls it (the engine forwards aborts to its thread).
+KV memory is paged; the KV manager (service/engine/kv_manager.py) holds the books. A sequence holds
+blocks for the positions it has scheduled and takes one more whenever a step crosses into a new
+block; at admission it starts after the longest cached prefix of its prompt. When a running
+sequence needs a block and none is free, the most recently admitted running sequence (a paused one
+first) is preempted: it gives its blocks back and waits at the front of the queue to recompute its
+KV, prompt and completion so far, then continues; its client sees only latency. Each step is one
+immutable ScheduledStep (service/engine/scheduled_step.py). Not thread-safe: only the engine thread
+calls it (the engine forwards aborts to its thread).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import heapq
 import itertools
 import time
-from dataclasses import dataclass, field
 
 from service.engine.adapters import AdapterRegistry
-from service.engine.block_pool import ROOT, BlockPool, PoolStats, chain_hashes
+from service.engine.block_pool import BlockPool, PoolStats
+from service.engine.kv_manager import KVManager
+from service.engine.scheduled_step import PrefillChunk, ScheduledStep
 from service.engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass(frozen=True)
-class PrefillChunk:
-    """Prompt tokens [start, end) of one sequence, prefilled in this step."""
-
-    seq: Sequence
-    start: int
-    end: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-    @property
-    def completes_prompt(self) -> bool:
-        """The chunk holds the last token to prefill: the step samples the next completion token."""
-        return self.end == self.seq.prefill_len
-
-    def token_ids(self) -> list[int]:
-        return self.seq.token_ids(self.start, self.end)
-
-
-@dataclass
-class ScheduledBatch:
-    decodes: list[Sequence] = field(default_factory=list)  # running, with >= 1 completion token
-    prefills: list[PrefillChunk] = field(default_factory=list)  # prompt chunks, oldest prompt first
-
-    @property
-    def empty(self) -> bool:
-        return not self.prefills and not self.decodes
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
-
-    @property
-    def sampling(self) -> list[Sequence]:
-        """The sequences that get a token from this step, in the runner's order: decodes, then the
-        sequences whose prompt this step completes."""
-        return self.decodes + [c.seq for c in self.prefills if c.completes_prompt]
 
 
 class Scheduler:
@@ -90,8 +49,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         # A sequence with a LoRA adapter is admitted once its adapter has a device slot.
         self.adapters = adapters
-        self.blocks = blocks if blocks is not None else BlockPool(1 + max_running * 512, 16)
-        self.block_size = self.blocks.block_size
+        self.kv = KVManager(blocks if blocks is not None else BlockPool(1 + max_running * 512, 16), adapters)
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: dict[int, Sequence] = {}  # slot -> sequence
         self._prefilling: list[Sequence] = []  # running, prompt not fully scheduled; admission order
@@ -102,7 +60,6 @@ class Scheduler:
         self._waiting_prompt_tokens = 0
         self._num_paused = 0  # running sequences paused for back-pressure
         self._admissions = itertools.count(1)
-        self.num_preemptions = 0
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -122,13 +79,17 @@ class Scheduler:
     def waiting_prompt_tokens(self) -> int:
         return self._waiting_prompt_tokens
 
+    @property
+    def num_preemptions(self) -> int:
+        return self.kv.num_preemptions
+
     def block_stats(self) -> PoolStats:
-        """The block pool's counts with this scheduler's preemptions. Any thread may call it (reads)."""
-        return dataclasses.replace(self.blocks.stats(), preemptions=self.num_preemptions)
+        """The KV blocks' counts with the preemptions. Any thread may call it (reads)."""
+        return self.kv.stats()
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (the engine thread, between steps); False while requests hold blocks."""
-        return self.blocks.reset_prefix_cache()
+        return self.kv.reset_prefix_cache()
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._aborted or len(self._running) > self._num_paused)
@@ -183,7 +144,7 @@ class Scheduler:
         assert self._running.get(seq.slot) is seq, f"slot {seq.slot} is not held by {seq.request_id}"
         self._release(seq)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self) -> ScheduledStep:
         if self._aborted_running:
             for seq in self._aborted_running:
                 if seq.status is SequenceStatus.RUNNING:  # not finished since its abort
@@ -191,15 +152,15 @@ class Scheduler:
                     self._aborted.append(seq)
             self._aborted_running = []
 
-        batch = ScheduledBatch()
-        preempted_before = self.num_preemptions
+        kv = self.kv
+        preempted_before = kv.num_preemptions
         # Slot order keeps rows stable between steps, which keeps copies into static buffers simple.
         # A sequence decodes once its first token exists (seen or in flight) and until max_tokens
         # are sampled; the engine finishes it when it reads the last one. One pass over the running
         # sequences (the step's per-sequence work is the engine thread's largest part at 256 rows).
         running = self._running
-        block_size = self.block_size
-        decodes = batch.decodes
+        block_size = kv.block_size
+        decodes: list[Sequence] = []
         short = []  # decodes whose next position needs a new block
         for slot in sorted(running):
             seq = running[slot]
@@ -215,9 +176,10 @@ class Scheduler:
         for seq in sorted(short, key=lambda s: s.admitted):
             if seq.status is SequenceStatus.RUNNING:
                 self._reserve(seq, seq.next_position() + 1)
-        if self.num_preemptions != preempted_before:
-            batch.decodes = decodes = [s for s in decodes if s.status is SequenceStatus.RUNNING]
-        budget = self.max_num_batched_tokens - len(batch.decodes)  # >= 1 whenever a prompt is unfinished
+        if kv.num_preemptions != preempted_before:
+            decodes = [s for s in decodes if s.status is SequenceStatus.RUNNING]
+        prefills: list[PrefillChunk] = []
+        budget = self.max_num_batched_tokens - len(decodes)  # >= 1 whenever a prompt is unfinished
 
         # Prompts already started go on first, oldest first; FIFO admission after them: a long prompt
         # is not skipped over, it takes what the budget leaves and continues next step. A sequence
@@ -227,23 +189,27 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.status is SequenceStatus.RUNNING:  # not preempted by an older one this step
-                budget -= self._add_chunk(batch, seq, budget)
+                budget -= self._add_chunk(prefills, seq, budget)
         now = time.monotonic()
         blocked: list[Sequence] = []  # waiting sequences that cannot run now, in arrival order
         # After a preemption this step admits nobody: the blocks just given back would let the preempted
         # one (first in line) in again at once, only to be preempted at its next block.
-        while self._waiting and self._free_slots and budget > 0 and self.num_preemptions == preempted_before:
+        while self._waiting and self._free_slots and budget > 0 and kv.num_preemptions == preempted_before:
             seq = self._waiting.popleft()
             if seq.num_pending:  # preempted with a token in flight: admitted once the engine read it
                 blocked.append(seq)
                 continue
-            if self._waits_for_shared_prefill(seq):
-                self._waiting.appendleft(seq)  # FIFO: the rest waits this one step with it
+            # A prompt whose first block a prefilling sequence computes now waits a step, with everything
+            # behind it (admission stays FIFO), then takes that block from the prefix cache instead of
+            # computing it again: the n samples of one prompt, a burst with one system prompt.
+            if self._prefilling and kv.computes_first_block(seq, self._prefilling):
+                self._waiting.appendleft(seq)
                 break
             if not self._may_pass(blocked, seq) or not self._admit_adapter(seq):
                 blocked.append(seq)
                 continue
-            if not self._admit_blocks(seq, budget):
+            seq.prefill_len = seq.num_tokens  # the prompt; after a preemption the completion so far too
+            if not kv.admit(seq, budget, others_running=bool(running)):  # no preemption for a newcomer
                 self._release_adapter(seq)
                 self._waiting.appendleft(seq)  # FIFO: nothing behind it is admitted before it
                 break
@@ -251,58 +217,41 @@ class Scheduler:
                 for waiter in blocked:
                     waiter.num_passed += 1
             self._waiting_prompt_tokens -= seq.num_prompt_tokens
+            seq.num_prefilled_tokens = seq.num_computed_tokens  # after its cached prefix
             seq.slot = heapq.heappop(self._free_slots)
             seq.status = SequenceStatus.RUNNING
             seq.scheduled_at = seq.scheduled_at or now
             seq.admitted = next(self._admissions)
-            seq.num_table_blocks = 0
             self._num_paused += seq.paused  # paused while it waited
-            self._running[seq.slot] = seq
+            running[seq.slot] = seq
             self._prefilling.append(seq)
-            budget -= self._add_chunk(batch, seq, budget)  # its blocks are free (_admit_blocks)
+            budget -= self._add_chunk(prefills, seq, budget)  # its blocks are free (KVManager.admit)
         self._waiting.extendleft(reversed(blocked))
         self._prefilling = [seq for seq in self._prefilling if seq.num_unprefilled_tokens]
-        if self.num_preemptions != preempted_before:  # one preempted after its chunk or decode was added leaves
-            batch.decodes = [s for s in batch.decodes if s.status is SequenceStatus.RUNNING]
-            batch.prefills = [c for c in batch.prefills if c.seq.status is SequenceStatus.RUNNING]
-        # What this step computes, and the full blocks it completes for the prefix cache (a decode
-        # completes one every block_size steps: the cheap test first).
-        caching = self.blocks.prefix_caching
-        for seq in batch.decodes:
-            seq.num_computed_tokens = computed = seq.next_position() + 1
-            if caching and computed // block_size > seq.num_registered_blocks:
-                self._register_full_blocks(seq)
-        for chunk in batch.prefills:
-            chunk.seq.num_computed_tokens = chunk.end
-            self._register_full_blocks(chunk.seq)
+        if kv.num_preemptions != preempted_before:  # one preempted after its chunk or decode was added leaves
+            decodes = [s for s in decodes if s.status is SequenceStatus.RUNNING]
+            prefills = [c for c in prefills if c.seq.status is SequenceStatus.RUNNING]
+        kv.scheduled(decodes, prefills)
         assert len(self._free_slots) + len(running) == self.max_running
-        return batch
+        return ScheduledStep(tuple(decodes), tuple(prefills), kv.take_table_updates())
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _add_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+    def _add_chunk(self, prefills: list[PrefillChunk], seq: Sequence, budget: int) -> int:
         """Schedule the next chunk of seq's prompt within budget and the blocks it needs; returns its
         token count (0 when seq itself was preempted for blocks)."""
         start = seq.num_prefilled_tokens
         end = min(seq.prefill_len, start + budget)
         if not self._reserve(seq, end):
             return 0
-        batch.prefills.append(PrefillChunk(seq, start, end))
+        prefills.append(PrefillChunk(seq, start, end))
         seq.num_prefilled_tokens = end
         return end - start
-
-    def _blocks_needed(self, seq: Sequence, num_positions: int) -> int:
-        return max(0, -(-num_positions // self.block_size) - len(seq.block_ids))
 
     def _reserve(self, seq: Sequence, num_positions: int) -> bool:
         """Blocks for seq's positions [0, num_positions), preempting the newest running sequences
         while none is free. False when seq itself was the newest and was preempted."""
-        need = self._blocks_needed(seq, num_positions)
-        while need:
-            got = self.blocks.allocate(need)
-            if got is not None:
-                seq.block_ids += got
-                return True
+        while not self.kv.allocate(seq, num_positions):
             # A paused one first (its client reads nothing: its blocks hold up the others), else the newest.
             victim = max(self._running.values(), key=lambda s: (s.paused, s.admitted))
             self._preempt(victim)
@@ -310,71 +259,10 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_blocks(self, seq: Sequence, budget: int) -> bool:
-        """Take seq's cached prefix and check that the blocks of its first chunk are free (no preemption
-        for a newcomer); on success seq.num_prefilled_tokens starts after the cached prefix."""
-        seq.prefill_len = seq.num_tokens  # the prompt; after a preemption the completion so far too
-        self._extend_hashes(seq, seq.prefill_len)
-        # At least the last token is computed: it gives the logits the next token is sampled from.
-        cached = [] if seq.needs_prompt_logits else self.blocks.lookup(seq.block_hashes, (seq.prefill_len - 1) // self.block_size)
-        start = len(cached) * self.block_size
-        end = min(seq.prefill_len, start + budget)
-        # A newcomer leaves a few blocks free for the running ones' next decodes (1% of the pool), or
-        # it would be preempted as soon as one of them crosses into a new block.
-        watermark = -(-self.blocks.num_blocks // 100) if self._running else 0
-        if -(-end // self.block_size) - len(cached) + watermark > self.blocks.num_free:
-            self.blocks.free(cached)
-            return False
-        if not seq.num_preemptions:
-            self.blocks.count_query(seq.prefill_len, start)
-            seq.num_cached_tokens = start
-        seq.block_ids = cached
-        seq.num_registered_blocks = len(cached)
-        seq.num_prefilled_tokens = seq.num_computed_tokens = start
-        return True
-
-    def _waits_for_shared_prefill(self, seq: Sequence) -> bool:
-        """A prompt whose first block a prefilling sequence computes now (admitted this step, the
-        block not yet in the prefix cache) waits a step, with everything behind it (admission stays
-        FIFO), then takes the blocks that prefill registered instead of computing them again: the n
-        samples of one prompt, a burst with one system prompt."""
-        if (not self.blocks.prefix_caching or not self._prefilling or seq.num_tokens <= self.block_size
-                or seq.needs_prompt_logits):
-            return False
-        self._extend_hashes(seq, self.block_size)
-        first = seq.block_hashes[0]
-        return any(p.num_registered_blocks == 0 and p.block_hashes[:1] == [first] for p in self._prefilling)
-
-    def _extend_hashes(self, seq: Sequence, num_tokens: int) -> None:
-        """seq.block_hashes cover the full blocks of its first num_tokens known tokens."""
-        full = num_tokens // self.block_size
-        have = len(seq.block_hashes)
-        if self.blocks.prefix_caching and have < full:
-            seq.block_hashes += chain_hashes(seq.token_ids(0, full * self.block_size), self.block_size,
-                                             self._adapter_key(seq), seq.block_hashes[-1] if have else ROOT, have)
-
-    def _register_full_blocks(self, seq: Sequence) -> None:
-        """Register seq's full blocks whose KV launched steps compute and whose tokens are known."""
-        if not self.blocks.prefix_caching:
-            return
-        full = min(min(seq.num_computed_tokens, seq.num_tokens) // self.block_size, len(seq.block_ids))
-        if full <= seq.num_registered_blocks:
-            return
-        self._extend_hashes(seq, full * self.block_size)
-        for i in range(seq.num_registered_blocks, full):
-            self.blocks.register(seq.block_ids[i], seq.block_hashes[i])
-        seq.num_registered_blocks = full
-
-    def _adapter_key(self, seq: Sequence) -> str:
-        name = seq.request.adapter
-        return self.adapters.cache_key(name) if name and self.adapters is not None else name or ""
-
     def _preempt(self, seq: Sequence) -> None:
         """seq gives its row and blocks back and waits first in line to recompute its KV."""
         self._release(seq, preempted=True)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
         self._waiting.appendleft(seq)  # still in _by_key: _release keeps a preempted one there
         self._waiting_prompt_tokens += seq.num_prompt_tokens
 
@@ -416,11 +304,10 @@ class Scheduler:
         self._release_adapter(seq)
         if seq in self._prefilling:
             self._prefilling.remove(seq)
-        # Its full blocks stay findable in the prefix cache once free (a preempted sequence's own
-        # recompute hits them if they are still there).
-        self._register_full_blocks(seq)
-        self.blocks.free(seq.block_ids)
-        seq.block_ids = []
+        if preempted:
+            self.kv.preempt(seq)
+        else:
+            self.kv.free(seq)
         del self._running[seq.slot]
         self._num_paused -= seq.paused
         heapq.heappush(self._free_slots, seq.slot)
@@ -430,11 +317,11 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def check(self) -> None:
-        """The slot bookkeeping's invariants (tests; O(running) per call, kept off the step path)."""
+        """The slot bookkeeping's invariants, and the KV manager's (tests; kept off the step path)."""
         assert len(self._free_slots) + len(self._running) == self.max_running
         assert not set(self._free_slots) & set(self._running), "a slot is both free and used"
         assert len(set(self._free_slots)) == len(self._free_slots), "a slot is free twice"
         assert all(seq.slot == slot for slot, seq in self._running.items())
         assert all(self._running.get(seq.slot) is seq for seq in self._prefilling)
         assert self._num_paused == sum(seq.paused for seq in self._running.values())
-
+        self.kv.check(self._running.values())

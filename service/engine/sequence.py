@@ -1,4 +1,6 @@
-"""One request's mutable state inside the engine: status, KV slot and blocks, generated tokens, timing marks."""
+"""One request's state inside the engine, each piece with one writer: the scheduler (status, row,
+prefill progress), the KV manager (blocks, prefix hashes, computed positions, preemptions) and the
+engine's read path (tokens, what is in flight, the grammar's position)."""
 
 from __future__ import annotations
 
@@ -18,41 +20,46 @@ class SequenceStatus(enum.Enum):
 @dataclass(eq=False)  # identity semantics: two sequences are never "equal", and they stay hashable
 class Sequence:
     request: GenerationRequest
-    status: SequenceStatus = SequenceStatus.WAITING
-    slot: int | None = None  # the KV-cache slot, held only while RUNNING
-    completion_token_ids: list[int] = field(default_factory=list)
-    aborted: bool = False
-    scheduled_at: float | None = None  # time.monotonic() when admitted (prefill)
-    first_token_at: float | None = None  # time.monotonic() when the first completion token was sampled
     # The engine's name for this sequence: unique per submit, unlike the client's request id.
     key: str = ""
-    # Tokens sampled on the device by a step still in flight (0 or 1): the engine launches step t+1
-    # before it reads step t's tokens, so positions and sampling counters count them already.
-    num_pending: int = 0
-    # Prompt tokens already scheduled into the KV cache (by steps launched so far): the prefill's
-    # progress. A prompt longer than a step's token budget is prefilled in chunks over several steps.
-    num_prefilled_tokens: int = 0
+
+    # ---- the scheduler's (service/engine/scheduler.py) ----
+    status: SequenceStatus = SequenceStatus.WAITING
+    slot: int | None = None  # its row (of a step, of the block table), held only while RUNNING
+    aborted: bool = False
+    scheduled_at: float | None = None  # time.monotonic() when first admitted (prefill)
     # Back-pressure: its client has not read what was generated; it keeps its slot but is not scheduled.
     paused: bool = False
+    # Tokens to prefill before decoding: the prompt; after a preemption, every token known so far
+    # (the KV is recomputed). Set at each admission.
+    prefill_len: int = 0
+    # Of those, the tokens scheduled by steps launched so far: the prefill's progress. A prompt
+    # longer than a step's token budget is prefilled in chunks over several steps.
+    num_prefilled_tokens: int = 0
     # The device slot of the request's LoRA adapter while it runs (0: the base model).
     lora_slot: int = 0
     # Adapter requests admitted ahead of it while it waited for an adapter slot (see Scheduler).
     num_passed: int = 0
-    # Paged KV (service/engine/block_pool.py): the blocks holding positions [0, len * block_size),
-    # the hashes of its full blocks registered so far, and how many entries of its block-table row
-    # the runner has written (0 after each admission: a new row).
+    admitted: int = 0  # admission order (the scheduler's counter): the newest running is preempted first
+
+    # ---- the KV manager's (service/engine/kv_manager.py) ----
+    # The blocks holding positions [0, len * block_size) while RUNNING; the chained hashes of its
+    # full blocks (kept while it waits after a preemption), and how many of block_ids it offered to
+    # the prefix cache.
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
-    num_table_blocks: int = 0
-    num_registered_blocks: int = 0  # of block_ids, those offered to the prefix cache already
-    # Tokens to prefill before decoding: the prompt; after a preemption, every token known so far
-    # (the KV is recomputed). Set at each admission.
-    prefill_len: int = 0
+    num_registered_blocks: int = 0
     # KV positions [0, n) scheduled by steps launched so far (the prefill's progress, then each decode).
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     num_preemptions: int = 0
-    admitted: int = 0  # admission order (the scheduler's counter): the newest running is preempted first
+
+    # ---- the engine's read path (service/engine/engine.py, output.py) ----
+    completion_token_ids: list[int] = field(default_factory=list)
+    # Tokens sampled on the device by a step still in flight (0 or 1): the engine launches step t+1
+    # before it reads step t's tokens, so positions and sampling counters count them already.
+    num_pending: int = 0
+    first_token_at: float | None = None  # time.monotonic() when the first completion token was read
     # Structured output: the request's position in its grammar (service/engine/structured.Matcher),
     # advanced by each token the engine reads; the sampler masks the tokens it does not allow.
     matcher: Any = None

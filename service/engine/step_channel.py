@@ -1,10 +1,11 @@
 """The per-step message of tensor parallelism: what rank 0 sends the other ranks before each step.
 
-`StepInputs` is everything a rank needs to run a step's forward (rank 0 alone knows the sequences),
-with the graph operations every rank runs before it and the graph the step replays (rank 0's graph
-cache decides both); `StepChannel` sends it with one broadcast of a fixed-size int64 host buffer
-over a gloo group, so no rank has to sync its device to read it (a step too long for the buffer,
-e.g. many prefix-cache hits at once, sends the rest in a second broadcast).
+`StepInputs` is everything a rank needs to run a step's forward (rank 0 alone knows the sequences:
+its runner's InputBatch builds it from the scheduled step), with the graph operations every rank
+runs before it and the graph the step replays (rank 0's graph cache decides both); `StepChannel`
+sends it with one broadcast of a fixed-size int64 host buffer over a gloo group, so no rank has to
+sync its device to read it (a step too long for the buffer, e.g. many prefix-cache hits at once,
+sends the rest in a second broadcast).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from cache_manager import BatchDescriptor, CudaGraphMode
 from cache_manager.mirror import CAPTURE, RELEASE, GraphOp
+from service.engine.scheduled_step import TableUpdate
 from service.model.step_batch import ChunkSpec
 
 STOP, STEP, MORE_OPS = 0, 1, 2  # MORE_OPS: graph ops of the next message that did not fit in it
@@ -47,9 +49,9 @@ class StepInputs:
     # (or before nothing: `only_ops`), in order, and the graph the step replays (None: eager).
     graph_ops: list[GraphOp] = field(default_factory=list)
     replay: BatchDescriptor | None = None
-    # Block-table rows that changed since the last step: (slot, first entry, block ids); every rank
-    # applies them to its KV cache's table before the forward.
-    table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    # Block-table entries that the scheduled step's allocations changed (ScheduledStep.table_updates):
+    # every rank writes them into its KV cache's table before the forward.
+    table_updates: tuple[TableUpdate, ...] = ()
 
     @classmethod
     def only_ops(cls, ops: list[GraphOp]) -> StepInputs:
@@ -105,10 +107,10 @@ class StepInputs:
         updates = []
         while at < len(words):
             slot, first, count = words[at : at + 3]
-            updates.append((slot, first, words[at + 3 : at + 3 + count]))
+            updates.append((slot, first, tuple(words[at + 3 : at + 3 + count])))
             at += 3 + count
         return cls(token_ids, positions, slots, chunks, pending_rows, sampling, graph_ops=ops, replay=replay,
-                   table_updates=updates)
+                   table_updates=tuple(updates))
 
     @staticmethod
     def extra_words(buf: torch.Tensor) -> int:

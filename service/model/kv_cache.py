@@ -9,13 +9,16 @@ p % block_size). Row `scratch_slot` (the last) stays all null: warm-ups and padd
 The table lives on the device (graphs read it as a static input, never reallocated) with a host
 mirror that `set_blocks` edits; `sync_table` copies the mirror over before a step that needs it,
 from one of two pinned buffers in turn (the previous copy may still be queued). Which blocks a
-sequence holds is the block manager's business (service/engine/block_pool.py); this class owns the
-memory only. `dtype` is the model's (what attention computes in); `cache_dtype` what the blocks
-store: the model's dtype, or FP8 E4M3 with a scale per layer for keys and one for values
-(`scales`, service/model/kv_quant.py), which every writer and reader of the cache applies.
+sequence holds is the KV manager's business (service/engine/kv_manager.py): each step carries the
+entries its allocations changed, which the runner writes here; this class owns the memory only.
+`dtype` is the model's (what attention computes in); `cache_dtype` what the blocks store: the
+model's dtype, or FP8 E4M3 with a scale per layer for keys and one for values (`scales`,
+service/model/kv_quant.py), which every writer and reader of the cache applies.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -91,7 +94,7 @@ class KVCache:
 
     # ---- the block table -----------------------------------------------------------------
 
-    def set_blocks(self, slot: int, first: int, blocks: list[int]) -> None:
+    def set_blocks(self, slot: int, first: int, blocks: Sequence[int]) -> None:
         """Row `slot`'s entries [first, first + len(blocks)) become `blocks` (host mirror; see sync_table)."""
         assert 0 <= slot < self.num_slots, f"slot {slot} is not a sequence row"
         assert first + len(blocks) <= self.blocks_per_seq, "more blocks than max_seq_len needs"

@@ -95,7 +95,7 @@ def test_a_request_waiting_for_an_adapter_slot_does_not_block_those_behind_it() 
     assert s.num_waiting == 1
     s.finish(seqs[0])
     assert seqs[0].lora_slot == 0
-    assert s.schedule().prefills == []  # a's slot is still held by seqs[3]
+    assert s.schedule().prefills == ()  # a's slot is still held by seqs[3]
     s.finish(seqs[3])
     batch = s.schedule()
     assert [c.seq for c in batch.prefills] == [seqs[1]] and seqs[1].lora_slot == 1

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from cache_manager import CudaGraphMode, GraphCacheConfig
+from service.engine.kv_manager import KVManager
 from service.engine.request import GenerationRequest, SamplingParams
 from service.engine.runner import ModelRunner
-from service.engine.scheduler import PrefillChunk
+from service.engine.scheduled_step import PrefillChunk, ScheduledStep
 from service.engine.sequence import Sequence
 from service.model.kv_cache import KVCache
 from service.model.llama import LlamaForCausalLM
@@ -160,16 +161,18 @@ def test_runner_prefills_all_prompts_in_one_packed_call(model, monkeypatch):
         )
         for j, (p, slot) in enumerate(zip(ps, SLOTS))
     ]
-    pool = runner.new_block_pool()
+    kv = KVManager(runner.new_block_pool())
     for seq in seqs:  # what admission does: blocks for the prompt
-        seq.block_ids = pool.allocate(-(-seq.num_prompt_tokens // runner.kv.block_size))
+        assert kv.admit(seq, seq.num_prompt_tokens, others_running=False) and kv.allocate(seq, seq.num_prompt_tokens)
     expected, kv_ref = one_by_one(model, ps, SLOTS)
     calls = []
     real = runner.pieces.hidden
     monkeypatch.setattr(runner.pieces, "hidden", lambda batch: calls.append(batch.size) or real(batch))
     monkeypatch.setattr(model, "prefill", lambda *a: pytest.fail("per-prompt prefill called"))
 
-    tokens = runner.step([], [PrefillChunk(seq, 0, seq.num_prompt_tokens) for seq in seqs])
+    step = ScheduledStep(prefills=tuple(PrefillChunk(seq, 0, seq.num_prompt_tokens) for seq in seqs),
+                         table_updates=kv.take_table_updates())
+    tokens = runner.step(step)
     assert calls == [sum(LENS)]
     assert tokens == expected.argmax(dim=-1).tolist()
     got, want = runner.kv.slot_view(runner.kv.k[0]), kv_ref.slot_view(kv_ref.k[0])

@@ -52,10 +52,10 @@ def run(loaded: LoadedModel, reqs: list[GenerationRequest], budget: int,  # noqa
     steps: list[tuple[list[str], list[tuple[str, int, int]]]] = []
     launch = runner.launch
 
-    def record(decodes, prefills):  # noqa: ANN001, ANN202
-        steps.append(([s.request_id for s in decodes], [(c.seq.request_id, c.start, c.end) for c in prefills]))
-        assert len(decodes) + sum(c.num_tokens for c in prefills) <= budget
-        return launch(decodes, prefills)
+    def record(step):  # noqa: ANN001, ANN202
+        steps.append(([s.request_id for s in step.decodes], [(c.seq.request_id, c.start, c.end) for c in step.prefills]))
+        assert len(step.decodes) + sum(c.num_tokens for c in step.prefills) <= budget
+        return launch(step)
 
     runner.launch = record  # type: ignore[method-assign]
     runner.steps = steps  # type: ignore[attr-defined]

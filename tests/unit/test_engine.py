@@ -32,12 +32,12 @@ class ScriptedRunner:
         self.calls = 0
         self.fail_from_call: int | None = None
 
-    def launch(self, decodes, prefills) -> list[int]:  # noqa: ANN001
+    def launch(self, step) -> list[int]:  # noqa: ANN001
         self.gate.wait(10)
         self.calls += 1
         if self.fail_from_call is not None and self.calls >= self.fail_from_call:
             raise RuntimeError("scripted failure")
-        return [1] * (len(decodes) + sum(chunk.completes_prompt for chunk in prefills))
+        return [1] * (len(step.decodes) + sum(chunk.completes_prompt for chunk in step.prefills))
 
     def collect(self, launched: list[int]) -> StepTokens:
         return StepTokens(launched)

@@ -44,12 +44,12 @@ class RecordingRunner:
         self.rows: dict[str, int] = {}  # request id -> rows launched that sample a token for it
         self._launches = 0
 
-    def launch(self, decodes, prefills):  # noqa: ANN001, ANN201
+    def launch(self, step):  # noqa: ANN001, ANN201
         self._launches += 1
         self.log.append(("launch", self._launches))
-        for seq in decodes + [chunk.seq for chunk in prefills if chunk.completes_prompt]:
+        for seq in [*step.decodes, *(chunk.seq for chunk in step.prefills if chunk.completes_prompt)]:
             self.rows[seq.request_id] = self.rows.get(seq.request_id, 0) + 1
-        return self._launches, self.runner.launch(decodes, prefills)
+        return self._launches, self.runner.launch(step)
 
     def collect(self, launched) -> StepTokens:  # noqa: ANN001
         number, handle = launched
@@ -152,8 +152,8 @@ def test_outputs_match_without_overlap_and_alone(loaded: LoadedModel, stop_text:
     reqs = requests(loaded, stop_text)
     overlapped, engine, recorded = run(loaded, reqs, overlap=True)
     plain, _, _ = run(loaded, reqs, overlap=False)
-    # The overlapped run reused its decode rows from launch to launch (decode_rows.py) most of the time
-    assert recorded.runner.decode_rows.reused > 20
+    # The overlapped run reused its decode rows from launch to launch (input_batch.py) most of the time
+    assert recorded.runner.input_batch.reused > 20
     for r in reqs:
         alone, _, _ = run(loaded, [r], overlap=True)
         assert overlapped.summary(r.request_id) == plain.summary(r.request_id) == alone.summary(r.request_id), r
@@ -194,9 +194,9 @@ def test_abort_while_a_step_is_in_flight(loaded: LoadedModel, stop_text: str):
     launched = threading.Event()
     real_launch = runner.launch
 
-    def launch(decodes, prefills):  # noqa: ANN001, ANN202
-        handle = real_launch(decodes, prefills)
-        if any(s.request_id == aborted and s.num_completion_tokens >= 3 for s in decodes):
+    def launch(step):  # noqa: ANN001, ANN202
+        handle = real_launch(step)
+        if any(s.request_id == aborted and s.num_completion_tokens >= 3 for s in step.decodes):
             launched.set()
         return handle
 

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from service.engine.block_pool import BlockPool
 from service.engine.request import GenerationRequest, SamplingParams
-from service.engine.scheduler import PrefillChunk, ScheduledBatch, Scheduler
+from service.engine.scheduled_step import PrefillChunk, ScheduledStep
+from service.engine.scheduler import Scheduler
 from service.engine.sequence import Sequence, SequenceStatus
 
 
@@ -29,7 +30,7 @@ def check_blocks(sched: Scheduler, seqs: list[Sequence]) -> None:
     blocks once, and each block's refs count its holders; a block held by two sequences is a
     registered full block that both hold at the same index of their prefix, under the same hash."""
     sched.check()
-    pool = sched.blocks
+    pool = sched.kv.pool
     pool.check()
     holders: dict[int, list[tuple[Sequence, int]]] = {}
     for seq in seqs:
@@ -47,7 +48,7 @@ def check_blocks(sched: Scheduler, seqs: list[Sequence]) -> None:
             (_, i), digest = held[0], pool._hash_of.get(block)
             assert digest is not None, f"block {block} is shared but not registered"
             for seq, j in held:
-                assert j == i and (i + 1) * sched.block_size <= seq.num_computed_tokens, (seq.request_id, block)
+                assert j == i and (i + 1) * sched.kv.block_size <= seq.num_computed_tokens, (seq.request_id, block)
                 assert seq.block_hashes[i] == digest, f"{seq.request_id} shares block {block} under another hash"
     stats = pool.stats()
     assert stats.used == len(holders) and stats.used + stats.free == stats.num_blocks
@@ -81,13 +82,13 @@ def test_admits_fifo_into_lowest_free_slots_up_to_max_running() -> None:
     for seq in seqs:
         sched.add(seq)
     batch = sched.schedule()
-    assert ids(batch.prefills) == ["r0", "r1"] and batch.decodes == []
+    assert ids(batch.prefills) == ["r0", "r1"] and batch.decodes == ()
     assert [c.seq.slot for c in batch.prefills] == [0, 1]
     assert all(c.seq.status is SequenceStatus.RUNNING and c.seq.scheduled_at is not None for c in batch.prefills)
     assert (sched.num_running, sched.num_waiting, sched.num_free_slots) == (2, 1, 0)
 
     # Prefilled sequences have their first token after the step: now they decode.
-    assert batch.sampling == seqs[:2]
+    assert batch.sampling == tuple(seqs[:2])
     sample(batch.sampling)
     sched.finish(seqs[0])
     assert seqs[0].status is SequenceStatus.FINISHED and seqs[0].slot is None
@@ -104,12 +105,12 @@ def test_token_budget_splits_prompts_into_chunks_across_steps() -> None:
     assert sched.waiting_prompt_tokens == 12
     batch = sched.schedule()
     assert chunks(batch.prefills) == [("r0", 0, 4), ("r1", 0, 4), ("r2", 0, 2)] and batch.num_tokens == 10
-    assert batch.sampling == seqs[:2]  # r2's prompt is not complete: no token for it yet
+    assert batch.sampling == tuple(seqs[:2])  # r2's prompt is not complete: no token for it yet
     assert sched.waiting_prompt_tokens == 0 and sched.num_running == 3
     sample(batch.sampling)
     batch = sched.schedule()
     assert ids(batch.decodes) == ["r0", "r1"] and chunks(batch.prefills) == [("r2", 2, 4)]
-    assert batch.sampling == seqs
+    assert batch.sampling == tuple(seqs)
 
 
 def test_long_prompt_is_served_in_chunks_beside_every_decode() -> None:
@@ -178,7 +179,7 @@ def test_abort_running_sequence_frees_slot_at_next_schedule() -> None:
     # The step in flight may still use the slot: nothing is freed before the step boundary.
     assert running.slot == 0 and sched.num_running == 1 and sched.take_aborted() == []
     batch = sched.schedule()
-    assert batch.decodes == [] and ids(batch.prefills) == ["wait"] and waiting.slot == 0
+    assert batch.decodes == () and ids(batch.prefills) == ["wait"] and waiting.slot == 0
     assert sched.take_aborted() == [running]
     assert running.slot is None and running.status is SequenceStatus.FINISHED
 
@@ -250,7 +251,7 @@ def test_random_operations_keep_slots_consistent(ops: list[tuple[str, int, int]]
             if rid not in prefilled:  # admitted: the first chunk starts after the cached prefix
                 admitted.append(rid)
                 cached = c.seq.num_cached_tokens
-                assert c.start == cached and cached % sched.block_size == 0 and cached < c.seq.num_prompt_tokens
+                assert c.start == cached and cached % sched.kv.block_size == 0 and cached < c.seq.num_prompt_tokens
                 assert c.token_ids() == c.seq.request.prompt_token_ids[c.start:c.end]
             assert c.start == prefilled.get(rid, c.start) and c.end > c.start  # contiguous, in order
             prefilled[rid] = c.end
@@ -295,7 +296,7 @@ def test_random_operations_keep_slots_consistent(ops: list[tuple[str, int, int]]
     assert sorted(ended) == sorted(added) and len(set(ended)) == len(ended)
     assert sched.num_free_slots == max_running
     check_blocks(sched, seqs)
-    assert sched.blocks.stats().used == 0 and sched.num_preemptions == 0  # the default pool is ample
+    assert sched.kv.pool.stats().used == 0 and sched.num_preemptions == 0  # the default pool is ample
     assert all(prefilled[s.request_id] == s.num_prompt_tokens for s in seqs if not s.aborted)
 
 
@@ -377,10 +378,11 @@ class SimEngine:
 
     def __init__(self, sched: Scheduler, overlap: bool = False) -> None:
         self.sched, self.overlap = sched, overlap
-        self.bs = sched.block_size
+        self.bs = sched.kv.block_size
         self.seqs: list[Sequence] = []
         self.device: dict[Sequence, list[int]] = {}  # every token sampled on the device, read or not
         self.kv: dict[tuple[int, int], tuple[str, tuple[int, ...]]] = {}  # (block, offset) -> its KV
+        self.table: dict[int, list[int]] = {}  # the runner's block table, from the steps' updates: slot -> row
         self.in_flight: list[Sequence] = []
         self.unread: list[Sequence] = []
         self.finished: list[Sequence] = []
@@ -401,7 +403,7 @@ class SimEngine:
         return seq.request.prompt_token_ids + self.device[seq]
 
     def _kv_of(self, seq: Sequence, pos: int) -> tuple[str, tuple[int, ...]]:
-        return (self.sched._adapter_key(seq), tuple(self._tokens(seq)[: pos + 1]))
+        return (self.sched.kv.adapter_key(seq), tuple(self._tokens(seq)[: pos + 1]))
 
     def _compute(self, seq: Sequence, start: int, end: int) -> None:
         """A step computes positions [start, end) of seq, attending to [0, end)."""
@@ -411,10 +413,10 @@ class SimEngine:
             assert self.kv.get(slot) == self._kv_of(seq, pos), f"{seq.request_id} reads wrong KV at {pos}"
         for pos in range(start, end):
             block = seq.block_ids[pos // self.bs]
-            assert self.sched.blocks.refs(block) == 1, f"{seq.request_id} writes shared block {block}"
+            assert self.sched.kv.pool.refs(block) == 1, f"{seq.request_id} writes shared block {block}"
             self.kv[(block, pos % self.bs)] = self._kv_of(seq, pos)
 
-    def step(self, read: bool = True) -> ScheduledBatch:
+    def step(self, read: bool = True) -> ScheduledStep:
         """Schedule and launch a step, then read the tokens of this one (or, with overlap, of the one
         before). read=False leaves them in self.unread for the caller to read."""
         sched = self.sched
@@ -426,9 +428,16 @@ class SimEngine:
         waiting = [s for s in self.seqs if s.status is SequenceStatus.WAITING]
         assert sched.num_waiting == len(waiting)
         assert sched.waiting_prompt_tokens == sum(s.num_prompt_tokens for s in waiting)
-        scheduled = batch.decodes + [c.seq for c in batch.prefills]
+        scheduled = [*batch.decodes, *(c.seq for c in batch.prefills)]
         assert len(set(scheduled)) == len(scheduled), f"a sequence is scheduled twice: {ids(scheduled)}"
         assert all(s.status is SequenceStatus.RUNNING and not s.aborted for s in scheduled)
+        for slot, first, blocks in batch.table_updates:  # what the runner writes into its table
+            row = self.table.setdefault(slot, [])
+            assert first <= len(row), f"row {slot}: entries from {first} but {len(row)} written"
+            row[first: first + len(blocks)] = blocks
+        for seq in scheduled:  # the step reads each sequence's KV through its table row
+            row = self.table.get(seq.slot, [])
+            assert row[: len(seq.block_ids)] == seq.block_ids, f"{seq.request_id}: row {row}, blocks {seq.block_ids}"
         for seq in batch.decodes:
             pos = seq.next_position()
             assert len(seq.block_ids) * self.bs > pos, f"{seq.request_id} decodes {pos} without a block"
@@ -548,7 +557,7 @@ def test_random_operations_on_a_small_pool_finish_every_request(data: st.DataObj
         if seq in sim.finished and seq not in sim.stop:
             assert seq.num_completion_tokens == seq.request.sampling.max_tokens, seq.request_id
     check_blocks(sched, sim.seqs)
-    stats = sched.blocks.stats()
+    stats = sched.kv.pool.stats()
     assert stats.used == 0 and stats.free == num_blocks - 1
     assert sched.adapters.running == 0  # type: ignore[union-attr]
     if not prefix_caching:
@@ -580,7 +589,7 @@ def test_a_prefix_hit_skips_the_cached_blocks() -> None:
     # One that shares only the first block takes only that one.
     third = make_seq("third", prompt=prompt[:16] + [1] * 24)
     assert chunks(run_prompt(sched, third)) == [("third", 16, 40)] and third.num_cached_tokens == 16
-    assert third.block_ids[0] == first.block_ids[0] and sched.blocks.refs(first.block_ids[0]) == 3
+    assert third.block_ids[0] == first.block_ids[0] and sched.kv.pool.refs(first.block_ids[0]) == 3
     stats = sched.block_stats()
     assert (stats.prefix_queries, stats.prefix_hits) == (120, 48) and stats.hit_rate == pytest.approx(0.4)
     check_blocks(sched, [first, second, third])
@@ -600,7 +609,7 @@ def test_a_prefix_hit_still_computes_the_last_prompt_token() -> None:
     batch = sched.schedule()
     # The second block is cached too, but its last token must be computed: its logits give the first
     # completion token. So only the first block is taken.
-    assert chunks(batch.prefills) == [("again", 16, 32)] and batch.sampling == [again]
+    assert chunks(batch.prefills) == [("again", 16, 32)] and batch.sampling == (again,)
     assert again.num_cached_tokens == 16 and again.num_prefilled_tokens == 32
     assert sched.block_stats().prefix_hits == 16
     # A one-token prompt, or any prompt within one block, has nothing to take.
@@ -738,7 +747,7 @@ def test_running_out_of_blocks_preempts_the_newest_which_recomputes_and_complete
     assert [t for c in redone for t in c.token_ids()] == (new.request.prompt_token_ids
                                                          + new.completion_token_ids)[start:end]
     assert sched.block_stats().used == 0
-    sched.blocks.check()
+    sched.kv.pool.check()
 
 
 def test_a_sequence_preempted_with_a_token_in_flight_waits_until_it_is_read() -> None:
@@ -760,7 +769,7 @@ def test_a_sequence_preempted_with_a_token_in_flight_waits_until_it_is_read() ->
     # ... nor in a later one while the token is unread, though every block, row and token is free then
     # (`old` stops: the engine finishes it).
     sched.finish(old)
-    assert sched.blocks.num_free == 4 and sched.num_free_slots == 2
+    assert sched.kv.pool.num_free == 4 and sched.num_free_slots == 2
     assert sched.schedule().empty and new.status is SequenceStatus.WAITING and sched.has_work()
     known = new.num_completion_tokens
     sim.read(sim.unread)  # the engine reads the token: the waiting sequence keeps it

@@ -1,14 +1,17 @@
-"""The persistent decode rows: whatever the engine does between launches (sequences joining after
-their prompt, finishing, preempted, reordered, tokens read early), each launch's rows equal the rows
-built from the sequences themselves."""
+"""The persistent input batch's decode rows: whatever the engine does between launches (sequences
+joining after their prompt, finishing, preempted, reordered, tokens read early), each launch's rows
+equal the rows built from the sequences themselves."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.engine.decode_rows import DecodeRows, rebuild
+from service.engine.input_batch import DecodeRowInputs, InputBatch, rebuild
 from service.engine.request import GenerationRequest, SamplingParams
+from service.engine.scheduled_step import PrefillChunk, ScheduledStep
 from service.engine.sequence import Sequence, SequenceStatus
 
 OPS = st.sampled_from(["step", "step", "step", "step", "join", "finish", "preempt", "swap", "drain"])
@@ -19,14 +22,22 @@ def _seq(i: int, slot: int) -> Sequence:
     return Sequence(request, status=SequenceStatus.RUNNING, slot=slot)
 
 
+def build(batch: InputBatch, decodes: list[Sequence], prefilling: Iterable[Sequence] = ()) -> DecodeRowInputs:
+    """A launch of the decodes and of a prompt chunk completing each prefilling prompt: its decode rows."""
+    step = ScheduledStep(tuple(decodes), tuple(PrefillChunk(s, 0, s.prefill_len) for s in prefilling))
+    inputs = batch.build(step)
+    d = len(decodes)
+    return DecodeRowInputs(inputs.token_ids[:d], inputs.positions, inputs.slots, inputs.pending_rows or [-1] * d)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(OPS, min_size=1, max_size=60), st.integers(0, 2**16))
 def test_reused_rows_equal_rows_rebuilt_from_the_sequences(ops: list[str], seed: int) -> None:
     import random
 
     rng = random.Random(seed)
-    rows, decodes, prefilling = DecodeRows(), [], []  # prefilling: a prompt chunk in the next launch
-    previous: dict[str, int] = {}  # the last launch's sampling row of each key
+    rows, decodes, prefilling = InputBatch(), [], []  # prefilling: a prompt chunk in the next launch
+    previous: tuple[Sequence, ...] = ()  # the last launch's sampling order
     made = 0
     for op in ops:
         if op == "join" or not decodes and not prefilling:
@@ -47,10 +58,10 @@ def test_reused_rows_equal_rows_rebuilt_from_the_sequences(ops: list[str], seed:
                     s.num_pending = 0
                     s.completion_token_ids.append(7)
         # A launch: its decodes, then the prompt chunks that complete (each samples a first token).
-        expected = rebuild(decodes, previous)
-        assert rows.build(decodes, previous) == expected
+        expected = rebuild(tuple(decodes), previous)
+        assert build(rows, decodes, prefilling) == expected
         sampling = decodes + prefilling
-        previous = {s.key: r for r, s in enumerate(sampling)}
+        previous = tuple(sampling)
         for s in decodes:  # this launch's token is in flight; the last launch's is read now
             if s.num_pending:
                 s.completion_token_ids.append(5)
@@ -63,13 +74,13 @@ def test_reused_rows_equal_rows_rebuilt_from_the_sequences(ops: list[str], seed:
 
 def test_steady_decoding_reuses_the_rows_and_advances_them() -> None:
     seqs = [_seq(i, slot=i) for i in range(3)]
-    rows = DecodeRows()
-    previous: dict[str, int] = {}
+    rows = InputBatch()
+    previous: tuple[Sequence, ...] = ()
     for step in range(10):
-        built = rows.build(seqs, previous)
-        assert built == rebuild(seqs, previous)
+        built = build(rows, seqs)
+        assert built == rebuild(tuple(seqs), previous)
         assert built.positions == [s.num_prompt_tokens - 1 + step for s in seqs]  # one further per launch
-        previous = {s.key: r for r, s in enumerate(seqs)}
+        previous = tuple(seqs)
         for s in seqs:
             if s.num_pending:
                 s.completion_token_ids.append(5)
