@@ -15,9 +15,9 @@ from tests.unit.test_engine import Collector, LetterTokenizer, ScriptedRunner, r
 
 
 class SlowRunner(ScriptedRunner):
-    def launch(self, decodes, prefills) -> list[int]:  # noqa: ANN001
+    def launch(self, step) -> list[int]:  # noqa: ANN001
         time.sleep(0.003)
-        return super().launch(decodes, prefills)
+        return super().launch(step)
 
 
 def slow_step_lines(threshold_s: float, steps: int = 20) -> list[dict]:
