@@ -18,7 +18,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from cache_manager.sizes import CudaGraphMode, GraphFamily
 from service.engine.adapters import AdaptersOff
 from service.server.engine_messages import (
     Capture,
@@ -99,6 +98,8 @@ class EngineCalls:
 
     def _sizes_op(self, call: Capture | Evict) -> Future:
         """Capture or evict: queued for the capture thread, never waited for here."""
+        from cache_manager.sizes import CudaGraphMode, GraphFamily  # torch: imported with the model, not before
+
         graphs = self.lr.graphs
         if call.lora and not graphs.has_lora:  # the graphs of steps with adapter rows
             raise ValueError("this server has no adapter slots (start with --max-loras or --lora-modules)")
