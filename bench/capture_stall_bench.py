@@ -34,7 +34,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench.common import add_model_arguments, percentile, print_table, write_result
 from bench.decode_bench import load, make_step
-from cache_manager import Fingerprint, GraphCache, GraphCacheConfig, default_capture_sizes
+from cache_manager import EngineHooks, Fingerprint, GraphCache, GraphCacheConfig, default_capture_sizes
 from service.server.gil import shorten_switch_interval
 
 
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     def new_cache(budget: Any = "20GiB") -> tuple[GraphCache, list[float]]:
         stalls: list[float] = []
         cfg = GraphCacheConfig("full", sizes, args.max_batch, memory_budget=budget, warm_start=False)
-        return GraphCache(step, cfg, args.device, fp, on_capture_stall=stalls.append), stalls
+        return GraphCache(step, cfg, args.device, fp, hooks=EngineHooks(capture_stall=stalls.append)), stalls
 
     rows: list[dict] = []
     # baseline and operator: the steady batch, quiet and then with every other size captured beside it

@@ -225,7 +225,7 @@ def bench_load(args: argparse.Namespace) -> list[dict]:
     results = [load_one("first", args.streams), load_one("second", args.streams + 1)]
     for r in results:
         print(r, flush=True)
-    close_engine(engine, lr.runner.graph_caches)
+    close_engine(engine, lr.graphs)
     return results
 
 

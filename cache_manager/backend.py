@@ -102,10 +102,11 @@ _LOCKS_GUARD = threading.Lock()
 
 
 def _device_lock(device: torch.device) -> threading.Lock:
-    """One lock per device for every backend in the process (the base and the LoRA graph caches each
-    run a capture thread): captures share the side stream and the scratch inputs, and a capture's
-    bytes are a free-memory drop that another capture at the same time would blur. So captures and
-    releases on one device take turns; the engine thread never takes this lock."""
+    """One lock per device for every backend in the process (each graph cache runs a capture thread,
+    and a process may hold several: LLM objects, tests): captures share the side stream and the
+    scratch inputs, and a capture's bytes are a free-memory drop that another capture at the same
+    time would blur. So captures and releases on one device take turns; the engine thread never
+    takes this lock."""
     index = device.index  # CudaGraphBackend gives every device an explicit index
     with _LOCKS_GUARD:
         return _DEVICE_LOCKS.setdefault(index, threading.Lock())

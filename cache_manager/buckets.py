@@ -13,7 +13,7 @@ from cache_manager.stats import Counters
 
 @dataclass
 class Bucket:
-    """One allowed size of one graph kind. Holds the only reference to its graph, so dropping it
+    """One allowed size of one graph family. Holds the only reference to its graph, so dropping it
     frees the pool."""
 
     key: BatchDescriptor
@@ -66,4 +66,5 @@ class Bucket:
             since_start=BucketCounters.of(since_start) if since_start else BucketCounters(),
             persisted=BucketCounters.of(persisted) if persisted else BucketCounters(),
             kept=kept,
+            lora=self.key.lora,
         )

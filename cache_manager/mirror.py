@@ -16,7 +16,7 @@ import structlog
 import torch
 
 from cache_manager.backend import CapturedGraph, GraphBackend, replay_rows
-from cache_manager.sizes import BatchDescriptor, CudaGraphMode
+from cache_manager.sizes import BatchDescriptor, GraphFamily
 from cache_manager.step import DecodeStep
 
 log = structlog.get_logger("cache_manager")
@@ -40,7 +40,7 @@ class GraphMirror:
     collectives, launched one by one) while rank 0 replays.
     """
 
-    def __init__(self, steps: dict[CudaGraphMode, DecodeStep], backend: GraphBackend | None) -> None:
+    def __init__(self, steps: dict[GraphFamily, DecodeStep], backend: GraphBackend | None) -> None:
         self.steps = steps
         self.backend = backend
         self.graphs: dict[BatchDescriptor, CapturedGraph] = {}
@@ -58,10 +58,11 @@ class GraphMirror:
             else:
                 self._release(op.key)
 
-    def run(self, key: BatchDescriptor | None, kind: CudaGraphMode, n: int) -> torch.Tensor:
-        """The step over rows (FULL) or tokens (PIECEWISE) [0, n): replayed from `key`'s graph (rank 0
-        replays the same one), or eager when rank 0 runs it eagerly or this rank holds no graph."""
-        step = self.steps[kind]
+    def run(self, requested: BatchDescriptor, key: BatchDescriptor | None) -> torch.Tensor:
+        """The step of `requested`'s family over its rows (FULL) or tokens (PIECEWISE) [0, n): replayed
+        from `key`'s graph (rank 0 replays the same one), or eager when rank 0 runs it eagerly or
+        this rank holds no graph."""
+        step, n = self.steps[requested.family], requested.padded_size
         graph = self.graphs.get(key) if key is not None else None
         if graph is None:
             return step.run(n)
@@ -75,7 +76,7 @@ class GraphMirror:
         if key in self.graphs:  # rank 0's earlier capture of it failed there, not here: replace it
             self._release(key)
         try:
-            self.graphs[key] = self.backend.capture(self.steps[key.mode], key.padded_size)
+            self.graphs[key] = self.backend.capture(self.steps[key.family], key.padded_size)
         except Exception as exc:  # noqa: BLE001 - eager on this rank until rank 0 captures it again
             log.warning("graph_capture_failed", bucket=str(key), reason=f"{type(exc).__name__}: {exc}", follower=True)
             self.backend.cleanup_after_failure()

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import structlog
 
-from cache_manager.sizes import BatchDescriptor
+from cache_manager.sizes import BatchDescriptor, GraphFamily
 from cache_manager.stats import StatsTables
 from cache_manager.store import StatsStore
 
@@ -97,10 +97,10 @@ class StatsRecorder:
             self.session.bucket(bucket).evictions += 1
             self._dirty = True
 
-    def measured_bytes(self, kind: object) -> dict[int, int]:
-        """Latest measured bytes per bucket size of one graph kind, this run's over an earlier run's."""
-        out = {k.padded_size: c.bytes for k, c in self.loaded.buckets.items() if c.bytes and k.mode == kind}
-        out.update({k.padded_size: c.bytes for k, c in self.session.buckets.items() if c.bytes and k.mode == kind})
+    def measured_bytes(self, family: GraphFamily) -> dict[int, int]:
+        """Latest measured bytes per bucket size of one graph family, this run's over an earlier run's."""
+        out = {k.padded_size: c.bytes for k, c in self.loaded.buckets.items() if c.bytes and k.family == family}
+        out.update({k.padded_size: c.bytes for k, c in self.session.buckets.items() if c.bytes and k.family == family})
         return out
 
     def last_use(self, bucket: BatchDescriptor) -> float:

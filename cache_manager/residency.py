@@ -12,10 +12,11 @@ import structlog
 from cache_manager.backend import CapturedGraph, GraphBackend
 from cache_manager.buckets import Bucket
 from cache_manager.budget import Candidate, choose_victims, estimate_bytes
-from cache_manager.capturer import CaptureJob, Capturer, ReleaseJob
+from cache_manager.capturer import CaptureJob, Capturer, Job, ReleaseJob
+from cache_manager.hooks import EngineHooks
 from cache_manager.ops import OpOutcome, OpResult
 from cache_manager.recorder import StatsRecorder
-from cache_manager.sizes import BatchDescriptor, CudaGraphMode
+from cache_manager.sizes import BatchDescriptor, GraphFamily
 from cache_manager.snapshot import BucketState
 from cache_manager.step import DecodeStep
 
@@ -23,7 +24,8 @@ log = structlog.get_logger("cache_manager")
 
 
 class Residency:
-    """Owns the buckets (and so the only references to their graphs), the capture thread and the budget.
+    """Owns the buckets of every graph family (and so the only references to their graphs), the
+    capture thread and the one budget they share.
 
     Engine thread only (state changes take the lock so snapshots from other threads are consistent).
     A graph becomes resident in two halves: `request_capture` estimates its bytes (budget.py),
@@ -35,13 +37,14 @@ class Residency:
     failed capture marks the bucket FAILED with a doubling back-off. Every event is counted in the
     recorder and logged (graph_captured with what the engine thread spent on it as `stall_ms`,
     graph_evicted with the bytes the device got back, graph_capture_failed, graph_capture_dropped).
+    Eviction weighs every family's graphs alike (budget.py), LoRA graphs and base graphs together.
     """
 
     def __init__(
         self,
-        steps: dict[CudaGraphMode, DecodeStep],
+        steps: dict[GraphFamily, DecodeStep],
         backend: GraphBackend | None,
-        sizes: dict[CudaGraphMode, tuple[int, ...]],
+        keys: list[BatchDescriptor],
         budget_bytes: int,
         stats: StatsRecorder,
         clock: Callable[[], float],
@@ -49,16 +52,15 @@ class Residency:
         half_life_s: float,
         backoff_s: float,
         max_backoff_s: float,
-        notify: Callable[[], None] | None = None,
-        on_stall: Callable[[float], None] | None = None,
+        hooks: EngineHooks,
         inline: bool = False,
         kept: frozenset[BatchDescriptor] = frozenset(),
     ) -> None:
         self.steps = steps
         self.kept = kept
         self.backend = backend
-        self.capturer = Capturer(backend, notify, inline) if backend is not None else None
-        self.buckets = {key: Bucket(key) for key in (BatchDescriptor(k, s) for k, ss in sizes.items() for s in ss)}
+        self.capturer = Capturer(backend, hooks.wake, inline) if backend is not None else None
+        self.buckets = {key: Bucket(key) for key in keys}
         self.budget_bytes = budget_bytes
         self.stats = stats
         self._clock = clock
@@ -66,19 +68,18 @@ class Residency:
         self.half_life_s = half_life_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
-        self.on_stall = on_stall  # seconds the engine thread spent on one capture (metrics)
+        self.hooks = hooks  # told the seconds the engine thread spent on each capture (metrics)
         self.last_replayed: BatchDescriptor | None = None  # its output may still be read: in use
         # Bytes that released graphs did not give back to the device (measured at release). They
         # still occupy device memory, so they count against the budget like a live graph.
         self.unreclaimed_bytes = 0
         self.releasing_bytes = 0  # evicted graphs not yet released by the capture thread
         self.pending: dict[BatchDescriptor, CaptureJob] = {}  # submitted, not yet committed
-        # Bytes another cache under the same budget holds or has reserved (GraphCache.share_budget_with).
-        self.shared_bytes: Callable[[], int] = lambda: 0
 
     def larger_captured(self, key: BatchDescriptor) -> BatchDescriptor | None:
+        """The smallest captured graph of the same family larger than `key` (a step pads only into its own family)."""
         larger = [k for k, b in self.buckets.items()
-                  if k.mode == key.mode and k.padded_size > key.padded_size and b.graph is not None]
+                  if k.family == key.family and k.padded_size > key.padded_size and b.graph is not None]
         return min(larger) if larger else None
 
     @property
@@ -89,13 +90,17 @@ class Residency:
 
     @property
     def committed_bytes(self) -> int:
-        """What budget decisions count: used and reserved here, and what a sharing cache holds."""
-        return self.used_bytes + self.reserved_bytes + self.shared_bytes()
+        """What budget decisions count: used and reserved."""
+        return self.used_bytes + self.reserved_bytes
 
     @property
     def reserved_bytes(self) -> int:
         """Estimated bytes of the captures in flight: budget decisions count them as used."""
         return sum(job.estimate for job in self.pending.values())
+
+    def set_budget(self, budget_bytes: int) -> None:
+        with self._lock:
+            self.budget_bytes = budget_bytes
 
     def candidates(self, protect: set[BatchDescriptor], now: float) -> list[Candidate]:
         """The captured graphs eviction may consider: every one not in `protect` or `kept`."""
@@ -136,8 +141,8 @@ class Residency:
             return None, ""
         b = self.buckets[key]
         now = self._clock()
-        estimate = estimate_bytes(key.padded_size, self.stats.measured_bytes(key.mode))
-        committed = self.committed_bytes  # sums both caches' bytes when they share the budget
+        estimate = estimate_bytes(key.padded_size, self.stats.measured_bytes(key.family))
+        committed = self.committed_bytes
         need = committed + estimate - self.budget_bytes
         if need > 0:
             victims = self._victims_for(b, estimate, need, protect, evict, now)
@@ -148,7 +153,7 @@ class Residency:
                 )
             for v in victims:
                 self.evict(v, reason="budget")
-        job = CaptureJob(key, self.steps[key.mode], evict, estimate, frozenset(protect))
+        job = CaptureJob(key, self.steps[key.family], evict, estimate, frozenset(protect))
         if waiter is not None:
             job.waiters.append(waiter)
         with self._lock:
@@ -158,6 +163,17 @@ class Residency:
         job.stall_s = time.perf_counter() - started
         self.capturer.submit(job)
         return None, ""
+
+    def commit_done(self) -> list[tuple[Job, OpResult]]:
+        """Between steps: commit the captures and account the releases the capture thread finished
+        (with inline capture: that ran on this thread), telling each job's waiters; in order."""
+        done = []
+        for job in self.capturer.take_done() if self.capturer is not None else []:
+            result = self.commit(job) if isinstance(job, CaptureJob) else self.released(job)
+            for waiter in job.waiters:
+                waiter(result)
+            done.append((job, result))
+        return done
 
     def commit(self, job: CaptureJob) -> OpResult:
         """Between steps: make a recorded graph replayable within the budget, or count its failure."""
@@ -194,8 +210,7 @@ class Residency:
         # warm-up and measurement ran on the capture thread (`ms` is the recording alone), or on the
         # engine thread with inline capture (tensor parallelism), which then counts them too.
         stall_s = job.stall_s + time.perf_counter() - started
-        if self.on_stall is not None:
-            self.on_stall(stall_s)
+        self.hooks.capture_stall(stall_s)
         log.info("graph_captured", bucket=str(key), bytes=graph.nbytes, ms=round(graph.capture_ms, 2),
                  stall_ms=round(stall_s * 1000.0, 3), ready_ms=round((time.perf_counter() - job.requested_at) * 1000.0, 1))
         return OpResult(OpOutcome.CAPTURED, f"captured {key}: {graph.nbytes} bytes in {graph.capture_ms:.1f} ms",

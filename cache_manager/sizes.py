@@ -1,10 +1,11 @@
-"""Allowed capture sizes, padding (n -> bucket) and the hashable batch descriptor."""
+"""Allowed capture sizes, padding (n -> bucket) and the hashable batch descriptor with its family."""
 
 from __future__ import annotations
 
 import bisect
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class CudaGraphMode(str, enum.Enum):
@@ -41,32 +42,83 @@ class CudaGraphMode(str, enum.Enum):
                                      (CudaGraphMode.PIECEWISE, self.has_piecewise)) if on)
 
 
+class GraphFamily(NamedTuple):
+    """A graph key without its size: which step records (and eagerly runs) its graphs.
+
+    `mode` is the kind of graph (FULL: a whole uniform-decode step; PIECEWISE: the pieces between
+    attention calls); `lora`: captured with the LoRA products of the adapter slots (steps with any
+    adapter row); `query_tokens`: tokens a row brings to a uniform step (1 for decode; 1 + k for a
+    speculative verify step). Written "full", "piecewise+lora", "full+q4": the kind as operators name it.
+    """
+
+    mode: CudaGraphMode
+    lora: bool = False
+    query_tokens: int = 1
+
+    def __str__(self) -> str:
+        return self.mode.value + ("+lora" if self.lora else "") + (f"+q{self.query_tokens}" if self.query_tokens != 1 else "")
+
+    def at(self, size: int) -> BatchDescriptor:
+        return BatchDescriptor(self.mode, size, self.lora, self.query_tokens)
+
+    @classmethod
+    def parse(cls, text: str | CudaGraphMode | GraphFamily) -> GraphFamily:
+        """ "full", "piecewise+lora", "full+q4" (any case); a mode alone is its base family."""
+        if isinstance(text, GraphFamily):
+            return text
+        if isinstance(text, CudaGraphMode):
+            return cls(text)
+        mode, *extras = text.strip().lower().split("+")
+        lora, query_tokens = False, 1
+        for extra in extras:
+            if extra == "lora" and not lora:
+                lora = True
+            elif extra.startswith("q") and extra[1:].isdigit() and int(extra[1:]) > 1 and query_tokens == 1:
+                query_tokens = int(extra[1:])
+            else:
+                raise ValueError(f"{text!r} is not a graph kind such as 'full', 'piecewise' or 'full+lora'")
+        parsed = CudaGraphMode.parse(mode)
+        if parsed not in (CudaGraphMode.FULL, CudaGraphMode.PIECEWISE):
+            raise ValueError(f"{text!r}: a graph is of kind full or piecewise")
+        return cls(parsed, lora, query_tokens)
+
+
 @dataclass(frozen=True, order=True)
 class BatchDescriptor:
     """Key of one captured graph: everything that changes the captured kernels.
 
     `mode` is the kind of graph (FULL: the whole uniform-decode step, `padded_size` rows;
-    PIECEWISE: the pieces between attention calls, `padded_size` tokens). Two steps share a graph
-    exactly when their descriptors are equal. A LoRA set (or any other kernel-changing input) is
-    added here as a new field, never as a side table. Written "full:8" / "piecewise:128".
+    PIECEWISE: the pieces between attention calls, `padded_size` tokens); `lora`: with the adapter
+    slots' products; `query_tokens`: tokens per row of a uniform step (speculative verify steps
+    have 1 + k). Two steps share a graph exactly when their descriptors are equal; anything else
+    that changes the kernels is added here as a new field, never as a side table. Written "full:8",
+    "piecewise:128", "full+lora:8" (the family, then the size).
     """
 
     mode: CudaGraphMode
     padded_size: int
+    lora: bool = False
+    query_tokens: int = 1
+
+    @property
+    def family(self) -> GraphFamily:
+        return GraphFamily(self.mode, self.lora, self.query_tokens)
 
     def __str__(self) -> str:
-        return f"{self.mode.value}:{self.padded_size}"
+        return f"{self.family}:{self.padded_size}"
 
     @classmethod
     def parse(cls, text: str) -> BatchDescriptor:
-        """ "piecewise:128", "full:8", or a bare "8" (FULL: stats files of format 1)."""
+        """ "piecewise:128", "full+lora:8", or a bare "8" (FULL: stats files of format 1)."""
         kind, _, size = text.rpartition(":")
         if not size.isdigit() or int(size) < 1:
             raise ValueError(f"{text!r} is not a graph key such as 'full:8' or 'piecewise:128'")
-        mode = CudaGraphMode.parse(kind or "full")
-        if mode not in (CudaGraphMode.FULL, CudaGraphMode.PIECEWISE):
-            raise ValueError(f"{text!r}: a graph is of kind full or piecewise")
-        return cls(mode, int(size))
+        return GraphFamily.parse(kind or "full").at(int(size))
+
+
+def family_order(family: GraphFamily) -> tuple:
+    """Base families first, then LoRA ones; FULL before PIECEWISE within each."""
+    return family.lora, family.query_tokens, family.mode
 
 
 FULL = CudaGraphMode.FULL

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from cache_manager.sizes import BatchDescriptor
+from cache_manager.sizes import PIECEWISE, BatchDescriptor, family_order
 from cache_manager.stats import Counters
+
+if TYPE_CHECKING:
+    from cache_manager.manager import GraphCache
 
 
 class BucketState(str, enum.Enum):
@@ -33,8 +37,8 @@ class BucketCounters:
 
 @dataclass(frozen=True)
 class BucketEntry:
-    """One allowed size of one graph kind. `since_start` counts this process; `persisted` includes
-    earlier runs."""
+    """One allowed size of one graph family (kind and LoRA flag). `since_start` counts this process;
+    `persisted` includes earlier runs."""
 
     size: int
     kind: str  # "full" (rows of a uniform-decode step) or "piecewise" (tokens of any step)
@@ -46,6 +50,7 @@ class BucketEntry:
     since_start: BucketCounters
     persisted: BucketCounters
     kept: bool = False  # no eviction by traffic or budget, only an operator's (GraphCacheConfig.pad_single_rows)
+    lora: bool = False  # the graph of steps with adapter rows (the descriptor's LoRA flag)
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class RequestedSize:
     requests: int
     replays: int
     eager_fallbacks: dict[str, int]
+    lora: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,3 +83,33 @@ class CacheSnapshot:
     stats_file: str | None
     last_save_time: float | None
     piecewise_sizes: tuple[int, ...] = ()  # token counts of the piecewise graphs (empty: none)
+    lora_used_bytes: int = 0  # of used_bytes: what the LoRA graphs hold
+
+
+def take_snapshot(cache: GraphCache) -> CacheSnapshot:
+    """The cache's state (the caller holds the cache's lock): every family's buckets, base ones first."""
+    persisted, session = cache.stats.persisted(), cache.stats.session
+    residency = cache.residency
+    buckets = sorted(residency.buckets.items(), key=lambda kb: (family_order(kb[0].family), kb[0]))
+    return CacheSnapshot(
+        mode=cache.mode.value,
+        configured_mode=cache.config.mode.value,
+        disabled_reason=cache.disabled_reason,
+        device=str(cache.device),
+        budget_bytes=cache.budget_bytes,
+        used_bytes=cache.used_bytes,
+        lora_used_bytes=sum(b.graph.nbytes for k, b in buckets if k.lora and b.graph is not None),
+        capture_sizes=cache.config.sizes,
+        piecewise_sizes=cache.tables[PIECEWISE].sizes if PIECEWISE in cache.tables else (),
+        max_batch=cache.config.max_batch,
+        buckets=tuple(b.entry(session.buckets.get(k), persisted.buckets.get(k), k in residency.kept) for k, b in buckets),
+        requested_since_start={k: c.requests for k, c in sorted(session.requested.items())},
+        requested_persisted={k: c.requests for k, c in sorted(persisted.requested.items())},
+        requested_detail=tuple(
+            RequestedSize(k.padded_size, k.mode.value, c.requests, c.replays, dict(c.eager), k.lora)
+            for k, c in sorted(session.requested.items())
+        ),
+        warm_queue=tuple(cache.warm.queue),
+        stats_file=str(cache.stats.store.path) if cache.stats.store else None,
+        last_save_time=cache.stats.last_save_time,
+    )

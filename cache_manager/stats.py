@@ -1,7 +1,8 @@
-"""Counters per requested (unpadded) size and per bucket, keyed by graph kind, their merge and JSON schema."""
+"""Counters per requested (unpadded) size and per bucket, keyed by descriptor, their merge and JSON schema."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 
 from cache_manager.sizes import BatchDescriptor
@@ -81,8 +82,9 @@ class Counters:
 
 @dataclass
 class StatsTables:
-    """Counters keyed by requested size and by bucket (padded size), each with its graph kind: a
-    requested FULL size is a batch of rows, a requested PIECEWISE size a step's token count."""
+    """Counters keyed by requested size and by bucket (padded size), each with the rest of its
+    descriptor (graph kind, LoRA): a requested FULL size is a batch of rows, a requested PIECEWISE
+    size a step's token count."""
 
     requested: dict[BatchDescriptor, Counters] = field(default_factory=dict)
     buckets: dict[BatchDescriptor, Counters] = field(default_factory=dict)
@@ -99,6 +101,17 @@ class StatsTables:
 
         return StatsTables(merge(self.requested, newer.requested), merge(self.buckets, newer.buckets))
 
+    def as_lora(self) -> StatsTables:
+        """The same counters keyed by the LoRA descriptors (the separate LoRA stats file of earlier versions)."""
+        def lora(table: dict[BatchDescriptor, Counters]) -> dict[BatchDescriptor, Counters]:
+            return {dataclasses.replace(k, lora=True): c for k, c in table.items()}
+
+        return StatsTables(lora(self.requested), lora(self.buckets))
+
+    @property
+    def has_lora(self) -> bool:
+        return any(k.lora for k in (*self.requested, *self.buckets))
+
     def to_json(self) -> dict:
         return {
             "requested": {str(k): v.to_json() for k, v in sorted(self.requested.items())},
@@ -107,7 +120,7 @@ class StatsTables:
 
     @classmethod
     def from_json(cls, data: object) -> StatsTables:
-        """Keys "full:8" / "piecewise:128"; a bare "8" (stats format 1) is FULL."""
+        """Keys "full:8" / "piecewise:128" / "full+lora:8"; a bare "8" (stats format 1) is FULL."""
         if not isinstance(data, dict):
             raise ValueError("stats tables must be an object")
 

@@ -17,6 +17,7 @@ class FakeGraph:
     def __init__(self, step: DecodeStep, size: int, nbytes: int, capture_ms: float) -> None:
         self.step = step
         self.size = size
+        self.key = graph_key(step, size)
         self.nbytes = nbytes
         self.capture_ms = capture_ms
         self.replays = 0
@@ -29,7 +30,8 @@ class FakeGraph:
 class FakeGraphBackend:
     """Captures at once on the capture thread; a graph of size s "uses" bytes_for(s) bytes; sizes in
     `fail_sizes` raise. With `gate` set, each capture first waits for the gate (tests hold a capture
-    in flight that way); `threads` records which thread captured."""
+    in flight that way); `threads` records which thread captured. Graphs are recorded by size, those
+    of a named step (a LoRA step: CountingStep(name="lora")) as "name:size"."""
 
     def __init__(
         self,
@@ -42,9 +44,9 @@ class FakeGraphBackend:
         self.total = total
         self.fail_sizes = set(fail_sizes or ())
         self.gate = gate
-        self.captured: list[int] = []  # capture order
-        self.released: list[int] = []
-        self.live: dict[int, int] = {}  # size -> bytes held now
+        self.captured: list[int | str] = []  # capture order
+        self.released: list[int | str] = []
+        self.live: dict[int | str, int] = {}  # size (or "name:size") -> bytes held now
         self.peak_bytes = 0  # the most ever held at once, captures in flight included
         self.threads: set[str] = set()
         self.started = threading.Event()  # set when a capture began (before the gate)
@@ -63,9 +65,9 @@ class FakeGraphBackend:
         step.run_scratch(size)
         if size in self.fail_sizes:
             raise torch.OutOfMemoryError(f"fake: out of memory capturing {size}")
-        self.captured.append(size)
+        self.captured.append(graph_key(step, size))
         nbytes = self.bytes_for(size)
-        self.live[size] = nbytes
+        self.live[graph_key(step, size)] = nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return FakeGraph(step, size, nbytes, capture_ms=1.0)
 
@@ -73,8 +75,8 @@ class FakeGraphBackend:
         return None
 
     def release(self, graph: FakeGraph, after: object = None) -> int:
-        self.released.append(graph.size)
-        return self.live.pop(graph.size)
+        self.released.append(graph.key)
+        return self.live.pop(graph.key)
 
     def cleanup_after_failure(self) -> None:
         pass
@@ -84,11 +86,18 @@ class FakeGraphBackend:
         return sum(self.live.values())
 
 
-class CountingStep:
-    """A DecodeStep on CPU: output row i is input row i times 2; records padding calls."""
+def graph_key(step: DecodeStep, size: int) -> int | str:
+    name = getattr(step, "name", "")
+    return f"{name}:{size}" if name else size
 
-    def __init__(self, max_batch: int, width: int = 4) -> None:
+
+class CountingStep:
+    """A DecodeStep on CPU: output row i is input row i times 2; records padding calls. `name` tells
+    its graphs apart in FakeGraphBackend's records (e.g. "lora")."""
+
+    def __init__(self, max_batch: int, width: int = 4, name: str = "") -> None:
         self.max_batch = max_batch
+        self.name = name
         self.inputs = torch.zeros(max_batch, width)
         self.padding_calls: list[tuple[int, int]] = []
         self.runs: list[int] = []
@@ -111,7 +120,7 @@ class CountingStep:
 
 
 def full_sizes(keys: dict | tuple) -> dict | tuple:
-    """The FULL graphs' sizes of a snapshot's table keyed by BatchDescriptor (dict) or of its queue (tuple)."""
+    """The base FULL graphs' sizes of a snapshot's table keyed by BatchDescriptor (dict) or of its queue (tuple)."""
     if isinstance(keys, dict):
-        return {k.padded_size: v for k, v in keys.items() if k.mode.value == "full"}
-    return tuple(k.padded_size for k in keys if k.mode.value == "full")
+        return {k.padded_size: v for k, v in keys.items() if k.mode.value == "full" and not k.lora}
+    return tuple(k.padded_size for k in keys if k.mode.value == "full" and not k.lora)

@@ -141,10 +141,12 @@ def _state_name(value: int) -> str:
 def format_state(s: admin_pb2.CacheState) -> str:
     captured = sum(b.state == admin_pb2.BUCKET_STATE_CAPTURED for b in s.buckets)
     head = (f"graph cache: mode {s.mode} on {s.device}, {captured} of {len(s.buckets)} buckets captured, "
-            f"used {human_bytes(s.used_bytes)} of budget {human_bytes(s.budget_bytes)}, max batch {s.max_batch}")
-    # Graphs of steps with LoRA adapter rows are a cache of their own, listed as kind "full+lora" / "piecewise+lora".
-    listed = [(f"{b.kind or 'full'}{suffix}", b) for suffix, buckets in (("", s.buckets), ("+lora", s.lora_buckets))
-              for b in buckets]
+            f"used {human_bytes(s.used_bytes + s.lora_used_bytes)} of budget {human_bytes(s.budget_bytes)}, "
+            f"max batch {s.max_batch}")
+    # One table, one row per descriptor: the graphs of steps with LoRA adapter rows (the wire lists
+    # them apart) are rows of kind "full+lora" / "piecewise+lora".
+    listed = [(f"{b.kind or 'full'}{'+lora' if lora else ''}", b)
+              for lora, buckets in ((False, s.buckets), (True, s.lora_buckets)) for b in buckets]
     rows = [
         (kind, b.size, _state_name(b.state), human_bytes(b.bytes) if b.bytes else "-", human_ms(b.capture_ms),
          b.replays, b.padded_rows, b.eager_fallbacks, b.failures, human_ago(b.last_use_unix))

@@ -167,7 +167,7 @@ def _release(held: dict[str, Any]) -> None:
     from service.engine.builder import close_engine
 
     engine = held["engine"]
-    close_engine(engine, engine.runner.graph_caches)
+    close_engine(engine, engine.runner.graphs)
     held.clear()
     del engine
     with _open_lock:

@@ -7,20 +7,20 @@ for the same config.
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 import torch
 
-from cache_manager import CudaGraphMode, GraphCache, GraphCacheConfig, parse_capture_sizes
+from cache_manager import CudaGraphMode, EngineHooks, GraphCache, GraphCacheConfig, parse_capture_sizes
 from service.config import ServeConfig
 from service.engine.adapters import AdapterError, AdapterRegistry, AdapterRootMissing, AdaptersOff, check_name
 from service.engine.constraints import Constraints
 from service.engine.engine import Engine, EngineObserver, Publish, deliver
 from service.engine.kv_sizing import size_kv_cache
-from service.engine.ranks import start_ranks
+from service.engine.ranks import Ranks, start_ranks
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
 from service.model.loader import LoadedModel, load_model, read_model_spec
@@ -46,10 +46,6 @@ class LoadedRunner:
     @property
     def graphs(self) -> GraphCache:
         return self.runner.graphs
-
-    @property
-    def lora_graphs(self) -> GraphCache | None:
-        return self.runner.lora_graphs
 
     def read_adapter(self, name: str, path: str | Path, remote: bool = False) -> LoraAdapter:
         """Reads and checks an adapter's files (any thread: no device work). LoraError if they do not fit;
@@ -79,36 +75,39 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def load_runner(c: ServeConfig) -> LoadedRunner:
+def load_runner(c: ServeConfig, hooks: EngineHooks | None = None,
+                on_rank_death: Callable[[], None] | None = None) -> LoadedRunner:
     """Load the model, build its runner and graph cache, and run one eager step: a broken model
     fails here, not on the first request. With --tensor-parallel-size N > 1 this is rank 0: it
-    starts the other N - 1 ranks (service/engine/rank_main.py), which load their shards beside it."""
-    lr = _load_runner(c)
+    starts the other N - 1 ranks (service/engine/rank_main.py), which load their shards beside it.
+    hooks: the graph cache's line to the engine (new_engine attaches it); on_rank_death: called (on
+    a watch thread) when another rank dies, by default the engine is woken to fail at once."""
+    hooks = hooks if hooks is not None else EngineHooks()
+    lr = _load_runner(c, hooks, on_rank_death or hooks.wake)
     prepare_graphs(lr, c.startup_graph_timeout)
     return lr
 
 
 def prepare_graphs(lr: LoadedRunner, timeout_s: float) -> None:
-    """Before serving: each graph cache warms its kernels and captures its warm-start graphs, within
-    `timeout_s` for all of them together (GraphCache.prepare); logged as `graph_startup`."""
-    deadline = time.monotonic() + timeout_s
-    for cache in lr.runner.graph_caches:
-        report = cache.prepare(max(0.0, deadline - time.monotonic()))
-        if cache.graphs_enabled:
-            log.info("graph_startup", seconds=round(report.seconds, 3), kernels_warmed=report.kernels_warmed,
-                     kernels_s=round(report.kernels_s, 3), captured=report.captured, left=report.left,
-                     timed_out=report.timed_out, timeout_s=timeout_s)
+    """Before serving: the graph cache warms its kernels and captures its warm-start graphs within
+    `timeout_s` (GraphCache.prepare); logged as `graph_startup`."""
+    cache = lr.graphs
+    report = cache.prepare(timeout_s)
+    if cache.graphs_enabled:
+        log.info("graph_startup", seconds=round(report.seconds, 3), kernels_warmed=report.kernels_warmed,
+                 kernels_s=round(report.kernels_s, 3), captured=report.captured, left=report.left,
+                 timed_out=report.timed_out, timeout_s=timeout_s)
 
 
-def _load_runner(c: ServeConfig) -> LoadedRunner:
+def _load_runner(c: ServeConfig, hooks: EngineHooks, on_rank_death: Callable[[], None]) -> LoadedRunner:
     device = resolve_device(c.device)
     if c.tensor_parallel_size == 1:
-        return build_runner(c, device)
+        return build_runner(c, device, hooks=hooks)
     # A model that does not split into N shards fails here, before any rank starts.
     shard_spec(read_model_spec(c.model, c.model_cache_dir), TensorParallel(0, c.tensor_parallel_size))
-    ranks, tp, device = start_ranks(c, device)
+    ranks, tp, device = start_ranks(c, device, on_rank_death)
     try:
-        lr = build_runner(c, device, tp)
+        lr = build_runner(c, device, tp, ranks=ranks, hooks=hooks)
     except BaseException as exc:
         # A rank that died while loading (out of memory, ...) is the cause; a bad model fails every
         # rank the same way, and rank 0's own message says why.
@@ -118,14 +117,14 @@ def _load_runner(c: ServeConfig) -> LoadedRunner:
         if error is exc:
             raise
         raise error from exc
-    lr.runner.lead(ranks)
     return lr
 
 
 def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None = None,
-                 follower: bool = False) -> LoadedRunner:
-    """This rank's model (its shards with `tp`), runner and graph cache, warmed up. A follower rank
-    (tensor parallelism, rank > 0) keeps no stats and decides nothing: its graphs mirror rank 0's."""
+                 follower: bool = False, ranks: Ranks | None = None, hooks: EngineHooks | None = None) -> LoadedRunner:
+    """This rank's model (its shards with `tp`), runner and graph cache, warmed up. Rank 0 of N > 1
+    (`ranks`) sends every step and its graph operations to the other ranks; a follower rank (rank
+    > 0) keeps no stats and decides nothing: its graphs mirror rank 0's."""
     dtype = resolve_dtype(c.dtype, device)
     loaded = load_model(c.model, device, dtype, c.model_cache_dir, tp=tp, batch_invariant=c.batch_invariant,
                         quantization=c.quantization, kv_cache_dtype=c.kv_cache_dtype)
@@ -167,7 +166,7 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
     runner = ModelRunner(loaded, c.max_running_seqs, max_seq_len, graph_config,
                          max_loras=c.lora_slots, max_lora_rank=c.max_lora_rank, lora_kernel=c.lora_kernel,
                          block_size=kv.block_size, num_blocks=kv.num_blocks,
-                         masks=None if constraints is None else constraints.masks)
+                         masks=None if constraints is None else constraints.masks, ranks=ranks, hooks=hooks)
     runner.warmup()
     if follower:
         runner.follow()
@@ -185,18 +184,15 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
                observer: EngineObserver | None = None) -> Engine:
     """An engine (not started) over the runner; between steps it commits the graphs the capture
     thread finished (with inline capture: captures them, on every rank), warm-starts graphs and
-    saves stats."""
-    caches = lr.runner.graph_caches
+    saves stats (GraphCache.between_steps). The graph cache's hooks attach to it: a finished capture
+    wakes it, and with tensor parallelism captures wait until it has no work."""
+    graphs = lr.graphs
     ranks = lr.runner.ranks
 
     def between_steps() -> None:
         if ranks is not None:
             ranks.check()  # a dead rank fails the engine even while it is idle
-        for graphs in caches:
-            graphs.poll()
-            if graphs.warm_step() and graphs.config.inline_capture:
-                graphs.poll()  # captured and committed now, at this step boundary
-            graphs.maybe_save()
+        graphs.between_steps()
 
     scheduler = Scheduler(c.max_running_seqs, c.max_num_batched_tokens, adapters=lr.adapters,
                           blocks=lr.runner.new_block_pool(c.prefix_caching))
@@ -204,23 +200,15 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
                     frozenset(lr.loaded.spec.eos_token_ids), publish=publish, observer=observer,
                     between_steps=between_steps, overlap=c.overlap_steps, constraints=lr.constraints)
     engine.slow_step_s = c.slow_step_threshold_ms / 1000
-    for graphs in caches:
-        graphs.notify = engine.wake  # a finished capture is committed between steps, even when idle
-        if graphs.config.inline_capture:  # every rank's steps stop for a capture: only when no request waits
-            graphs.engine_busy = engine.busy
-    if ranks is not None:
-        ranks.on_death = engine.wake
+    graphs.hooks.attach(engine)
     return engine
 
 
-def close_engine(engine: Engine, graphs: GraphCache | list[GraphCache]) -> bool:
-    """Stop the engine; free the graphs (of every cache given) once its thread is gone (a step that
-    would not stop still uses the device, so then only the stats are saved). Returns whether every
-    cache's stats were saved."""
+def close_engine(engine: Engine, graphs: GraphCache) -> bool:
+    """Stop the engine; free the graphs once its thread is gone (a step that would not stop still
+    uses the device, so then only the stats are saved). Returns whether the stats were saved."""
     engine.stop()
-    saved = True
-    for cache in graphs if isinstance(graphs, list) else [graphs]:
-        saved &= cache.close() if not engine.thread_alive else cache.save()
+    saved = graphs.close() if not engine.thread_alive else graphs.save()
     ranks = getattr(engine.runner, "ranks", None)
     if ranks is not None:  # a stop message only when no step is left half-run on the other ranks
         ranks.close(send_stop=not engine.thread_alive and engine.error is None)

@@ -109,8 +109,8 @@ def pad_rows(
 class LoraDecodeStep:
     """The decode step with LoRA: the same static inputs as `base` plus its per-row adapter slots
     (`base.lora_slots`, a static input too), so swapping the adapter in a slot needs no recapture.
-    A second graph cache captures this step: batches with any adapter row replay these graphs,
-    base-only batches keep the base graphs, which run no LoRA kernel."""
+    The graph cache captures this step for its LoRA family: batches with any adapter row replay these
+    graphs, base-only batches keep the base graphs, which run no LoRA kernel."""
 
     def __init__(self, base: ModelDecodeStep, lora: LoraSlots) -> None:
         self.base, self.lora = base, lora

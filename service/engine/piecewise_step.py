@@ -137,7 +137,8 @@ class PiecewiseStep:
 class LoraPiecewiseStep:
     """The piecewise step with LoRA products: the base step's static inputs (and attention output
     buffer) plus each token's adapter slot, a static input too, so swapping an adapter needs no
-    recapture. The LoRA graph cache captures its pieces; base-only steps keep the base step's."""
+    recapture. The graph cache captures its pieces for its LoRA family; base-only steps keep the
+    base step's."""
 
     def __init__(self, base: PiecewiseStep, lora: LoraSlots) -> None:
         self.base, self.lora = base, lora

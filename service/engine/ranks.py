@@ -145,13 +145,13 @@ class Ranks:
     """Rank 0's side: the other ranks' processes, the step channel, and a watch on their lives."""
 
     def __init__(self, procs: list[subprocess.Popen], channel: StepChannel, store: Any,
-                 hang_timeout_s: float) -> None:
+                 hang_timeout_s: float, on_death: Callable[[], None] | None = None) -> None:
         self.procs = procs
         self.channel = channel
         self.store = store  # rank 0 hosts the group's store: it lives as long as the group
         self.hang_timeout_s = hang_timeout_s  # a rank without a heartbeat this long is killed
         self.dead: str | None = None  # which rank died and how, once one has
-        self.on_death: Callable[[], None] | None = None  # e.g. wake the engine so it fails now
+        self._on_death = on_death  # (the watch thread) e.g. wake the engine so it fails now
         self._closing = False
         # The watch reads heartbeats on a connection of its own: the store's is the engine thread's.
         self._beats = store_connection(store.port)
@@ -216,8 +216,8 @@ class Ranks:
             kill.kill()  # a stopped process dies of SIGKILL too; its sockets close, so collectives fail
             kill.wait()
         log.error("rank_died", reason=reason, **fields)
-        if self.on_death is not None:
-            self.on_death()
+        if self._on_death is not None:
+            self._on_death()
 
     def kill(self) -> None:
         """Kill every other rank at once (this process is about to exit without a stop)."""
@@ -250,9 +250,10 @@ class Ranks:
             dist.destroy_process_group()
 
 
-def start_ranks(c: Any, device: torch.device) -> tuple[Ranks, TensorParallel, torch.device]:
-    """Rank 0: start ranks 1..N-1 for config `c` and join the group with them. Returns the ranks,
-    rank 0's TensorParallel and its device."""
+def start_ranks(c: Any, device: torch.device,
+                on_death: Callable[[], None] | None = None) -> tuple[Ranks, TensorParallel, torch.device]:
+    """Rank 0: start ranks 1..N-1 for config `c` and join the group with them. Returns the ranks
+    (which call `on_death` when one of them dies), rank 0's TensorParallel and its device."""
 
     n = c.tensor_parallel_size
     if device.type == "cuda" and torch.cuda.device_count() < n:
@@ -284,7 +285,7 @@ def start_ranks(c: Any, device: torch.device) -> tuple[Ranks, TensorParallel, to
             p.kill()
         raise
     channel = StepChannel(channel_group, StepInputs.capacity(c.max_running_seqs, c.max_num_batched_tokens, c.block_size))
-    return Ranks(procs, channel, store, c.watchdog_timeout), tp, device
+    return Ranks(procs, channel, store, c.watchdog_timeout, on_death), tp, device
 
 
 def _wait_for_ranks(store: Any, procs: list[subprocess.Popen]) -> None:

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from cache_manager import GraphCache
-from cache_manager.manager import StepPlan
-from cache_manager.mirror import GraphMirror
-from cache_manager.sizes import FULL, CudaGraphMode
+from cache_manager import GraphCache, StepPlan
+from cache_manager.mirror import GraphMirror, GraphOp
 from service.engine.rank_memory import RankMemory, device_memory
 from service.engine.ranks import Ranks
 from service.engine.step_channel import StepInputs
@@ -25,20 +23,19 @@ from service.model.parallel import TensorParallel
 
 
 class OneDevice:
-    """One rank: the graph cache decides and replays; nothing is shared. The other roles change
-    only what they must."""
+    """One rank: the graph cache's dispatcher decides and the cache replays; nothing is shared. The
+    other roles change only what they must."""
 
     ranks: Ranks | None = None  # the other tensor-parallel ranks (the leader's)
 
-    def plan(self, graphs: GraphCache, inputs: StepInputs, kind: CudaGraphMode | None) -> StepPlan | None:
+    def plan(self, graphs: GraphCache, inputs: StepInputs) -> StepPlan:
         """Before the step's forward: the graph operations every rank runs now, and the plan of the
-        graph to replay (None: the cache plans when it runs)."""
-        return None
+        step (its family and the graph that replays it, or eager)."""
+        return graphs.plan_step(*_shape(inputs))
 
-    def replay(self, graphs: GraphCache, kind: CudaGraphMode, n: int, plan: StepPlan | None,
-               inputs: StepInputs) -> torch.Tensor:
-        """The step's graph (or its eager run) for n rows or tokens of `kind`."""
-        return graphs.run(n, kind)
+    def replay(self, graphs: GraphCache, plan: StepPlan) -> torch.Tensor:
+        """The step's graph (or its eager run), once its inputs are written."""
+        return graphs.execute(plan)
 
     def sampled(self, tokens: torch.Tensor) -> None:
         """After the step sampled `tokens` (on the device)."""
@@ -55,28 +52,24 @@ class OneDevice:
 class TensorParallelLeader(OneDevice):
     """Rank 0 of N > 1: its graph cache plans every step; the step's inputs go to the other ranks
     with the planned graph, and the sampled tokens follow (the other ranks may feed them back next
-    step). Graph operations go out in a message of their own when the cache runs them: between steps,
-    while the engine is idle (or, with no engine to ask, with the next step's inputs)."""
+    step). Graph operations go out in a message of their own when the cache runs them (`publish_ops`,
+    the cache's RankOrder calls it): between steps, while the engine is idle (or, with no engine to
+    ask, with the next step's inputs)."""
 
-    def __init__(self, ranks: Ranks, tp: TensorParallel, graphs: GraphCache) -> None:
+    def __init__(self, ranks: Ranks, tp: TensorParallel) -> None:
         self.ranks = ranks
         self.tp = tp
-        graphs.publish_ops = lambda ops: ranks.send(StepInputs.only_ops(ops))
 
-    def plan(self, graphs: GraphCache, inputs: StepInputs, kind: CudaGraphMode | None) -> StepPlan | None:
-        plan = None
-        if kind is not None:
-            plan = graphs.plan(len(inputs.positions) if kind is FULL else len(inputs.token_ids), kind)
-            inputs.replay = plan.target
+    def publish_ops(self, ops: list[GraphOp]) -> None:
+        self.ranks.send(StepInputs.only_ops(ops))
+
+    def plan(self, graphs: GraphCache, inputs: StepInputs) -> StepPlan:
+        plan = graphs.plan_step(*_shape(inputs))
+        inputs.replay = plan.target
         inputs.graph_ops = graphs.queued_ops()
         self.ranks.send(inputs)
         graphs.run_queued()
         return plan
-
-    def replay(self, graphs: GraphCache, kind: CudaGraphMode, n: int, plan: StepPlan | None,
-               inputs: StepInputs) -> torch.Tensor:
-        assert plan is not None, "the leader plans every step that replays"
-        return graphs.execute(plan)
 
     def sampled(self, tokens: torch.Tensor) -> None:
         if tokens.numel():
@@ -92,15 +85,20 @@ class TensorParallelLeader(OneDevice):
 
 class Follower(OneDevice):
     """Rank > 0: holds the graphs the leader's cache captures and releases, and replays the one
-    each step names; decides nothing."""
+    each step names; decides nothing (the step's family is a pure function of its shape)."""
 
     def __init__(self, graphs: GraphCache) -> None:
         self.mirror = GraphMirror(graphs.steps, graphs.backend)
 
-    def plan(self, graphs: GraphCache, inputs: StepInputs, kind: CudaGraphMode | None) -> StepPlan | None:
+    def plan(self, graphs: GraphCache, inputs: StepInputs) -> StepPlan:
         self.mirror.apply(inputs.graph_ops)
-        return None
+        return StepPlan(graphs.dispatcher.requested(*_shape(inputs)), None, inputs.replay, "", 0.0)
 
-    def replay(self, graphs: GraphCache, kind: CudaGraphMode, n: int, plan: StepPlan | None,
-               inputs: StepInputs) -> torch.Tensor:
-        return self.mirror.run(inputs.replay, kind, n)
+    def replay(self, graphs: GraphCache, plan: StepPlan) -> torch.Tensor:
+        assert plan.requested is not None
+        return self.mirror.run(plan.requested, plan.target)
+
+
+def _shape(inputs: StepInputs) -> tuple[int, int, bool]:
+    """What the dispatcher decides by: the step's tokens, its decode rows (one token each, first), adapter rows."""
+    return len(inputs.token_ids), len(inputs.positions), inputs.lora_slots is not None

@@ -3,10 +3,11 @@
 It owns the paged KV cache (and its block table, which each step's updates from the KV manager
 edit in place), the persistent input batch (service/engine/input_batch.py), the static decode
 inputs and the graph cache, and turns a scheduled step (service/engine/scheduled_step.py: decodes
-and prompt chunks) into one forward pass and one sampled token per sampling sequence. A
-uniform-decode step (every row one decode token) replays a full decode graph through the graph
-cache; a step with any prompt chunk runs the forward split at attention (service.model.pieces),
-replayed from piecewise graphs. With tensor parallelism every rank runs the same `forward`, and
+and prompt chunks) into one forward pass and one sampled token per sampling sequence. The graph
+cache's dispatcher decides how the step runs: a uniform-decode step (every row one decode token)
+replays a full decode graph; a step with any prompt chunk runs the forward split at attention
+(service.model.pieces), replayed from piecewise graphs; a step with adapter rows replays the LoRA
+graphs of the same cache. With tensor parallelism every rank runs the same `forward`, and
 the runner's role (service/engine/roles.py) is what differs: the leader (rank 0) plans the step's
 graphs and sends the step to the other ranks, a follower replays what the leader planned.
 `launch` queues a step without waiting; `collect` is the step's one host sync (the token ids
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache_manager import Fingerprint, GraphBackend, GraphCache, GraphCacheConfig
+from cache_manager import EngineHooks, Fingerprint, GraphBackend, GraphCache, GraphCacheConfig, GraphFamily, RankOrder
 from cache_manager.sizes import FULL, PIECEWISE
 from service.engine.block_pool import BlockPool
 from service.engine.decode_step import LoraDecodeStep, ModelDecodeStep, fed_back
@@ -60,16 +61,17 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_running: int, max_seq_len: int, graph_config: GraphCacheConfig,
                  graph_backend: GraphBackend | None = None, max_loras: int = 0, max_lora_rank: int = 16,
                  lora_kernel: str = "stacked", block_size: int = 16, num_blocks: int | None = None,
-                 masks: MaskFiller | None = None) -> None:
+                 masks: MaskFiller | None = None, ranks: Ranks | None = None, hooks: EngineHooks | None = None) -> None:
         """graph_backend: None for the CUDA one on a GPU (tests give a fake one to run graphs' logic on a CPU).
-        max_loras > 0: adapter slots (service.model.lora) and a second graph cache for batches with adapters.
+        max_loras > 0: adapter slots (service.model.lora), and LoRA graph families for steps with adapter rows.
         num_blocks: KV blocks of block_size tokens (the null block included; kv_sizing.py sizes it);
         None: enough for every row at max_seq_len.
-        masks: fills the grammar masks of constrained rows (None: no constrained request is served)."""
+        masks: fills the grammar masks of constrained rows (None: no constrained request is served).
+        ranks: tensor parallelism, rank 0 of N > 1: the other ranks, which every step (and its graph
+        operations) goes to. hooks: the graph cache's line to the engine that will drive it."""
         self.loaded = loaded
         self.device = loaded.device
         self.tp = loaded.model.tp
-        self.role: OneDevice = OneDevice()  # lead() / follow() with tensor parallelism
         # The model's spec: with tensor parallelism, this rank's share of the KV heads.
         # Every rank's cache holds its KV heads in the loaded KV dtype, read with the checkpoint's
         # per-layer scales (the same on every rank) when it has them.
@@ -95,27 +97,30 @@ class ModelRunner:
         self.piecewise_step = (
             PiecewiseStep(self.pieces, self.kv, graph_config.max_tokens, self.device) if graph_config.max_tokens else None
         )
-        self.graphs = GraphCache(self.decode_step, graph_config, self.device, fingerprint, graph_backend,
-                                 piecewise_step=self.piecewise_step)
-        # Adapters: fixed slot buffers, and a second graph cache over the LoRA decode step, so that
-        # base-only batches keep graphs without LoRA kernels (see LoraDecodeStep).
+        steps = {GraphFamily(FULL): self.decode_step}
+        if self.piecewise_step is not None:
+            steps[GraphFamily(PIECEWISE)] = self.piecewise_step
+        # Adapters: fixed slot buffers, and LoRA families of graphs over the LoRA steps in the same
+        # cache, so that base-only batches keep graphs without LoRA kernels (see LoraDecodeStep).
         self.lora: LoraSlots | None = None
-        self.lora_graphs: GraphCache | None = None
-        self.lora_piecewise: LoraPiecewiseStep | None = None
+        lora_fingerprint = None
         if max_loras > 0:
+            assert ranks is None, "adapters are not served with tensor parallelism"
             self.lora = LoraSlots(loaded.model, max_loras, max_lora_rank, lora_kernel)
             self.pieces.lora = self.lora
             self.lora_step = LoraDecodeStep(self.decode_step, self.lora)
-            self.lora_piecewise = (
-                LoraPiecewiseStep(self.piecewise_step, self.lora) if self.piecewise_step is not None else None
-            )
-            stats = graph_config.stats_file
-            lora_config = dataclasses.replace(
-                graph_config, stats_file=None if stats is None else stats.with_name(stats.name + ".lora"))
+            steps[GraphFamily(FULL, lora=True)] = self.lora_step
+            if self.piecewise_step is not None:
+                steps[GraphFamily(PIECEWISE, lora=True)] = LoraPiecewiseStep(self.piecewise_step, self.lora)
+            # What the LoRA graphs' own stats file (`<stats>.lora`) was keyed by before they joined this cache.
             lora_fingerprint = dataclasses.replace(fingerprint, model=f"{loaded.name}+lora:{max_loras}x{max_lora_rank}")
-            self.lora_graphs = GraphCache(self.lora_step, lora_config, self.device, lora_fingerprint, graph_backend,
-                                          piecewise_step=self.lora_piecewise)
-            self.graphs.share_budget_with(self.lora_graphs)  # one --graph-memory-budget for both
+        hooks = hooks if hooks is not None else EngineHooks()
+        leader = TensorParallelLeader(ranks, self.tp) if ranks is not None else None
+        self.role: OneDevice = leader or OneDevice()  # or follow()
+        # Rank 0 of N > 1: captures run between steps, in an order the other ranks hear of (roles.py).
+        order = None if leader is None else RankOrder(leader.publish_ops, hooks.busy)
+        self.graphs = GraphCache(steps, graph_config, self.device, fingerprint, graph_backend, hooks=hooks, order=order,
+                                 lora_fingerprint=lora_fingerprint)
         # Sampled tokens come back through pinned buffers; waiting on an event (which releases the
         # GIL) instead of a blocking copy lets other threads run while the GPU works.
         on_cuda = self.device.type == "cuda"
@@ -144,11 +149,6 @@ class ModelRunner:
     def ranks(self) -> Ranks | None:
         """The other tensor-parallel ranks (the leader's), else None."""
         return self.role.ranks
-
-    def lead(self, ranks: Ranks) -> None:
-        """Rank 0 of N > 1: send every step (with its graph operations) to the other ranks."""
-        assert self.lora_graphs is None, "adapters are not served with tensor parallelism"
-        self.role = TensorParallelLeader(ranks, self.tp, self.graphs)
 
     def follow(self) -> Follower:
         """Ranks > 0: hold the graphs rank 0's cache captures and releases; decide nothing."""
@@ -258,27 +258,19 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs, previous_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's forward pass -> float32 logits of its sampling rows, and the packed prompt logprobs
-        of the chunks' ChunkSpec.logprob_rows (rank 0; None when none are asked). The dispatcher: a uniform
-        decode replays a FULL graph (the decode kernels, eagerly, without graphs); any other step,
-        and a uniform decode when the mode keeps only PIECEWISE graphs, runs as pieces, replayed
-        from PIECEWISE graphs when the mode has them. Rows with an adapter go to the LoRA cache.
-        Every tensor-parallel rank runs this for the same inputs (the role plans the graphs)."""
+        of the chunks' ChunkSpec.logprob_rows (rank 0; None when none are asked). The graph cache's
+        dispatcher plans it: FULL (the decode step's inputs, replayed or eager), PIECEWISE (the
+        pieces' inputs, replayed or eager), or an eager forward outside the cache; steps with
+        adapter rows get the LoRA family of each. Every tensor-parallel rank runs this for the same
+        inputs (the role plans the graphs)."""
         for slot, first, blocks in inputs.table_updates:
             self.kv.set_blocks(slot, first, blocks)
         self.kv.sync_table()
-        with_lora = inputs.lora_slots is not None
-        graphs = self.lora_graphs if with_lora else self.graphs
-        assert graphs is not None, "an adapter row on a server without adapter slots"
-        # A step with adapter rows replays the LoRA cache's pieces (captured with the LoRA products).
-        step = self.lora_piecewise if with_lora else self.piecewise_step
-        pieces_only = graphs.serves(PIECEWISE) and not graphs.serves(FULL)
-        full = not inputs.chunks and not pieces_only
-        kind = FULL if full else PIECEWISE if step is not None and graphs.serves(PIECEWISE) else None
-        plan = self.role.plan(graphs, inputs, kind)
-        if full:
+        plan = self.role.plan(self.graphs, inputs)
+        if plan.kind is FULL:
             self.decode_step.write_rows(inputs.token_ids, inputs.positions, inputs.slots, inputs.pending_rows,
                                         previous_tokens, lora_slots=inputs.lora_slots)
-            return self.role.replay(graphs, FULL, len(inputs.positions), plan, inputs), None
+            return self.role.replay(self.graphs, plan), None
         batch = build_step_batch(
             inputs.positions,
             inputs.slots,
@@ -293,9 +285,9 @@ class ModelRunner:
         if batch.pending_rows is not None:
             d = len(inputs.positions)
             batch.input_ids[:d] = fed_back(batch.input_ids[:d], batch.pending_rows, previous_tokens)
-        if kind is PIECEWISE:
-            step.write(batch)
-            hidden = self.role.replay(graphs, PIECEWISE, batch.size, plan, inputs)  # or eager above the largest
+        if plan.kind is PIECEWISE:
+            self.graphs.steps[plan.requested.family].write(batch)  # the LoRA pieces' with adapter rows
+            hidden = self.role.replay(self.graphs, plan)  # or eager above the largest
         else:
             hidden = self.pieces.hidden(batch)
         logits = self.loaded.model.logits(hidden[batch.sample_rows])
@@ -317,11 +309,6 @@ class ModelRunner:
             if targets is not None:
                 packed.append(token_logprobs(logits, targets[start: start + _LOGPROB_SLICE], MAX_LOGPROBS))
         return torch.cat(packed) if packed else None
-
-    @property
-    def graph_caches(self) -> list[GraphCache]:
-        """The base graph cache, then the LoRA one when the server serves adapters."""
-        return [self.graphs] + ([self.lora_graphs] if self.lora_graphs is not None else [])
 
     def _sample_rows(self, seqs: tuple[Sequence, ...]) -> list[SampleRow]:
         rows = []

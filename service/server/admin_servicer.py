@@ -23,6 +23,8 @@ from cache_manager import (
     BucketEntry,
     BucketState,
     CacheSnapshot,
+    CudaGraphMode,
+    GraphFamily,
     GraphsUnavailableError,
     OpResult,
 )
@@ -39,7 +41,6 @@ from service.engine.rank_memory import RankMemory
 from service.model.lora import LoraError, LoraPathError
 from service.proto import admin_pb2, admin_pb2_grpc
 from service.server.engine_control import EngineControl
-from service.server.engine_messages import LORA_SUFFIX
 
 log = structlog.get_logger("graphserve.admin")
 
@@ -79,15 +80,15 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
                             context: grpc.aio.ServicerContext) -> admin_pb2.CacheState:
         control = self.control
         snap = await self._read(context, control.snapshot)
-        lora = await self._read(context, control.lora_snapshot)
         ranks = await self._read(context, control.rank_memory)
         kv = await self._read(context, control.kv_state)
+        # One cache: the LoRA family's entries fill the lora fields, as when they were a cache of their own.
         return admin_pb2.CacheState(
-            mode=snap.mode, device=snap.device, budget_bytes=snap.budget_bytes, used_bytes=snap.used_bytes,
+            mode=snap.mode, device=snap.device, budget_bytes=snap.budget_bytes,
+            used_bytes=snap.used_bytes - snap.lora_used_bytes,
             capture_sizes=list(snap.capture_sizes), max_batch=snap.max_batch,
-            buckets=[_bucket_entry(b) for b in snap.buckets], piecewise_sizes=list(snap.piecewise_sizes),
-            lora_buckets=[_bucket_entry(b) for b in lora.buckets] if lora is not None else [],
-            lora_used_bytes=lora.used_bytes if lora is not None else 0,
+            buckets=[_bucket_entry(b) for b in snap.buckets if not b.lora], piecewise_sizes=list(snap.piecewise_sizes),
+            lora_buckets=[_bucket_entry(b) for b in snap.buckets if b.lora], lora_used_bytes=snap.lora_used_bytes,
             ranks=[_rank_memory(r) for r in ranks],
             kv_cache=_kv_cache_state(kv, control.kv_cache_dtype) if kv is not None else None,
         )
@@ -109,15 +110,17 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
 
     async def Capture(self, request: admin_pb2.SizesRequest,
                       context: grpc.aio.ServicerContext) -> admin_pb2.OperationResponse:
-        sizes, kind, lora = await self._checked_sizes(request, context)
-        return await self._operate(context, "capture", lambda: self.control.capture(sizes, kind, lora),
-                                   kind=_kind_name(kind, lora), sizes=sizes)
+        sizes, family = await self._checked_sizes(request, context)
+        return await self._operate(context, "capture",
+                                   lambda: self.control.capture(sizes, family.mode.value, family.lora),
+                                   kind=str(family), sizes=sizes)
 
     async def Evict(self, request: admin_pb2.SizesRequest,
                     context: grpc.aio.ServicerContext) -> admin_pb2.OperationResponse:
-        sizes, kind, lora = await self._checked_sizes(request, context)
-        return await self._operate(context, "evict", lambda: self.control.evict(sizes, kind, lora),
-                                   kind=_kind_name(kind, lora), sizes=sizes)
+        sizes, family = await self._checked_sizes(request, context)
+        return await self._operate(context, "evict",
+                                   lambda: self.control.evict(sizes, family.mode.value, family.lora),
+                                   kind=str(family), sizes=sizes)
 
     async def SetBudget(self, request: admin_pb2.SetBudgetRequest,
                         context: grpc.aio.ServicerContext) -> admin_pb2.OperationResponse:
@@ -186,23 +189,24 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
 
     async def _checked_sizes(
         self, request: admin_pb2.SizesRequest, context: grpc.aio.ServicerContext
-    ) -> tuple[list[int], str, bool]:
-        """Unique sizes in request order, the graph kind ("full" or "piecewise") and whether it names
-        the LoRA graphs ("full+lora", "piecewise+lora"); INVALID_ARGUMENT (naming the allowed ones)
-        otherwise."""
-        kind = request.kind.strip().lower() or "full"
-        graph_kind = kind.removesuffix(LORA_SUFFIX)  # the LoRA cache keeps the base cache's sizes
-        if graph_kind not in ("full", "piecewise"):
+    ) -> tuple[list[int], GraphFamily]:
+        """Unique sizes in request order and the graph family the kind names ("full", "piecewise",
+        "full+lora", "piecewise+lora"); INVALID_ARGUMENT (naming the allowed ones) otherwise."""
+        try:
+            family = GraphFamily.parse(request.kind or "full")
+        except ValueError:
+            family = None
+        if family is None or family.query_tokens != 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"kind {request.kind!r}: use full, piecewise, full+lora or piecewise+lora")
-        lora = kind != graph_kind
-        if lora and not self.control.max_loras:
+        kind = str(family)
+        if family.lora and not self.control.max_loras:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"kind {kind}: this server has no adapter slots, so no LoRA graphs "
                                 "(start with --max-loras or --lora-modules)")
         unique = list(dict.fromkeys(request.sizes))
         config = self.control.graph_config
-        allowed = config.sizes if graph_kind == "full" else config.piecewise_sizes
+        allowed = config.sizes if family.mode.value == "full" else config.piecewise_sizes  # LoRA or not
         if not unique:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"give at least one size; allowed: {_few(allowed)}")
@@ -210,7 +214,7 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
         if bad:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"sizes {_few(bad)} are not {kind} capture sizes; allowed: {_few(allowed)}")
-        return unique, graph_kind, lora
+        return unique, family
 
     async def _read(self, context: grpc.aio.ServicerContext, fn: Callable[[], Any]) -> Any:
         try:
@@ -267,11 +271,6 @@ def _few(values: Iterable[int], shown: int = _SHOWN_VALUES) -> str:
     return f"[{', '.join(map(str, values[:shown]))}, ... and {len(values) - shown} more]"
 
 
-def _kind_name(kind: str, lora: bool) -> str:
-    """The kind as the operator names it: "full", "piecewise", "full+lora" or "piecewise+lora"."""
-    return kind + LORA_SUFFIX if lora else kind
-
-
 def _size_and_kind(key: int | tuple[int, str], kind: str) -> tuple[int, str]:
     return key if isinstance(key, tuple) else (key, kind)
 
@@ -286,7 +285,7 @@ def _bucket_entry(b: BucketEntry) -> admin_pb2.BucketEntry:
         size=b.size, kind=b.kind, state=_STATES[b.state], bytes=b.bytes, capture_ms=b.capture_ms,
         replays=c.replays, padded_rows=c.padded_rows, eager_fallbacks=sum(c.eager_fallbacks.values()),
         failures=c.failures, captures=c.captures, evictions=c.evictions,
-        last_use_unix=b.last_use or 0.0, failure_reason=reason, kept=b.kept,
+        last_use_unix=b.last_use or 0.0, failure_reason=reason, kept=b.kept, lora=b.lora,
     )
 
 
@@ -321,8 +320,10 @@ def _sum_reasons(tables: Iterable[dict[str, int]]) -> dict[str, int]:
 
 
 def _bucket_counters(b: BucketEntry, c: BucketCounters) -> admin_pb2.BucketCounters:
+    """A LoRA graph's kind is spelled with its family ("full+lora"), as in a capture or evict."""
     return admin_pb2.BucketCounters(
-        size=b.size, kind=b.kind, replays=c.replays, captures=c.captures, evictions=c.evictions, failures=c.failures,
+        size=b.size, kind=str(GraphFamily(CudaGraphMode(b.kind), b.lora)), replays=c.replays,
+        captures=c.captures, evictions=c.evictions, failures=c.failures,
         padded_rows=c.padded_rows, eager_fallbacks=_reason_counts(c.eager_fallbacks),
         capture_ms=b.capture_ms, bytes=b.bytes,
     )
@@ -331,7 +332,7 @@ def _bucket_counters(b: BucketEntry, c: BucketCounters) -> admin_pb2.BucketCount
 def _stats_view(snap: CacheSnapshot, requested: dict[BatchDescriptor, int], which: str,
                 eager: dict[str, int]) -> admin_pb2.StatsView:
     return admin_pb2.StatsView(
-        requested_sizes=[admin_pb2.SizeCount(size=k.padded_size, kind=k.mode.value, count=c)
+        requested_sizes=[admin_pb2.SizeCount(size=k.padded_size, kind=str(k.family), count=c)
                          for k, c in sorted(requested.items())],
         buckets=[_bucket_counters(b, getattr(b, which)) for b in snap.buckets],
         eager_fallbacks=_reason_counts(eager),

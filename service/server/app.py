@@ -149,8 +149,6 @@ class App:
         self.control = control = EngineControl(self.engine, ready)
         self.metrics.set_engine_source(control.metric_families)
         self.metrics.set_graph_source(control.snapshot)
-        if ready.max_loras:
-            self.metrics.set_lora_graph_source(control.lora_snapshot)
         self.admin_server, self.admin_port = await start_admin_server(c, control, self.metrics)
         limits = Limits.from_config(dataclasses.replace(c, max_seq_len=ready.max_seq_len), vocab_size=spec.vocab_size)
         self.streams.attach(self.engine)

@@ -1,7 +1,7 @@
 """The engine process's side of the gRPC process's calls (engine_messages.EngineCall): each runs
 where it must, and its reply comes back as a future.
 
-Reads (the metrics, the graph snapshots, every rank's graph memory, the KV pool's counts) run on
+Reads (the metrics, the graph snapshot, every rank's graph memory, the KV pool's counts) run on
 the reply thread: a snapshot may wait for the graph cache's lock (a capture), which the pipe
 thread must not. Graph-cache operations and the prefix-cache reset run on the engine thread
 between two steps; capture, evict and set_budget finish on the capture thread (with tensor
@@ -14,14 +14,12 @@ read); unload and list only queue a call there.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from service.engine.adapters import AdaptersOff
 from service.server.engine_messages import (
-    LORA_SUFFIX,
     Capture,
     EngineCall,
     Evict,
@@ -47,7 +45,7 @@ if TYPE_CHECKING:
 
 class EngineCalls:
     """Runs the calls against an engine (its `call` runs a function between two steps) and its
-    loaded runner (the graph caches, the adapters, the ranks); `reads` is the reply thread."""
+    loaded runner (the graph cache, the adapters, the ranks); `reads` is the reply thread."""
 
     def __init__(self, engine: Engine, lr: LoadedRunner, metric_families: Callable[[], list[Any]],
                  reads: concurrent.futures.Executor) -> None:
@@ -63,10 +61,8 @@ class EngineCalls:
         match call:
             case ReadMetrics():
                 return self.reads.submit(self.metric_families)
-            case ReadSnapshot(lora=False):
+            case ReadSnapshot():
                 return self.reads.submit(lr.graphs.snapshot)
-            case ReadSnapshot(lora=True):
-                return self.reads.submit(lambda: None if lr.lora_graphs is None else lr.lora_graphs.snapshot())
             case ReadRankMemory():
                 return self.reads.submit(lr.runner.rank_memory)
             case ReadKvState():
@@ -74,14 +70,13 @@ class EngineCalls:
             case ReadPersistedStats():
                 return engine.call(lr.graphs.persisted_stats)
             case ReadGraphMemory():
-                return engine.call(self._graph_memory)
+                return engine.call(lambda: (lr.graphs.budget_bytes, lr.graphs.used_bytes))
             case ReadTotalMemory():
                 return engine.call(lambda: None if lr.graphs.backend is None else lr.graphs.backend.total_memory())
             case Capture() | Evict():
                 return _settled(engine.call(lambda: self._sizes_op(call)))
             case SetBudget(budget_bytes):
-                return _settled(engine.call(lambda: _budget_results(lr.graphs.set_shared_budget_async(budget_bytes),
-                                                                    lr.lora_graphs is not None)))
+                return _settled(engine.call(lambda: _by_size_and_kind(lr.graphs.set_budget_async(budget_bytes))))
             case ResetStats():
                 return engine.call(lr.graphs.reset_stats)
             case ResetPrefixCache():
@@ -101,21 +96,17 @@ class EngineCalls:
     def close(self) -> None:
         self.adapter_reads.shutdown(wait=False)
 
-    def _graph_memory(self) -> tuple[int, int]:
-        """(budget, used): what counts against the one budget is the LoRA cache's graphs too."""
-        g, lora = self.lr.graphs, self.lr.lora_graphs
-        return g.budget_bytes, g.used_bytes + (lora.used_bytes if lora is not None else 0)
-
     def _sizes_op(self, call: Capture | Evict) -> Future:
         """Capture or evict: queued for the capture thread, never waited for here."""
+        from cache_manager.sizes import CudaGraphMode, GraphFamily  # torch: imported with the model, not before
+
         graphs = self.lr.graphs
-        if call.lora:  # the graphs of steps with adapter rows
-            graphs = self.lr.lora_graphs
-            if graphs is None:
-                raise ValueError("this server has no adapter slots (start with --max-loras or --lora-modules)")
+        if call.lora and not graphs.has_lora:  # the graphs of steps with adapter rows
+            raise ValueError("this server has no adapter slots (start with --max-loras or --lora-modules)")
+        family = GraphFamily(CudaGraphMode.parse(call.kind), call.lora)
         if isinstance(call, Capture):
-            return graphs.capture_async(list(call.sizes), call.kind)
-        return graphs.evict_async(list(call.sizes), call.kind)
+            return graphs.capture_async(list(call.sizes), family)
+        return graphs.evict_async(list(call.sizes), family)
 
     def _load_adapter(self, name: str, path: str) -> Future:
         """Read the files on the adapter thread, then register the adapter on the engine thread."""
@@ -171,26 +162,19 @@ def _failed(exc: BaseException) -> Future:
     return future
 
 
-def _budget_results(futures: list[Future], with_lora: bool) -> Future:
-    """One future of the base and LoRA caches' evictions (set_shared_budget_async's futures, base
-    first), keyed (size, kind) with the LoRA graphs' kinds "full+lora" / "piecewise+lora"."""
-    suffixes = ["", LORA_SUFFIX] if with_lora else [""]
-    merged: Future = Future()
-    lock = threading.Lock()
+def _by_size_and_kind(future: Future) -> Future:
+    """The evictions of a budget set, keyed (size, kind) with the kind as operators name the
+    descriptor's family ("full", "piecewise+lora") instead of by descriptor."""
+    keyed: Future = Future()
 
-    def on_done(_: Future) -> None:
-        with lock:
-            if merged.done() or not all(f.done() for f in futures):
-                return
-            try:
-                merged.set_result({(k.padded_size, k.mode.value + suffix): r
-                                   for f, suffix in zip(futures, suffixes, strict=True) for k, r in f.result().items()})
-            except Exception as exc:  # noqa: BLE001 - the caller gets it as its call's exception
-                merged.set_exception(exc)
+    def on_done(f: Future) -> None:
+        try:
+            keyed.set_result({(k.padded_size, str(k.family)): r for k, r in f.result().items()})
+        except Exception as exc:  # noqa: BLE001 - the caller gets it as its call's exception
+            keyed.set_exception(exc)
 
-    for f in futures:
-        f.add_done_callback(on_done)
-    return merged
+    future.add_done_callback(on_done)
+    return keyed
 
 
 def _info(lr: LoadedRunner, name: str) -> Any:

@@ -91,10 +91,6 @@ class EngineControl:
     def snapshot(self) -> CacheSnapshot:
         return self._link.request(ReadSnapshot(), _READ_TIMEOUT_S)
 
-    def lora_snapshot(self) -> CacheSnapshot | None:
-        """The snapshot of the graphs of batches with adapters (None without adapter slots)."""
-        return self._link.request(ReadSnapshot(lora=True), _READ_TIMEOUT_S)
-
     def rank_memory(self) -> list[RankMemory]:
         """Every tensor-parallel rank's graph memory, rank 0 first (empty on one rank)."""
         return self._link.request(ReadRankMemory(), _READ_TIMEOUT_S)
@@ -107,7 +103,7 @@ class EngineControl:
         return self._link.request(ReadPersistedStats(), _CALL_TIMEOUT_S)
 
     def graph_memory(self) -> tuple[int, int]:
-        """(budget, used) bytes: the one budget of the base and LoRA caches, and both caches' graphs."""
+        """(budget, used) bytes: the one budget, and what every graph (LoRA ones too) holds."""
         return self._link.request(ReadGraphMemory(), _CALL_TIMEOUT_S)
 
     def total_memory(self) -> int | None:
@@ -124,7 +120,7 @@ class EngineControl:
         return self._link.request(Evict(tuple(sizes), kind, lora), _CALL_TIMEOUT_S)
 
     def set_budget(self, budget_bytes: int) -> dict[tuple[int, str], OpResult]:
-        """The one budget of the base and LoRA caches; their evictions keyed (size, kind)."""
+        """The one budget of every graph; the evictions keyed (size, kind), e.g. (8, "full+lora")."""
         return self._link.request(SetBudget(budget_bytes), _CALL_TIMEOUT_S)
 
     def reset_stats(self) -> None:

@@ -36,8 +36,6 @@ T = TypeVar("T")
 
 # Event kinds inside an Events message: (kind, key, payload)
 DELTA, FINISH, ERROR = "d", "f", "e"
-# Set-budget results name the LoRA graph cache's kinds with this suffix ("full+lora", "piecewise+lora").
-LORA_SUFFIX = "+lora"
 
 
 # ---- the engine process's start ----------------------------------------------------------------
@@ -171,10 +169,8 @@ class ReadMetrics(EngineCall["list[Any]"]):
 
 
 @dataclass(frozen=True)
-class ReadSnapshot(EngineCall["CacheSnapshot | None"]):
-    """The graph cache's snapshot; lora: the LoRA graph cache's (None without adapter slots)."""
-
-    lora: bool = False
+class ReadSnapshot(EngineCall["CacheSnapshot"]):
+    """The graph cache's snapshot (every family's graphs, LoRA ones too)."""
 
 
 @dataclass(frozen=True)
@@ -194,7 +190,7 @@ class ReadPersistedStats(EngineCall["StatsTables"]):
 
 @dataclass(frozen=True)
 class ReadGraphMemory(EngineCall["tuple[int, int]"]):
-    """(budget, used) bytes: the one budget, and what counts against it (both caches' graphs)."""
+    """(budget, used) bytes: the one budget, and what counts against it (every graph, LoRA ones too)."""
 
 
 @dataclass(frozen=True)
@@ -206,7 +202,7 @@ class ReadTotalMemory(EngineCall["int | None"]):
 class _GraphSizes:
     sizes: tuple[int, ...]
     kind: str = "full"  # or "piecewise"
-    lora: bool = False  # the graphs of steps with adapter rows (the LoRA graph cache)
+    lora: bool = False  # the LoRA family's graphs (steps with adapter rows)
 
 
 @dataclass(frozen=True)
@@ -221,8 +217,8 @@ class Evict(_GraphSizes, EngineCall["dict[int, OpResult]"]):
 
 @dataclass(frozen=True)
 class SetBudget(EngineCall["dict[tuple[int, str], OpResult]"]):
-    """The one budget of the base and LoRA caches; the reply is their evictions keyed (size, kind),
-    the LoRA graphs' kinds with LORA_SUFFIX."""
+    """The one budget of every graph; the reply is the evictions keyed (size, kind), the kind as
+    operators name the descriptor's family ("full", "piecewise+lora")."""
 
     budget_bytes: int
 

@@ -113,6 +113,7 @@ class _Worker:
     # ---- start --------------------------------------------------------------------------------
 
     def load(self) -> WorkerReady:
+        from cache_manager import EngineHooks
         from service.engine.builder import load_runner, new_engine
         from service.server.faults import wrap_decode
         from service.telemetry.log import route_library_logs
@@ -120,7 +121,7 @@ class _Worker:
         c, faults = self.spec.config, self.spec.faults
         if faults.load_delay_s:  # a slow load, as a big checkpoint would be (tests only)
             time.sleep(faults.load_delay_s)
-        lr = load_runner(c)
+        lr = load_runner(c, EngineHooks(capture_stall=self.metrics.graph_capture_stall.observe), self.on_rank_death)
         route_library_logs()  # transformers is imported now: its log lines go through structlog
         if faults.decode_raise_after is not None:
             wrap_decode(lr.runner, faults.decode_raise_after)
@@ -130,11 +131,7 @@ class _Worker:
         self.calls = EngineCalls(self.engine, lr, self.metric_families, reads=self.replies)
         blocks = self.engine.scheduler.block_stats()
         self.metrics.set_cache_config(blocks.block_size, c.kv_cache_dtype, c.prefix_caching, blocks.num_blocks)
-        graphs.on_capture_stall = self.metrics.graph_capture_stall.observe
-        caches = lr.runner.graph_caches
-        self.metrics.capturing = lambda: any(cache.capturing for cache in caches)
-        if lr.runner.ranks is not None:
-            lr.runner.ranks.on_death = self.on_rank_death
+        self.metrics.capturing = lambda: graphs.capturing
         loaded = lr.loaded
         return WorkerReady(
             model_path=str(loaded.path), spec=loaded.spec, max_seq_len=lr.max_seq_len, device=str(loaded.device),
@@ -147,7 +144,10 @@ class _Worker:
 
     def on_rank_death(self) -> None:
         """A tensor-parallel rank died: the engine fails at its next step boundary. A step stuck in a
-        collective with the dead rank may not get there: then this process exits, as a dead engine."""
+        collective with the dead rank may not get there: then this process exits, as a dead engine.
+        (While loading, there is no engine yet: the load fails with the rank's death.)"""
+        if self.engine is None:
+            return
         self.engine.wake()
 
         def exit_if_stuck() -> None:
@@ -231,7 +231,7 @@ class _Worker:
         """Stop the engine and save the stats; returns whether the stats were saved."""
         from service.engine.builder import close_engine
 
-        saved = close_engine(self.engine, self.runner.runner.graph_caches)
+        saved = close_engine(self.engine, self.graphs)
         self.calls.close()
         return saved
 

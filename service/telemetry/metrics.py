@@ -49,71 +49,26 @@ class EngineMetricsCollector(Collector):
 
 
 class GraphCacheCollector(Collector):
-    """Exports the graph cache's since-start counters from the snapshot the source returns.
+    """Exports the graph cache's since-start counters from the snapshot the source returns: the base
+    graphs' as graphserve_graph_*, the LoRA graphs' (steps with adapter rows; only when the cache
+    has them) as the same families under graphserve_lora_graph_*. The memory gauges split what
+    counts against the one budget: the LoRA graphs' bytes there, everything else here.
 
     Eager fallbacks come from the requested-size table only: the manager counts every eager step
     there, and additionally in its bucket's counters when the size maps to a bucket, so adding the
     bucket table too would count those steps twice.
     """
 
-    def __init__(self, prefix: str = "graphserve_graph") -> None:
+    def __init__(self) -> None:
         self.source: GraphSource | None = None
-        # "graphserve_lora_graph": the same families for the graphs of batches with LoRA adapter rows.
-        self.prefix = prefix
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         if snap is None:
             return
-        # kind: "full" (bucket = rows of a uniform-decode step) or "piecewise" (bucket = tokens of any step)
-        replays = CounterMetricFamily(f"{self.prefix}_replays", "Steps served by replaying a captured graph.",
-                                      labels=["kind", "bucket"])
-        padded = CounterMetricFamily(f"{self.prefix}_padded_rows", "Padding rows (or tokens) run by replays.",
-                                     labels=["kind", "bucket"])
-        capture_s = GaugeMetricFamily(f"{self.prefix}_capture_seconds",
-                                      "Duration of the latest capture of each bucket.", labels=["kind", "bucket"])
-        bucket_bytes = GaugeMetricFamily(f"{self.prefix}_bucket_bytes",
-                                         "Measured memory of each bucket's latest capture.", labels=["kind", "bucket"])
-        states: dict[str, int] = {}
-        captures = evictions = failures = 0
-        for b in snap.buckets:
-            label = [b.kind, str(b.size)]
-            c = b.since_start
-            replays.add_metric(label, c.replays)
-            padded.add_metric(label, c.padded_rows)
-            if b.capture_ms > 0:
-                capture_s.add_metric(label, b.capture_ms / 1000.0)
-            if b.bytes > 0:
-                bucket_bytes.add_metric(label, b.bytes)
-            captures += c.captures
-            evictions += c.evictions
-            failures += c.failures
-            state = getattr(b.state, "value", str(b.state))
-            states[state] = states.get(state, 0) + 1
-        eager: dict[tuple[str, str], int] = {}
-        for r in snap.requested_detail:
-            for reason, count in r.eager_fallbacks.items():
-                eager[r.kind, reason] = eager.get((r.kind, reason), 0) + count
-        fallbacks = CounterMetricFamily(f"{self.prefix}_eager_fallbacks",
-                                        "Steps run eagerly, by graph kind and reason.", labels=["kind", "reason"])
-        for (kind, reason), count in sorted(eager.items()):
-            fallbacks.add_metric([kind, reason], count)
-        buckets = GaugeMetricFamily(f"{self.prefix}_buckets", "Allowed graph sizes by state.", labels=["state"])
-        for state, count in sorted(states.items()):
-            buckets.add_metric([state], count)
-        yield replays
-        yield padded
-        yield fallbacks
-        yield CounterMetricFamily(f"{self.prefix}_captures", "Graphs captured.", value=captures)
-        yield CounterMetricFamily(f"{self.prefix}_evictions", "Graphs evicted.", value=evictions)
-        yield CounterMetricFamily(f"{self.prefix}_capture_failures", "Captures that failed.", value=failures)
-        yield GaugeMetricFamily(f"{self.prefix}_memory_bytes", "Memory held by captured graphs.",
-                                value=snap.used_bytes)
-        yield GaugeMetricFamily(f"{self.prefix}_memory_budget_bytes", "Memory budget for captured graphs.",
-                                value=snap.budget_bytes)
-        yield capture_s
-        yield bucket_bytes
-        yield buckets
+        yield from _families("graphserve_graph", snap, lora=False)
+        if any(b.lora for b in snap.buckets):
+            yield from _families("graphserve_lora_graph", snap, lora=True)
 
     def _snapshot(self) -> CacheSnapshot | None:
         if self.source is None:
@@ -123,6 +78,63 @@ class GraphCacheCollector(Collector):
         except Exception:
             log.warning("graph_snapshot_failed", exc_info=True)
             return None
+
+
+def _families(prefix: str, snap: CacheSnapshot, lora: bool) -> Iterator[Metric]:
+    """The families of the base graphs or of the LoRA graphs (`lora`) of one snapshot."""
+    # kind: "full" (bucket = rows of a uniform-decode step) or "piecewise" (bucket = tokens of any step)
+    replays = CounterMetricFamily(f"{prefix}_replays", "Steps served by replaying a captured graph.",
+                                  labels=["kind", "bucket"])
+    padded = CounterMetricFamily(f"{prefix}_padded_rows", "Padding rows (or tokens) run by replays.",
+                                 labels=["kind", "bucket"])
+    capture_s = GaugeMetricFamily(f"{prefix}_capture_seconds",
+                                  "Duration of the latest capture of each bucket.", labels=["kind", "bucket"])
+    bucket_bytes = GaugeMetricFamily(f"{prefix}_bucket_bytes",
+                                     "Measured memory of each bucket's latest capture.", labels=["kind", "bucket"])
+    states: dict[str, int] = {}
+    captures = evictions = failures = 0
+    for b in snap.buckets:
+        if b.lora != lora:
+            continue
+        label = [b.kind, str(b.size)]
+        c = b.since_start
+        replays.add_metric(label, c.replays)
+        padded.add_metric(label, c.padded_rows)
+        if b.capture_ms > 0:
+            capture_s.add_metric(label, b.capture_ms / 1000.0)
+        if b.bytes > 0:
+            bucket_bytes.add_metric(label, b.bytes)
+        captures += c.captures
+        evictions += c.evictions
+        failures += c.failures
+        state = getattr(b.state, "value", str(b.state))
+        states[state] = states.get(state, 0) + 1
+    eager: dict[tuple[str, str], int] = {}
+    for r in snap.requested_detail:
+        if r.lora != lora:
+            continue
+        for reason, count in r.eager_fallbacks.items():
+            eager[r.kind, reason] = eager.get((r.kind, reason), 0) + count
+    fallbacks = CounterMetricFamily(f"{prefix}_eager_fallbacks",
+                                    "Steps run eagerly, by graph kind and reason.", labels=["kind", "reason"])
+    for (kind, reason), count in sorted(eager.items()):
+        fallbacks.add_metric([kind, reason], count)
+    buckets = GaugeMetricFamily(f"{prefix}_buckets", "Allowed graph sizes by state.", labels=["state"])
+    for state, count in sorted(states.items()):
+        buckets.add_metric([state], count)
+    yield replays
+    yield padded
+    yield fallbacks
+    yield CounterMetricFamily(f"{prefix}_captures", "Graphs captured.", value=captures)
+    yield CounterMetricFamily(f"{prefix}_evictions", "Graphs evicted.", value=evictions)
+    yield CounterMetricFamily(f"{prefix}_capture_failures", "Captures that failed.", value=failures)
+    held = snap.lora_used_bytes if lora else snap.used_bytes - snap.lora_used_bytes
+    yield GaugeMetricFamily(f"{prefix}_memory_bytes", "Memory held by captured graphs.", value=held)
+    yield GaugeMetricFamily(f"{prefix}_memory_budget_bytes", "Memory budget for captured graphs.",
+                            value=snap.budget_bytes)
+    yield capture_s
+    yield bucket_bytes
+    yield buckets
 
 
 class Metrics:
@@ -140,8 +152,6 @@ class Metrics:
                                      "Admin calls refused for a missing or wrong token.", registry=r)
         self.graphs = GraphCacheCollector()
         r.register(self.graphs)
-        self.lora_graphs = GraphCacheCollector("graphserve_lora_graph")
-        r.register(self.lora_graphs)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -165,10 +175,6 @@ class Metrics:
     def set_graph_source(self, source: GraphSource) -> None:
         """`source` returns a recent graph-cache snapshot or None."""
         self.graphs.source = source
-
-    def set_lora_graph_source(self, source: GraphSource) -> None:
-        """`source` returns the snapshot of the LoRA graphs (batches with adapter rows), or None."""
-        self.lora_graphs.source = source
 
     # ---- HTTP /metrics -------------------------------------------------------------------------
 

@@ -427,7 +427,7 @@ def test_captures_beside_serving_steps_leave_their_outputs_and_kv_intact(model):
 
 
 def test_two_caches_on_one_device_capture_at_once(model):
-    """Two graph caches (as the base and the LoRA cache of one server) each run a capture thread; their
+    """Two graph caches in one process (as two LLM objects hold) each run a capture thread; their
     captures share the device's side stream and take turns, so every size of both gets captured and
     replays what eager gives."""
     kv = new_kv()

@@ -217,7 +217,7 @@ def test_operator_captures_and_evicts_lora_graphs(lora_server, capsys: pytest.Ca
     evicted = ctl("evict", "--kind", "full+lora", "8")["results"]
     assert [(r["kind"], int(r["size"]), r["outcome"]) for r in evicted] == [("full+lora", 8, "evicted")]
     assert lora_state(8) == "BUCKET_STATE_EVICTED"
-    # The budget is the one of both caches: a shrink evicts LoRA graphs too, listed with their kind.
+    # One budget for every graph: a shrink evicts LoRA graphs too, listed with their kind.
     ctl("capture", "--kind", "full+lora", "8")
     response = ctl("budget", "1")
     assert ("full+lora", 8, "evicted") in {(r["kind"], int(r["size"]), r["outcome"]) for r in response["results"]}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_manager import BucketState, CudaGraphMode, GraphCache, GraphCacheConfig
+from cache_manager import BucketState, CudaGraphMode, GraphCache, GraphCacheConfig, GraphFamily
 from service.engine.piecewise_step import PiecewiseStep
 from service.model.kv_cache import NULL_BLOCK
 from service.model.pieces import PiecewiseForward
@@ -59,7 +59,8 @@ def check_piecewise_equals_eager(model) -> None:  # noqa: ANN001, F811
         b.copy_(a)
     step = PiecewiseStep(PiecewiseForward(model, kv), kv, MAX_TOKENS, DEVICE)
     cfg = GraphCacheConfig("piecewise", (8, 64, 128, 256), MAX_BATCH, memory_budget="4GiB", max_tokens=MAX_TOKENS)
-    cache = GraphCache(new_step_stub(model, kv), cfg, DEVICE, fingerprint(), piecewise_step=step)
+    steps = {GraphFamily(CudaGraphMode.FULL): new_step_stub(model, kv), GraphFamily(CudaGraphMode.PIECEWISE): step}
+    cache = GraphCache(steps, cfg, DEVICE, fingerprint())
     try:
         captured = cache.capture([8, 64, 128, 256], "piecewise")  # through the capture thread
         assert {r.outcome.value for r in captured.values()} == {"captured"}, captured

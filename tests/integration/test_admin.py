@@ -17,7 +17,8 @@ import structlog
 import torch
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cache_manager import Fingerprint, GraphCache, GraphCacheConfig
+from cache_manager import Fingerprint, GraphCache, GraphCacheConfig, GraphFamily
+from cache_manager.sizes import FULL
 from cache_manager.testing import CountingStep, FakeGraphBackend
 from service import graphctl
 from service.config import ConfigError, ServeConfig, load_config
@@ -376,21 +377,34 @@ def fake_graphs_admin(request, tmp_path) -> Iterator[Admin]:  # noqa: ANN001
     version is tests/gpu/test_admin_gpu.py. Parametrized indirectly with pad_single_rows (False: as
     with FP8 weights).
     """
+    yield from _fake_graphs_admin(tmp_path, request.param, lora=False)
+
+
+@pytest.fixture
+def fake_lora_graphs_admin(tmp_path) -> Iterator[Admin]:  # noqa: ANN001
+    """As fake_graphs_admin, with adapter slots: the cache holds LoRA graphs too ("lora:s" in the fake's records)."""
+    yield from _fake_graphs_admin(tmp_path, True, lora=True)
+
+
+def _fake_graphs_admin(tmp_path, pad_single_rows: bool, lora: bool) -> Iterator[Admin]:  # noqa: ANN001
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     config = GraphCacheConfig(mode="full", capture_sizes=None, max_batch=16, memory_budget=100_000,
-                              pad_single_rows=request.param)
+                              pad_single_rows=pad_single_rows)
     fingerprint = Fingerprint("fake", "float32", "cpu", torch.__version__, config.sizes, 16)
-    graphs = GraphCache(CountingStep(16), config, torch.device("cpu"), fingerprint, FakeGraphBackend())
+    steps = {GraphFamily(FULL): CountingStep(16)}
+    if lora:
+        steps[GraphFamily(FULL, lora=True)] = CountingStep(16, name="lora")
+    graphs = GraphCache(steps, config, torch.device("cpu"), fingerprint, FakeGraphBackend())
     # As builder.new_engine wires it: a finished capture is committed between steps.
     engine = Engine(runner=None, scheduler=Scheduler(16, 4096), tokenizer=None, eos_token_ids=frozenset(),
                     between_steps=graphs.poll)
-    graphs.notify = engine.wake
+    graphs.hooks.attach(engine)
     engine.start()
-    link = _InProcessEngine(engine, types.SimpleNamespace(graphs=graphs, lora_graphs=None, adapters=None,
+    link = _InProcessEngine(engine, types.SimpleNamespace(graphs=graphs, adapters=None,
                                                           runner=types.SimpleNamespace(rank_memory=list)))
     ready = WorkerReady(model_path="", spec=None, max_seq_len=256, device="cpu", dtype="float32", graph_config=config,
-                        graph_mode="full", graphs_device="cpu", has_graph_backend=True)
+                        graph_mode="full", graphs_device="cpu", has_graph_backend=True, max_loras=2 if lora else 0)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -490,3 +504,31 @@ def test_with_fp8_weights_size_1_is_shown_kept_and_only_an_explicit_evict_remove
     response = admin.ctl_json(capsys, "budget", "500")
     assert set(by_size(response)) == {2} and int(response["used_bytes"]) == 1000
     assert by_size(admin.ctl_json(capsys, "evict", "1"))[1]["outcome"] == "evicted"
+
+
+def test_lora_and_base_graphs_are_rows_of_one_table_under_one_budget(fake_lora_graphs_admin: Admin, capsys) -> None:
+    """One cache: the LoRA graphs are listed by their descriptor beside the base ones (the wire keeps
+    them in lora_buckets, each flagged), their bytes count against the one budget, a shrink evicts
+    from both, and the stats name their kind "full+lora"."""
+    admin = fake_lora_graphs_admin
+    assert admin.ctl(capsys, "capture", "8")[0] == 0
+    code, out, err = admin.ctl(capsys, "capture", "--kind", "full+lora", "4", "16")
+    assert code == 0, err
+    assert "full+lora" in out and "captured" in out
+    state = admin.ctl_json(capsys, "state")
+    assert {int(b["size"]): b["state"] for b in state["lora_buckets"] if b["state"] != "BUCKET_STATE_NOT_CAPTURED"} == {
+        4: "BUCKET_STATE_CAPTURED", 16: "BUCKET_STATE_CAPTURED"}
+    assert all(b["lora"] and b["kind"] == "full" for b in state["lora_buckets"])
+    assert not any(b["lora"] for b in state["buckets"])
+    assert int(state["used_bytes"]) == 8000 and int(state["lora_used_bytes"]) == 20_000
+    code, out, _ = admin.ctl(capsys, "state")
+    assert "used 27.3 KiB of budget 97.7 KiB" in out and "LoRA graphs (steps with any adapter row)" in out
+    rows = {(r.split()[0], int(r.split()[1])): r.split()[2] for r in out.splitlines()[4:]}  # two head lines, LoRA's, header
+    assert rows[("full", 8)] == "captured" and rows[("full+lora", 16)] == "captured" and rows[("full", 16)] == "not_captured"
+    # 28,000 held: a budget of 10,000 evicts the largest cold graphs, LoRA or not.
+    response = admin.ctl_json(capsys, "budget", "10000")
+    evicted = {(r["kind"], int(r["size"])) for r in response["results"]}
+    assert evicted and ("full+lora", 16) in evicted and int(response["used_bytes"]) <= 10_000
+    assert {r["outcome"] for r in response["results"]} == {"evicted"}
+    stats = admin.ctl_json(capsys, "stats")
+    assert {(b["kind"], int(b["size"])) for b in stats["since_start"]["buckets"]} >= {("full", 8), ("full+lora", 16)}

@@ -1,3 +1,5 @@
+import dataclasses
+import json
 import threading
 import time
 
@@ -9,13 +11,17 @@ from cache_manager import (
     BatchDescriptor,
     BucketState,
     CudaGraphMode,
+    EngineHooks,
     Fingerprint,
     GraphCache,
     GraphCacheConfig,
+    GraphFamily,
     GraphsUnavailableError,
     OpOutcome,
+    RankOrder,
 )
-from cache_manager.sizes import FULL
+from cache_manager.sizes import FULL, PIECEWISE
+from cache_manager.stats import StatsTables
 from cache_manager.testing import CountingStep, FakeGraphBackend, full_sizes
 
 SIZES = (1, 2, 4, 8)
@@ -526,7 +532,7 @@ def test_capture_log_reports_the_engine_threads_stall_apart_from_the_capture_tim
     stalls: list[float] = []
     step = CountingStep(8)
     cfg = GraphCacheConfig("full", SIZES, 8)
-    cache = GraphCache(step, cfg, torch.device("cpu"), FP, SlowCapture(), on_capture_stall=stalls.append)
+    cache = GraphCache(step, cfg, torch.device("cpu"), FP, SlowCapture(), hooks=EngineHooks(capture_stall=stalls.append))
     with structlog.testing.capture_logs() as logs:
         write(step, 3)
         started = time.perf_counter()
@@ -541,7 +547,7 @@ def test_capture_log_reports_the_engine_threads_stall_apart_from_the_capture_tim
 
 def test_inline_capture_runs_on_the_calling_thread_at_the_next_poll_after_publishing_its_ops():
     """Inline capture (tensor parallelism): the step that asked runs eagerly and queues the capture;
-    `poll` hands the queued ops to `publish_ops` (the other ranks), runs them on this thread and
+    `poll` hands the queued ops to its order's `publish` (the other ranks), runs them on this thread and
     commits them at once; the stall is the whole capture; evictions travel the same way."""
     from cache_manager.mirror import CAPTURE, RELEASE, GraphOp
 
@@ -554,8 +560,8 @@ def test_inline_capture_runs_on_the_calling_thread_at_the_next_poll_after_publis
     published: list[list[GraphOp]] = []
     step, fake = CountingStep(8), SlowCapture()
     cfg = GraphCacheConfig("full", SIZES, 8, memory_budget=20_000, inline_capture=True)
-    cache = GraphCache(step, cfg, torch.device("cpu"), FP, fake, on_capture_stall=stalls.append)
-    cache.publish_ops = published.append
+    cache = GraphCache(step, cfg, torch.device("cpu"), FP, fake, hooks=EngineHooks(capture_stall=stalls.append),
+                       order=RankOrder(publish=published.append))
     expected = write(step, 3)
     assert torch.equal(cache.run(3), expected)  # eager; the capture waits for the step boundary
     assert cache.queued_ops() == [GraphOp(CAPTURE, BatchDescriptor(FULL, 4))] and fake.captured == []
@@ -576,12 +582,12 @@ def test_inline_capture_runs_on_the_calling_thread_at_the_next_poll_after_publis
     cache.poll()
     assert bucket(cache, 2).state is BucketState.CAPTURED and bucket(cache, 4).state is BucketState.EVICTED
     assert evicted.result(0)[4].outcome is OpOutcome.EVICTED
-    assert len(published) == 1  # those two went with the step, not through publish_ops
+    assert len(published) == 1  # those two went with the step, not through publish
     cache.close()
 
 
 def test_deferred_inline_captures_wait_for_an_idle_engine_and_evict_nothing_meanwhile(tmp_path):
-    """Tensor parallelism with an engine (`engine_busy`): while it has work, a capture that traffic
+    """Tensor parallelism with an engine (`RankOrder(busy=...)`): while it has work, a capture that traffic
     asks for evicts nothing (the graphs steps pad into stay in service) and runs no capture; an
     operator's release still runs at once; the warm start waits. Once idle, `poll` asks again for
     what did not fit, evicting by policy, and captures it. A cold start's queue is a cover of sizes."""
@@ -589,8 +595,7 @@ def test_deferred_inline_captures_wait_for_an_idle_engine_and_evict_nothing_mean
     step, fake = CountingStep(8), FakeGraphBackend(lambda s: 2000 + 500 * s)  # 8: 6,000 bytes, 4: 4,000
     cfg = GraphCacheConfig("full", SIZES, 8, memory_budget=12_000, inline_capture=True,
                            stats_file=tmp_path / "none-yet.json")
-    cache = GraphCache(step, cfg, torch.device("cpu"), FP, fake)
-    cache.engine_busy = lambda: busy[0]
+    cache = GraphCache(step, cfg, torch.device("cpu"), FP, fake, order=RankOrder(busy=lambda: busy[0]))
     assert full_sizes(cache.snapshot().warm_queue) == (8, 4, 2, 1)  # the cover, largest first
     for _ in range(2):  # 8 and 4: 10,000 of 12,000 bytes
         assert cache.warm_step() is True
@@ -617,8 +622,8 @@ def test_deferred_inline_captures_wait_for_an_idle_engine_and_evict_nothing_mean
 
 
 def test_the_cold_start_cover_pads_every_allowed_size_at_most_twice_over():
-    from cache_manager.manager import _cover
     from cache_manager.sizes import PaddingTable
+    from cache_manager.warm import _cover
 
     for sizes in [(1, 2, 4, 8), tuple(range(1, 101)), (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 100),
                   (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000)]:
@@ -691,7 +696,8 @@ def test_full_and_piecewise_entries_share_one_budget_and_evict_each_other():
     full_step, piece_step = CountingStep(8), CountingStep(32)
     cfg = GraphCacheConfig("full_and_piecewise", (1, 2, 4, 8, 16, 32), 8, memory_budget=10_000, max_tokens=32)
     fake = FakeGraphBackend(lambda s: 4000)
-    cache = GraphCache(full_step, cfg, torch.device("cpu"), FP, fake, piecewise_step=piece_step)
+    cache = GraphCache({GraphFamily(FULL): full_step, GraphFamily(PIECEWISE): piece_step}, cfg, torch.device("cpu"), FP,
+                       fake)
     assert cfg.sizes == (1, 2, 4, 8) and cfg.piecewise_sizes == (1, 2, 4, 8, 16, 32)
     write(full_step, 8)
     run_settled(cache, 8)  # full:8 (4000)
@@ -716,53 +722,118 @@ def test_full_and_piecewise_entries_share_one_budget_and_evict_each_other():
     cache.close()
 
 
-def test_two_caches_sharing_a_budget_never_exceed_it_together():
-    """The base and LoRA caches: each counts what the other holds, so their graphs together stay
-    within the one budget; each evicts only its own graphs."""
-    a, _, fake_a, _ = make(budget=8000, bytes_for=lambda s: 3000)
-    b, _, fake_b, _ = make(budget=8000, bytes_for=lambda s: 3000)
-    a.share_budget_with(b)
-    run_settled(a, 1)
-    run_settled(a, 2)  # 6000 held by a
-    run_settled(b, 1)  # b measures 3000 more: 9000 > 8000 and a's graphs are not b's to evict: dropped
-    assert fake_b.captured == [1] and fake_b.live_bytes == 0
-    assert b.snapshot().requested_detail[0].eager_fallbacks == {"capturing": 1}
-    run_settled(b, 1)  # now estimated at 3000 from its own measurement: not attempted
-    assert fake_b.captured == [1] and fake_a.live_bytes + fake_b.live_bytes <= 8000
-    a.evict([1, 2])
-    run_settled(b, 1)
-    assert fake_b.live_bytes == 3000 and fake_a.live_bytes + fake_b.live_bytes <= 8000
-    a.close()
-    b.close()
+LORA = GraphFamily(FULL, lora=True)
 
 
-def test_a_shared_budget_set_on_one_cache_binds_both_and_evicts_from_either():
-    """The base and LoRA caches under one budget: setting it sets both, and a shrink evicts by policy
-    among the graphs of both (cold LoRA graphs before hot base ones) until together they fit."""
-    a, _, fake_a, _ = make(budget=100_000)
-    b, _, fake_b, _ = make(budget=100_000)
-    a.share_budget_with(b)
-    a.capture([1, 2, 4])  # 7000 bytes
-    b.capture([2, 8])  # 10_000 bytes
+def make_lora(budget=10**9, bytes_for=lambda s: 1000 * s, **kw):
+    """A cache of base and LoRA graphs (steps with adapter rows) over fake graphs: "lora:s" in the fake's records."""
+    clock = Clock()
+    base, lora = CountingStep(8), CountingStep(8, name="lora")
+    fake = FakeGraphBackend(bytes_for)
+    cfg = GraphCacheConfig("full", SIZES, 8, memory_budget=budget, **kw)
+    cache = GraphCache({GraphFamily(FULL): base, LORA: lora}, cfg, torch.device("cpu"), FP, fake, clock=clock)
+    return cache, base, lora, fake
+
+
+def test_lora_and_base_graphs_share_one_budget_and_evict_each_other():
+    """One cache holds the graphs of steps with and without adapter rows under one budget: a LoRA
+    graph displaces the coldest base graph and the reverse (by the same recent replays per byte),
+    each family replays and pads only into its own graphs, and together they never exceed the budget."""
+    cache, base, lora, fake = make_lora(budget=8000, bytes_for=lambda s: 3000)
+    for _ in range(3):
+        run_settled(cache, 1)  # full:1, hot
+    run_settled(cache, 2)  # full:2, asked for once: 6000 of 8000
+    assert fake.live == {1: 3000, 2: 3000}
+    expected = write(lora, 3)
+    assert torch.equal(run_settled(cache, 3, LORA), expected)  # eager: no LoRA graph to pad into
+    assert (3, 4) not in base.padding_calls and lora.runs == [3]
+    # Its commit measured 3000 more: the coldest graph per byte goes, a base one (full:1 is hot).
+    assert fake.captured == [1, 2, "lora:4"] and fake.released == [2]
+    assert fake.live_bytes <= 8000 and cache.used_bytes == fake.live_bytes
+    assert torch.equal(cache.run(3, LORA), expected)  # replays the LoRA graph, padded
+    assert (3, 4) in lora.padding_calls and (3, 4) not in base.padding_calls
+    cache.run(1)  # a base step: full:1 is the graph in use now
+    run_settled(cache, 2)  # full:2 asked for again (twice now): the LoRA graph is as cold per byte, and goes
+    assert fake.released == [2, "lora:4"] and set(fake.live) == {1, 2} and fake.live_bytes <= 8000
+    snap = cache.snapshot()
+    lora_entry = next(b for b in snap.buckets if b.lora and b.size == 4)
+    assert lora_entry.state is BucketState.EVICTED and lora_entry.since_start.replays == 1
+    assert lora_entry.since_start.evictions == 1 and snap.lora_used_bytes == 0
+    assert [b.lora for b in snap.buckets] == [False] * 4 + [True] * 4  # base rows first, then LoRA ones
+    cache.close()
+
+
+def test_a_budget_shrink_evicts_from_lora_and_base_graphs_alike():
+    """The one budget: a shrink evicts by policy among every graph (cold LoRA graphs before hot base
+    ones) until together they fit, and a capture of either family then counts against it."""
+    cache, _, _, fake = make_lora(budget=100_000)
+    cache.capture([1, 2, 4])  # 7000 bytes
+    cache.capture([2, 8], "full+lora")  # 10_000 bytes
     for n in (1, 2, 4, 1, 2, 4):
-        run_settled(a, n)  # the base graphs are hot; the LoRA ones were never replayed
+        run_settled(cache, n)  # the base graphs are hot; the LoRA ones were never replayed
 
-    def shrink(budget: int) -> tuple[dict, dict]:
-        base, lora = a.set_shared_budget_async(budget)
-        a.wait_idle()
-        b.wait_idle()
-        assert a.budget_bytes == b.budget_bytes == budget
-        assert a.used_bytes + b.used_bytes == fake_a.live_bytes + fake_b.live_bytes <= budget
-        return base.result(0), lora.result(0)
+    def shrink(budget: int) -> dict:
+        evicted = cache.set_budget(budget)
+        assert cache.budget_bytes == budget
+        assert cache.used_bytes == fake.live_bytes <= budget
+        return evicted
 
-    base, lora = shrink(10_000)  # 7000 over: the cold LoRA graph of 8 alone frees enough
-    assert base == {} and set(lora) == {BatchDescriptor(FULL, 8)}
-    assert lora[BatchDescriptor(FULL, 8)].outcome is OpOutcome.EVICTED and lora[BatchDescriptor(FULL, 8)].bytes == 8000
-    assert fake_a.live == {1: 1000, 2: 2000, 4: 4000} and fake_b.live == {2: 2000}
-    base, lora = shrink(2500)  # 6500 over: the last LoRA graph, then the base graphs of least replays per byte
-    assert set(base) == {BatchDescriptor(FULL, 2), BatchDescriptor(FULL, 4)} and set(lora) == {BatchDescriptor(FULL, 2)}
-    assert all(r.outcome is OpOutcome.EVICTED for r in [*base.values(), *lora.values()])
-    assert fake_a.live == {1: 1000} and fake_b.live == {}
-    assert b.capture([8])[8].outcome is OpOutcome.OVER_BUDGET  # b's own budget is the shared one now
-    a.close()
-    b.close()
+    evicted = shrink(10_000)  # 7000 over: the cold LoRA graph of 8 alone frees enough
+    assert set(evicted) == {BatchDescriptor(FULL, 8, lora=True)}
+    assert evicted[BatchDescriptor(FULL, 8, lora=True)].outcome is OpOutcome.EVICTED
+    assert evicted[BatchDescriptor(FULL, 8, lora=True)].bytes == 8000
+    assert fake.live == {1: 1000, 2: 2000, 4: 4000, "lora:2": 2000}
+    evicted = shrink(2500)  # 6500 over: the last LoRA graph, then the base graphs of least replays per byte
+    assert set(evicted) == {BatchDescriptor(FULL, 2), BatchDescriptor(FULL, 4), BatchDescriptor(FULL, 2, lora=True)}
+    assert all(r.outcome is OpOutcome.EVICTED for r in evicted.values())
+    assert fake.live == {1: 1000}
+    assert cache.capture([8], LORA)[8].outcome is OpOutcome.OVER_BUDGET  # the LoRA graphs' budget is the one
+    cache.close()
+
+
+def test_lora_and_base_stats_round_trip_in_one_file_and_warm_start_both(tmp_path):
+    path = tmp_path / "stats.json"
+    first, _, _, _ = make_lora(stats_file=path)
+    for n, kind, times in ((8, FULL, 3), (2, LORA, 5)):
+        for _ in range(times + 1):
+            run_settled(first, n, kind)
+    first.close()
+    saved = json.loads(path.read_text())
+    assert {"full:8", "full+lora:2"} <= set(saved["stats"]["buckets"]) and "full+lora:2" in saved["stats"]["requested"]
+    cache, _, _, fake = make_lora(stats_file=path)
+    assert list(cache.snapshot().warm_queue) == [BatchDescriptor(FULL, 2, lora=True), BatchDescriptor(FULL, 8)]
+    cache.prepare(timeout_s=30)
+    assert fake.captured == ["lora:2", 8]
+    persisted = {(b.lora, b.size): b.persisted.replays for b in cache.snapshot().buckets if b.persisted.replays}
+    assert persisted == {(True, 2): 5, (False, 8): 3}
+    cache.close()
+
+
+def test_the_separate_lora_stats_file_of_earlier_versions_is_merged_and_moved_aside(tmp_path):
+    """Before one cache, the LoRA graphs' stats were a file of their own (`<stats>.lora`, keyed like the
+    base file, under a fingerprint naming the adapter slots): a restart after the upgrade merges it,
+    so both warm starts survive, and its first save moves the old file aside (merged once only)."""
+    path = tmp_path / "stats.json"
+    lora_fp = dataclasses.replace(FP, model="tiny+lora:2x8")
+    old_base, old_lora = StatsTables(), StatsTables()
+    old_base.bucket(BatchDescriptor(FULL, 8)).replays = 3
+    old_lora.bucket(BatchDescriptor(FULL, 2)).replays = 5
+    old_lora.bucket(BatchDescriptor(FULL, 2)).bytes = 2000
+    old_lora.req(BatchDescriptor(FULL, 2)).requests = 5
+    for file, fingerprint, tables in ((path, FP, old_base), (tmp_path / "stats.json.lora", lora_fp, old_lora)):
+        file.write_text(json.dumps({"format_version": 2, "fingerprint": fingerprint.to_json(), "stats": tables.to_json()}))
+
+    def new_cache() -> GraphCache:
+        cfg = GraphCacheConfig("full", SIZES, 8, stats_file=path)
+        steps = {GraphFamily(FULL): CountingStep(8), LORA: CountingStep(8, name="lora")}
+        return GraphCache(steps, cfg, torch.device("cpu"), FP, FakeGraphBackend(), lora_fingerprint=lora_fp)
+
+    cache = new_cache()
+    assert list(cache.snapshot().warm_queue) == [BatchDescriptor(FULL, 2, lora=True), BatchDescriptor(FULL, 8)]
+    assert cache.snapshot().requested_persisted == {BatchDescriptor(FULL, 2, lora=True): 5}
+    assert cache.save()
+    assert [p.name.startswith("stats.json.lora.migrated-") for p in tmp_path.iterdir() if p.name != "stats.json"] == [True]
+    cache.close()
+    again = new_cache()  # the counters are in the one file now, and counted once
+    assert again.snapshot().requested_persisted == {BatchDescriptor(FULL, 2, lora=True): 5}
+    again.close()

@@ -57,6 +57,32 @@ def test_a_format_1_file_reads_as_full_graphs(tmp_path):
     assert leftovers(tmp_path) == ["stats.json"]  # not set aside
 
 
+def test_the_lora_graphs_separate_file_of_earlier_versions_merges_under_lora_keys(tmp_path):
+    """Before one graph cache, the LoRA graphs' stats were `<name>.lora`, under a fingerprint naming the
+    adapter slots: they load keyed by the LoRA descriptors beside the base file's, the first save moves
+    the old file aside, and the next load counts them once. A LoRA file of other adapter slots is
+    foreign: set aside, the base counters still load."""
+    path, legacy = tmp_path / "stats.json", tmp_path / "stats.json.lora"
+    lora_fp = Fingerprint("tiny+lora:2x8", "bfloat16", "H200", "2.11", (1, 2, 4, 8), 8)
+    assert StatsStore(path, FP).save(tables()) and StatsStore(legacy, lora_fp).save(tables())
+    store = StatsStore(path, FP, lora_fingerprint=lora_fp)
+    loaded = store.load()
+    lora_full4 = BatchDescriptor(CudaGraphMode.FULL, 4, lora=True)
+    assert loaded.buckets[full(4)].replays == 7 and loaded.buckets[lora_full4].replays == 7
+    assert loaded.requested[BatchDescriptor(CudaGraphMode.FULL, 3, lora=True)].eager == {"budget": 1}
+    assert store.save(loaded)
+    assert "full+lora:4" in json.loads(path.read_text())["stats"]["buckets"]
+    assert [n.startswith("stats.json.lora.migrated-") for n in leftovers(tmp_path) if n != "stats.json"] == [True]
+    assert StatsStore(path, FP, lora_fingerprint=lora_fp).load().buckets[lora_full4].replays == 7
+    other = tmp_path / "other"
+    other.mkdir()
+    assert StatsStore(other / "stats.json", FP).save(tables()) and StatsStore(other / "stats.json.lora", lora_fp).save(tables())
+    other_slots = Fingerprint("tiny+lora:4x16", "bfloat16", "H200", "2.11", (1, 2, 4, 8), 8)
+    loaded = StatsStore(other / "stats.json", FP, lora_fingerprint=other_slots).load()
+    assert loaded.buckets[full(4)].replays == 7 and not loaded.has_lora
+    assert [n.startswith("stats.json.lora.foreign-") for n in leftovers(other) if n != "stats.json"] == [True]
+
+
 def test_missing_file_starts_clean(tmp_path):
     assert StatsStore(tmp_path / "nope.json", FP).load() == StatsTables()
 

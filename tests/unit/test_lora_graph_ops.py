@@ -1,6 +1,7 @@
 """Operator graph operations in the engine process with adapter slots (fake graphs on the CPU):
-capture and evict of the LoRA graphs act on the LoRA graph cache, and a budget set binds both
-caches, its reply listing the evictions of both (the LoRA ones as kinds "full+lora" / "piecewise+lora")."""
+capture and evict of the LoRA graphs act on the LoRA family's graphs of the one cache, and a budget
+set binds them all, its reply listing the evictions of both families (the LoRA ones as kinds
+"full+lora" / "piecewise+lora")."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 import torch
 
-from cache_manager import Fingerprint, GraphCache, GraphCacheConfig, OpOutcome
+from cache_manager import Fingerprint, GraphCache, GraphCacheConfig, GraphFamily, OpOutcome
+from cache_manager.sizes import FULL
 from cache_manager.testing import CountingStep, FakeGraphBackend
 from service.server.engine_calls import EngineCalls
 from service.server.engine_messages import Capture, EngineCall, Evict, ReadGraphMemory, SetBudget
@@ -27,46 +29,52 @@ class _InlineEngine:
         return future
 
 
-def _cache(step: CountingStep, backend: FakeGraphBackend) -> GraphCache:
+def _cache(lora: bool = True) -> GraphCache:
     config = GraphCacheConfig("full", SIZES, 8, memory_budget=100_000)
-    return GraphCache(step, config, torch.device("cpu"), Fingerprint("fake", "float32", "cpu", "-", SIZES, 8), backend)
+    steps = {GraphFamily(FULL): CountingStep(8)} | ({GraphFamily(FULL, lora=True): CountingStep(8, name="lora")} if lora else {})
+    fingerprint = Fingerprint("fake", "float32", "cpu", "-", SIZES, 8)
+    return GraphCache(steps, config, torch.device("cpu"), fingerprint, FakeGraphBackend())
+
+
+def _calls(graphs: GraphCache):
+    reads = ThreadPoolExecutor(1)
+    c = EngineCalls(_InlineEngine(), types.SimpleNamespace(graphs=graphs), list, reads)
+    yield c
+    c.close()
+    reads.shutdown()
+    graphs.close()
 
 
 @pytest.fixture
 def calls():
-    base, lora = _cache(CountingStep(8), FakeGraphBackend()), _cache(CountingStep(8), FakeGraphBackend())
-    base.share_budget_with(lora)
-    reads = ThreadPoolExecutor(1)
-    c = EngineCalls(_InlineEngine(), types.SimpleNamespace(graphs=base, lora_graphs=lora), list, reads)
-    yield c
-    c.close()
-    reads.shutdown()
-    base.close()
-    lora.close()
+    yield from _calls(_cache())
 
 
 def call(c: EngineCalls, request: EngineCall) -> object:
-    """One call as the gRPC process makes it; the caches commit between steps (here: poll until idle)."""
+    """One call as the gRPC process makes it; the cache commits between steps (here: poll until idle)."""
     future = c.start(request)
     c.lr.graphs.wait_idle()
-    if c.lr.lora_graphs is not None:
-        c.lr.lora_graphs.wait_idle()
     return future.result(timeout=10)
 
 
-def test_lora_kinds_act_on_the_lora_cache(calls: EngineCalls) -> None:
-    base, lora = calls.lr.graphs, calls.lr.lora_graphs
+def held(graphs: GraphCache, lora: bool) -> int:
+    """What the graphs of one family hold now (the fake's bytes, measured at capture)."""
+    return sum(b.bytes for b in graphs.snapshot().buckets if b.lora == lora and b.state.value == "captured")
+
+
+def test_lora_kinds_act_on_the_lora_graphs(calls: EngineCalls) -> None:
+    graphs = calls.lr.graphs
     result = call(calls, Capture((2, 8), "full", lora=True))
     assert {s: r.outcome for s, r in result.items()} == {2: OpOutcome.CAPTURED, 8: OpOutcome.CAPTURED}
-    assert lora.used_bytes == 10_000 and base.used_bytes == 0
+    assert held(graphs, lora=True) == 10_000 and held(graphs, lora=False) == 0
     call(calls, Capture((4,), "full"))
-    assert call(calls, ReadGraphMemory())[1] == 14_000  # what counts against the one budget: both caches
+    assert call(calls, ReadGraphMemory())[1] == 14_000  # what counts against the one budget: every graph
     assert call(calls, Evict((8,), "full", lora=True))[8].outcome is OpOutcome.EVICTED
-    assert lora.used_bytes == 2000 and base.used_bytes == 4000
+    assert held(graphs, lora=True) == 2000 and held(graphs, lora=False) == 4000
 
 
-def test_a_budget_binds_both_caches_and_lists_both_caches_evictions(calls: EngineCalls) -> None:
-    base, lora = calls.lr.graphs, calls.lr.lora_graphs
+def test_a_budget_binds_lora_and_base_graphs_and_lists_the_evictions_of_both(calls: EngineCalls) -> None:
+    base = graphs = calls.lr.graphs
     call(calls, Capture((1, 2, 4), "full"))
     call(calls, Capture((2, 8), "full", lora=True))
     for n in (1, 2, 4, 1, 2, 4):  # the base graphs are hot; the LoRA ones were never replayed
@@ -77,14 +85,14 @@ def test_a_budget_binds_both_caches_and_lists_both_caches_evictions(calls: Engin
     assert set(result) == {(8, "full+lora"), (4, "full")}
     assert all(r.outcome is OpOutcome.EVICTED for r in result.values())
     assert result[(8, "full+lora")].bytes == 8000 and result[(4, "full")].bytes == 4000
-    assert base.budget_bytes == lora.budget_bytes == 5000
-    assert base.used_bytes + lora.used_bytes == 5000
+    assert graphs.budget_bytes == 5000
+    assert graphs.used_bytes == held(graphs, lora=False) + held(graphs, lora=True) == 5000
     assert call(calls, ReadGraphMemory()) == (5000, 5000)
     assert call(calls, SetBudget(6000)) == {}  # everything fits: nothing evicted
     assert set(call(calls, SetBudget(2000))) == {(2, "full+lora"), (2, "full")}  # the rest by policy
 
 
-def test_lora_kinds_without_adapter_slots_are_refused(calls: EngineCalls) -> None:
-    calls.lr.lora_graphs = None
-    with pytest.raises(ValueError, match="no adapter slots"):
-        call(calls, Capture((8,), "full", lora=True))
+def test_lora_kinds_without_adapter_slots_are_refused() -> None:
+    for calls in _calls(_cache(lora=False)):
+        with pytest.raises(ValueError, match="no adapter slots"):
+            call(calls, Capture((8,), "full", lora=True))

@@ -1,6 +1,6 @@
-"""LoRA batches and the graph caches on the CPU (a fake backend stands in for CUDA graphs and replays
+"""LoRA batches and the graph cache on the CPU (a fake backend stands in for CUDA graphs and replays
 eagerly, padded): base-only steps replay base graphs and never a LoRA one; steps with any adapter row
-replay the LoRA cache's graphs (FULL for uniform decode, PIECEWISE for the rest); adapters taking
+replay the LoRA family's graphs (FULL for uniform decode, PIECEWISE for the rest); adapters taking
 turns on the slots never cause a recapture; tokens equal peft's. And the LoRA piecewise step's
 segments, run as a replay runs them, equal the unsplit forward with the rows' adapters."""
 
@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from cache_manager import CudaGraphMode, GraphCacheConfig
+from cache_manager import CudaGraphMode, EngineHooks, GraphCacheConfig
 from cache_manager.testing import FakeGraphBackend
 from service.engine.adapters import AdapterRegistry
 from service.engine.engine import Engine
@@ -29,15 +29,16 @@ SLOTS, MAX_SEQ, MAX_TOKENS, NEW = 4, 128, 64, 8
 PROMPTS = [[766, 5, 6, 7, 8], [766, 11, 12], [766, 20, 21, 22, 23, 24], [766, 30, 31, 32]]
 
 
-class TwoCacheFakeBackend(FakeGraphBackend):
-    """The fake backend shared by the base and the LoRA graph cache: graphs held per (step, size)."""
+class PerStepFakeBackend(FakeGraphBackend):
+    """The fake backend of base and LoRA graphs: held per (step, size), as the two families' steps
+    have the same sizes."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lock = threading.Lock()
 
     def capture(self, step, size: int):  # noqa: ANN001, ANN201
-        with self.lock:  # the two caches' capture threads
+        with self.lock:  # the capture thread's, the test thread's reads
             graph = super().capture(step, size)
             self.live[(id(step), size)] = self.live.pop(size)
         return graph
@@ -48,8 +49,8 @@ class TwoCacheFakeBackend(FakeGraphBackend):
             return self.live.pop((id(graph.step), graph.size))
 
 
-def replays(snap, kind: str = "full") -> int:  # noqa: ANN001
-    return sum(b.since_start.replays for b in snap.buckets if b.kind == kind)
+def replays(snap, kind: str = "full", lora: bool = False) -> int:  # noqa: ANN001
+    return sum(b.since_start.replays for b in snap.buckets if b.kind == kind and b.lora == lora)
 
 
 def test_base_and_lora_batches_use_their_own_graphs(loaded, tmp_path: pathlib.Path) -> None:  # noqa: F811
@@ -57,14 +58,15 @@ def test_base_and_lora_batches_use_their_own_graphs(loaded, tmp_path: pathlib.Pa
              for i, name in enumerate(["a", "b", "c"])}
     config = GraphCacheConfig(mode=CudaGraphMode.FULL_AND_PIECEWISE, capture_sizes=None, max_batch=SLOTS,
                               max_tokens=MAX_TOKENS)
-    runner = ModelRunner(loaded, SLOTS, MAX_SEQ, config, graph_backend=TwoCacheFakeBackend(), max_loras=2, max_lora_rank=8)
+    hooks = EngineHooks()
+    runner = ModelRunner(loaded, SLOTS, MAX_SEQ, config, graph_backend=PerStepFakeBackend(), max_loras=2, max_lora_rank=8,
+                         hooks=hooks)
     registry = AdapterRegistry(2, runner.lora)
     for name, path in paths.items():
         registry.register(read_adapter(name, path, loaded.spec, 8))
     engine = Engine(runner, Scheduler(SLOTS, MAX_TOKENS, adapters=registry), loaded.tokenizer,
                     frozenset(loaded.spec.eos_token_ids))
-    for cache in runner.graph_caches:
-        cache.notify = engine.wake
+    hooks.attach(engine)
     engine.start()
     out = Results()
 
@@ -86,22 +88,20 @@ def test_base_and_lora_batches_use_their_own_graphs(loaded, tmp_path: pathlib.Pa
         serve([(p, "") for p in PROMPTS], "base-again")  # the first prompt step captured, this one replays
         base_only = runner.graphs.snapshot()
         assert replays(base_only) > 0 and replays(base_only, "piecewise") > 0
-        assert replays(runner.lora_graphs.snapshot()) == 0
+        assert replays(base_only, lora=True) == 0
         # Three adapters on two slots, with base rows: they take turns (LRU) within one run.
         serve(list(zip(PROMPTS, ["a", "", "b", "c"])), "mixed")
         serve(list(zip(PROMPTS, ["c", "a", "", "b"])), "again")
         serve(list(zip(PROMPTS, ["b", "c", "a", ""])), "third")
     finally:
         engine.stop()
-    lora = runner.lora_graphs.snapshot()
-    base = runner.graphs.snapshot()
-    assert replays(lora) > 0 and replays(lora, "piecewise") > 0
-    # Every step after the base-only ones had adapter rows: the base cache replayed nothing more.
-    assert replays(base) == replays(base_only) and replays(base, "piecewise") == replays(base_only, "piecewise")
+    snap = runner.graphs.snapshot()
+    assert replays(snap, lora=True) > 0 and replays(snap, "piecewise", lora=True) > 0
+    # Every step after the base-only ones had adapter rows: the base graphs replayed nothing more.
+    assert replays(snap) == replays(base_only) and replays(snap, "piecewise") == replays(base_only, "piecewise")
     # Swapping adapters in and out of slots never recaptured a LoRA graph.
-    assert all(b.since_start.captures <= 1 for b in lora.buckets)
-    for cache in runner.graph_caches:
-        cache.close()
+    assert all(b.since_start.captures <= 1 for b in snap.buckets if b.lora)
+    runner.graphs.close()
 
 
 def test_lora_piecewise_segments_equal_the_forward_with_adapters(loaded, tmp_path: pathlib.Path) -> None:  # noqa: F811

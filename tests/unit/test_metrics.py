@@ -3,6 +3,7 @@ metrics (EngineMetrics) are observed where the engine runs; the server's Metrics
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import time
 import urllib.request
@@ -339,6 +340,32 @@ def test_graph_metrics_come_from_the_snapshot_on_each_scrape() -> None:
     s = scrape(m)
     assert value(s, "graphserve_graph_replays_total", kind="full", bucket="1") is None
     assert value(s, "graphserve_requests_waiting") == 0
+
+
+def test_the_lora_graphs_of_the_one_snapshot_have_families_of_their_own() -> None:
+    """One cache holds base and LoRA graphs; the scrape splits them by the descriptor's LoRA flag, the
+    memory too (the two gauges add up to what counts against the one budget)."""
+    m = server_metrics()
+    base = snapshot()
+    current = {"snap": base}
+    m.set_graph_source(lambda: current["snap"])
+    assert value(scrape(m), "graphserve_lora_graph_memory_bytes") is None  # no LoRA graphs: no LoRA families
+    lora = dataclasses.replace(bucket(2, BucketState.CAPTURED, 8 << 20, 30.0, BucketCounters(replays=5, captures=1)),
+                               lora=True)
+    current["snap"] = dataclasses.replace(
+        base, buckets=(*base.buckets, lora), used_bytes=base.used_bytes + (8 << 20), lora_used_bytes=8 << 20,
+        requested_detail=(*base.requested_detail, RequestedSize(2, "full", 5, 5, {}, lora=True),
+                          RequestedSize(3, "full", 1, 0, {"budget": 1}, lora=True)))
+    s = scrape(m)
+    assert value(s, "graphserve_lora_graph_replays_total", kind="full", bucket="2") == 5
+    assert value(s, "graphserve_graph_replays_total", kind="full", bucket="2") == 7  # the base graph's own
+    assert value(s, "graphserve_lora_graph_memory_bytes") == 8 << 20
+    assert value(s, "graphserve_graph_memory_bytes") == 22 << 20
+    assert value(s, "graphserve_lora_graph_memory_budget_bytes") == value(s, "graphserve_graph_memory_budget_bytes")
+    assert value(s, "graphserve_lora_graph_buckets", state="captured") == 1
+    assert value(s, "graphserve_graph_buckets", state="captured") == 1
+    assert value(s, "graphserve_lora_graph_eager_fallbacks_total", kind="full", reason="budget") == 1
+    assert value(s, "graphserve_graph_eager_fallbacks_total", kind="full", reason="budget") == 2
 
 
 def test_a_failing_source_does_not_break_the_scrape() -> None:

@@ -89,7 +89,7 @@ def run_engine(loaded, mode: CudaGraphMode, sizes: tuple[int, ...] | None = None
     config = GraphCacheConfig(mode=mode, capture_sizes=sizes, max_batch=SLOTS, max_tokens=MAX_TOKENS)
     runner = ModelRunner(loaded, SLOTS, MAX_SEQ, config, graph_backend=FakeGraphBackend())
     engine = Engine(runner, Scheduler(SLOTS, MAX_TOKENS), loaded.tokenizer, frozenset(loaded.spec.eos_token_ids))
-    runner.graphs.notify = engine.wake
+    runner.graphs.hooks.attach(engine)
     if prepare:  # as a server's start does: the largest graph of each kind before the first step
         runner.graphs.prepare(timeout_s=60)
     greedy = SamplingParams(temperature=0.0, seed=0, max_tokens=12, ignore_eos=True)

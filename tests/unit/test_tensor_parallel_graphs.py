@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from cache_manager import BucketState, CudaGraphMode, GraphCacheConfig
+from cache_manager import BucketState, CudaGraphMode, EngineHooks, GraphCacheConfig
 from cache_manager.ops import OpOutcome
 from cache_manager.testing import FakeGraph, FakeGraphBackend
 from service.model.loader import load_model
@@ -75,7 +75,6 @@ class _Followers:
     def __init__(self, channel, store) -> None:  # noqa: ANN001
         self.channel = channel
         self.store = store
-        self.on_death = None
 
     def memory(self, own):  # noqa: ANN001, ANN201
         from service.engine.rank_memory import read_memory
@@ -92,7 +91,9 @@ class _Followers:
         return exc
 
 
-def _runner(rank: int, world: int, port: int, cache_dir: str, backend: RecordingBackend):  # noqa: ANN202
+def _runner(rank: int, world: int, port: int, cache_dir: str, backend: RecordingBackend,
+            leader=None):  # noqa: ANN001, ANN202
+    """This rank's runner; `leader(channel, store)` makes rank 0's view of the other ranks."""
     from service.engine.ranks import group_store, join_group
     from service.engine.runner import ModelRunner
     from service.engine.step_channel import StepChannel, StepInputs
@@ -104,9 +105,11 @@ def _runner(rank: int, world: int, port: int, cache_dir: str, backend: Recording
     config = GraphCacheConfig(mode=CudaGraphMode.FULL_AND_PIECEWISE, capture_sizes=None, max_batch=SLOTS,
                               max_tokens=MAX_TOKENS, memory_budget=BUDGET, inline_capture=True,
                               warm_start=rank == 0)
-    runner = ModelRunner(loaded, SLOTS, MAX_SEQ, config, graph_backend=backend)
+    channel = StepChannel(channel_group, StepInputs.capacity(SLOTS, MAX_TOKENS))
+    ranks, hooks = (None, None) if leader is None else leader(channel, store)
+    runner = ModelRunner(loaded, SLOTS, MAX_SEQ, config, graph_backend=backend, ranks=ranks, hooks=hooks)
     runner.warmup()
-    return loaded, runner, tp, StepChannel(channel_group, StepInputs.capacity(SLOTS, MAX_TOKENS)), store
+    return loaded, runner, tp, channel, store
 
 
 def _rank(rank: int, world: int, port: int, cache_dir: str) -> dict:
@@ -129,11 +132,10 @@ def _lead(rank: int, world: int, port: int, cache_dir: str) -> dict:
     from tests.unit.test_overlap import Results
 
     backend = RecordingBackend(CAPTURE_DELAY_S)
-    loaded, runner, _, channel, store = _runner(rank, world, port, cache_dir, backend)
-    followers = _Followers(channel, store)
-    runner.lead(followers)
     stalls: list[float] = []
-    runner.graphs.on_capture_stall = stalls.append
+    loaded, runner, _, channel, store = _runner(
+        rank, world, port, cache_dir, backend,
+        leader=lambda channel, store: (_Followers(channel, store), EngineHooks(capture_stall=stalls.append)))
     c = load_config(["--max-running-seqs", str(SLOTS), "--max-num-batched-tokens", str(MAX_TOKENS)], {})
     lr = LoadedRunner(loaded, runner, MAX_SEQ, CudaGraphMode.FULL_AND_PIECEWISE)
     prepare_graphs(lr, 30)  # as a server does before SERVING: the cold start's cover of sizes
