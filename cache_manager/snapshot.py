@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from cache_manager.sizes import PIECEWISE, BatchDescriptor, family_order
 from cache_manager.stats import Counters
-
-if TYPE_CHECKING:
-    from cache_manager.manager import GraphCache
 
 
 class BucketState(str, enum.Enum):
@@ -86,7 +83,23 @@ class CacheSnapshot:
     lora_used_bytes: int = 0  # of used_bytes: what the LoRA graphs hold
 
 
-def take_snapshot(cache: GraphCache) -> CacheSnapshot:
+class _Cache(Protocol):
+    """What a snapshot reads of the cache (manager.GraphCache; named here, not imported: the cache
+    imports this module)."""
+
+    stats: Any
+    residency: Any
+    mode: Any
+    config: Any
+    disabled_reason: str | None
+    device: Any
+    budget_bytes: int
+    used_bytes: int
+    tables: dict
+    warm: Any
+
+
+def take_snapshot(cache: _Cache) -> CacheSnapshot:
     """The cache's state (the caller holds the cache's lock): every family's buckets, base ones first."""
     persisted, session = cache.stats.persisted(), cache.stats.session
     residency = cache.residency
