@@ -69,7 +69,8 @@ class SamplingBatch:
         rows = [SampleRow(*r) for r in rows]
         ps = [r.params for r in rows]
         floats = [[p.temperature for p in ps], [p.top_p for p in ps]]
-        ints = [[p.top_k for p in ps], [_to_int64(p.seed) for p in ps], [_to_int64(r.counter) for r in rows]]
+        seeds = [0 if p.greedy else _to_int64(p.seed) for p in ps]  # a greedy row draws nothing
+        ints = [[p.top_k for p in ps], seeds, [_to_int64(r.counter) for r in rows]]
         any_min_p = any(not p.greedy and p.min_p > 0 for p in ps)
         if any_min_p:
             floats.append([p.min_p for p in ps])

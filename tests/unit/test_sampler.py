@@ -58,7 +58,7 @@ def test_row_result_is_independent_of_batch_composition_and_order() -> None:
         (SamplingParams(temperature=1.3, top_k=5, seed=13), 7),
         (SamplingParams(temperature=0.0), 2),
         (SamplingParams(temperature=0.7, top_k=20, top_p=0.5, seed=2**64 - 1), 1),
-        (SamplingParams(temperature=1.0, seed=-5), 9),
+        (SamplingParams(temperature=1.0, seed=2**63 + 5), 9)  # above int64,
     ]
     full = sample(logits, SamplingBatch.build(params, "cpu")).tokens
     for row in range(6):  # alone: flags such as any_top_k differ from the full batch
@@ -199,7 +199,7 @@ def test_repetition_penalty_equals_transformers_processor() -> None:
         expected = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits[r:r + 1].clone())
         assert got[r].item() == expected.argmax().item()
         processed = logits[r:r + 1].clone()  # the processed logits themselves
-        _penalize(processed, SamplingBatch.build([SampleRow(SamplingParams(repetition_penalty=penalty), 0, r)],
+        _penalize(processed, SamplingBatch.build([SampleRow(SamplingParams(repetition_penalty=penalty, seed=0), 0, r)],
                                                  "cpu").penalties, history)
         torch.testing.assert_close(processed, expected)
 
@@ -207,7 +207,7 @@ def test_repetition_penalty_equals_transformers_processor() -> None:
 def test_presence_and_frequency_penalties_count_completion_tokens_only() -> None:
     logits = torch.zeros(1, 10)
     history = _history_for([([2, 2, 3], [3, 5, 5, 5])], 10)
-    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, seed=0)
     _penalize(logits, SamplingBatch.build([SampleRow(params, 0, 0)], "cpu").penalties, history)
     expected = torch.zeros(1, 10)
     expected[0, 3] = -(0.5 + 0.25 * 1)
