@@ -54,6 +54,24 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def quantize_experts(weight: torch.Tensor, block: tuple[int, int] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked expert weights [E, N, K] -> (E4M3 [E, N, K], float32 scales): one per output channel
+    [E, N], or one per `block` of (rows, columns) [E, ceil(N / rows), ceil(K / columns)] (the layout of
+    block-quantized checkpoints, e.g. 128 x 128)."""
+    w = weight.float()
+    if block is None:
+        scale = (w.abs().amax(dim=2) / FP8_MAX).clamp(min=MIN_SCALE)
+        return (w / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    bn, bk = block
+    e, n, k = w.shape
+    padded = torch.nn.functional.pad(w, (0, -k % bk, 0, -n % bn))
+    tiles = padded.view(e, padded.shape[1] // bn, bn, padded.shape[2] // bk, bk)
+    scale = (tiles.abs().amax(dim=(2, 4)) / FP8_MAX).clamp(min=MIN_SCALE)  # [E, N / bn, K / bk]
+    q = (tiles / scale[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(padded)[:, :n, :k]
+    return q.contiguous().to(FP8), scale
+
+
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(E4M3 [N, K], scales [N]) -> float32 [N, K]."""
     return q.float() * scale.float()[:, None]
