@@ -104,15 +104,20 @@ def checkpoint_scales(weight_scale: torch.Tensor, rows: int) -> torch.Tensor:
     return s.contiguous()
 
 
-def dequantize_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def dequantize_checkpoint(state: dict[str, torch.Tensor], block: tuple[int, int] | None = None
+                          ) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors with every FP8 weight (one with a `<name>.weight_scale` beside it)
     dequantized to float32 and its scales dropped (and static `input_scale`s: activations are
     quantized per token); other tensors as they are. The model casts them to its dtype, and
-    `--quantization fp8` quantizes them again with the same per-channel scales."""
-    scales = [k for k in state if k.endswith(".weight_scale")]
+    `--quantization fp8` quantizes them again with the same per-channel scales. A block-quantized
+    checkpoint (`<name>.weight_scale_inv` [N / rows, K / columns], config.json's
+    quantization_config.weight_block_size = `block`, as DeepSeek's and Qwen3's FP8 releases) is
+    dequantized block by block."""
+    out = _dequantize_blocks(state, block)
+    scales = [k for k in out if k.endswith(".weight_scale")]
     if not scales:
-        return state
-    out = dict(state)
+        return out
+    out = dict(out)
     for key in scales:
         name = key.removesuffix("_scale")
         if name not in out:
@@ -123,6 +128,27 @@ def dequantize_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         except ValueError as e:
             raise ValueError(f"{key}: {e}") from None
         out.pop(key.removesuffix("weight_scale") + "input_scale", None)
+    return out
+
+
+def _dequantize_blocks(state: dict[str, torch.Tensor], block: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+    scales = [k for k in state if k.endswith(".weight_scale_inv")]
+    if not scales:
+        return state
+    if block is None:
+        raise ValueError(f"{scales[0]}: a block-scaled FP8 weight, but config.json has no "
+                         "quantization_config.weight_block_size")
+    out = dict(state)
+    for key in scales:
+        name = key.removesuffix("_scale_inv")
+        w, scale = out[name], out.pop(key)
+        rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])
+        if tuple(scale.shape) != (rows, cols):
+            raise ValueError(f"{key}: {tuple(scale.shape)} scales for a weight of {tuple(w.shape)} in blocks of {block}")
+        from service.model.kernels.moe import dequantize_experts
+
+        out[name] = dequantize_experts(w[None], scale[None], block, torch.float32)[0]
+        out.pop(key.removesuffix("weight_scale_inv") + "input_scale", None)
     return out
 
 
