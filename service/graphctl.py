@@ -141,7 +141,8 @@ def _state_name(value: int) -> str:
 def format_state(s: admin_pb2.CacheState) -> str:
     captured = sum(b.state == admin_pb2.BUCKET_STATE_CAPTURED for b in s.buckets)
     head = (f"graph cache: mode {s.mode} on {s.device}, {captured} of {len(s.buckets)} buckets captured, "
-            f"used {human_bytes(s.used_bytes)} of budget {human_bytes(s.budget_bytes)}, max batch {s.max_batch}")
+            f"used {human_bytes(s.used_bytes)} of budget {human_bytes(s.budget_bytes)}, max batch {s.max_batch}"
+            + (f", model {s.architecture}" if s.architecture else ""))
     # Graphs of steps with LoRA adapter rows are a cache of their own, listed as kind "full+lora" / "piecewise+lora".
     listed = [(f"{b.kind or 'full'}{suffix}", b) for suffix, buckets in (("", s.buckets), ("+lora", s.lora_buckets))
               for b in buckets]

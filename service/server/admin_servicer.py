@@ -90,6 +90,7 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
             lora_used_bytes=lora.used_bytes if lora is not None else 0,
             ranks=[_rank_memory(r) for r in ranks],
             kv_cache=_kv_cache_state(kv, control.kv_cache_dtype) if kv is not None else None,
+            architecture=control.architecture,
         )
 
     async def GetCaptureStats(self, request: admin_pb2.GetCaptureStatsRequest,
