@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pathlib
 import shutil
+import types
 
 import pytest
 import torch
@@ -296,3 +297,24 @@ def test_a_block_quantized_fp8_checkpoint_loads_dequantized(tmp_path: pathlib.Pa
     with torch.no_grad():
         want = ref(ids).logits
     assert rel_error(load_model(str(tmp_path / "fp8"), CPU, torch.float32).model.forward_full(ids), want) < TOL
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3"])
+def test_batch_invariant_and_lora_serve_the_dense_families(name: str, model_cache_dir: pathlib.Path):
+    """The batch-invariant mode on sliding-window layers: a prompt's logits alone equal its logits
+    prefilled in two chunks beside another prompt, bit for bit; adapter slots attach to the family's
+    projections, and a row on slot 0 (no adapter) gets exactly the base model's logits."""
+    from service.model.lora import LoraSlots, lora_tokens
+
+    model = load_model(f"builtin:{name}", CPU, torch.float32, model_cache_dir, batch_invariant=True).model
+    kv = KVCache(model.spec, num_slots=3, max_seq_len=128, device=CPU, dtype=torch.float32)
+    loaded = types.SimpleNamespace(model=model)
+    tokens, other = prompt(60, 16), prompt(9, 17)
+    solo = step(loaded, kv, [], [(tokens, ChunkSpec(0, 0, 60))])[0]
+    step(loaded, kv, [], [(tokens[:25], ChunkSpec(1, 0, 25, sample=False)), (other, ChunkSpec(2, 0, 9))])
+    assert torch.equal(step(loaded, kv, [], [(tokens[25:], ChunkSpec(1, 25, 35))])[0], solo)
+    base = load_model(f"builtin:{name}", CPU, torch.float32, model_cache_dir).model
+    ids = torch.tensor([tokens[:20]])
+    want = base.forward_full(ids)
+    with lora_tokens(torch.zeros(20, dtype=torch.long), LoraSlots(base, max_loras=2, max_rank=4)):
+        assert torch.equal(base.forward_full(ids), want)
