@@ -44,7 +44,8 @@
 #   bash bench/h200_session.sh gen-1b concurrency  # 1,024 chat-like requests at once in 8 GiB of KV: the most running at once
 #   bash bench/h200_session.sh families  # Qwen3, Gemma 3, Qwen3-MoE, Mixtral: their GPU tests (MoE kernels, graphs vs
 #     eager), graphed decode steps at 1 / 64 / 256 (Qwen3-8B beside Llama-3.1-8B, same bytes; Qwen3-30B-A3B against the
-#     floor of the bytes it must read, bf16 and FP8 experts; Gemma 3 4B), the MoE layer alone (bf16, FP8 per block)
+#     floor of the bytes it must read, bf16 and FP8 experts; Gemma 3 4B; Mixtral-8x7B), the MoE layer alone (bf16, FP8
+#     per block)
 #   bash bench/h200_session.sh moe-load  # the chat-like load on builtin:qwen3-30b-a3b (weights made on the device):
 #     TTFT and TPOT p50 / p99 per rate in $MOE_RATES (default 5,10,20), cold and warm; a serving-load part (see load)
 #   bash bench/h200_session.sh gen-1b startup load  # the 1B checkpoint once; start-up GPU tests; the serving load
@@ -119,6 +120,8 @@ for part in "$@"; do
         TAIL=10 run decode-qwen3-30b-a3b-$q 500 python3 bench/decode_bench.py --model builtin:qwen3-30b-a3b --device cuda \
           --random-init --batches 1,64,256 --no-anchors --no-plot --quantization $q
       done
+      TAIL=10 run decode-mixtral-8x7b 500 python3 bench/decode_bench.py --model builtin:mixtral-8x7b --device cuda \
+        --random-init --batches 1,64,256 --no-anchors --no-plot
       TAIL=12 run moe-layer 300 python3 bench/moe_bench.py --device cuda
       TAIL=12 run moe-layer-fp8 300 python3 bench/moe_bench.py --device cuda --fp8 block ;;
     moe-load)  # one run per rate and start: a fresh server makes 61 GB of weights on the device each time
