@@ -11,6 +11,12 @@ transformers' generate() and StaticCache step, eager and hand-captured as a CUDA
     python bench/decode_bench.py --model builtin:llama-1b --device cuda --random-init
     python bench/decode_bench.py --model builtin:tiny --device cpu --batches 1,4 --context 32
     python bench/decode_bench.py --model builtin:llama-1b --random-init --context 4096 --kv-cache-dtype fp8
+    python bench/decode_bench.py --model builtin:qwen3-30b-a3b --device cuda --no-anchors
+
+A mixture-of-experts model's rows also say which experts the step touched (`touched_experts`, per
+MoE layer on average, counted in an eager run of the same inputs) and the floor of the bytes the
+step must read (`floor_active_ms`: those experts, the rest of the layers, one embedding row a token
+and the LM head, at the copy rate), and the step's multiple of it (`x_active_floor`).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from bench.common import print_table, time_ms, write_result
 from cache_manager import CudaGraphBackend, default_capture_sizes
 from service.engine.decode_step import ModelDecodeStep
 from service.model import KVCache, LlamaForCausalLM, ModelSpec, ensure_builtin
-from service.model.builtin import BUILTIN_PREFIX, BUILTIN_SHAPES, _hf_config
+from service.model.builtin import _SEED, BUILTIN_PREFIX, BUILTIN_SHAPES, _hf_config, random_init
 from service.model.kernels._triton import pdl
 from service.model.kv_quant import cache_dtype
 from service.model.loader import default_cache_dir, load_model
@@ -118,13 +124,7 @@ def _random_init(name: str, device: torch.device, dtype: torch.dtype, tp: Tensor
     config = _hf_config({**shape, "dtype": str(dtype).removeprefix("torch.")}, num_regular, num_regular + 1)
     spec = ModelSpec.from_hf_config(types.SimpleNamespace(**config))
     model = LlamaForCausalLM(spec, device, dtype, tp=tp, batch_invariant=batch_invariant, kv_dtype=kv_dtype)
-    gen = torch.Generator(device).manual_seed(1234 + (tp.rank if tp is not None else 0))
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, shape["layer_std"] if pname.startswith("model.layers.") else 0.02, generator=gen)
+    random_init(model, shape["layer_std"], torch.Generator(device).manual_seed(_SEED + (tp.rank if tp is not None else 0)))
     return model.eval(), config
 
 
@@ -198,11 +198,49 @@ def make_step(s: Setup, max_batch: int, context: int) -> ModelDecodeStep:
     return ModelDecodeStep(s.model, kv, max_batch, s.device)
 
 
+def touched_experts(s: Setup, step: ModelDecodeStep, batch: int) -> list[int] | None:
+    """Per MoE layer, the experts the step's rows pick (one eager run with router hooks); None: dense."""
+    from service.model.moe import SparseMoe
+
+    moes = [layer.mlp for layer in s.model.model.layers if isinstance(layer.mlp, SparseMoe)]
+    if not moes:
+        return None
+    picked: list[int] = []
+    hooks = [m.gate.register_forward_hook(lambda mod, args, out, k=m.top_k: picked.append(
+        torch.topk(out.float(), k, dim=-1).indices.unique().numel())) for m in moes]
+    try:
+        step.run(batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return picked
+
+
+def active_bytes(model: LlamaForCausalLM, batch: int, touched: list[int]) -> int:
+    """The bytes a decode step of a MoE model must read: every weight but the experts and the embedding
+    table, the experts it touched, one embedding row a token (the LM head whole, tied or not)."""
+    from service.model.moe import SparseMoe
+
+    moes = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoe)]
+    expert_params = {id(p) for m in moes for p in m.experts.parameters()}
+    embed = model.model.embed_tokens.weight
+    rest = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_params and p is not embed)
+    if model.lm_head is None:  # tied: the head reads the table
+        rest += embed.numel() * embed.element_size()
+    rest += batch * embed.shape[1] * embed.element_size()
+    per_expert = [(m.weights.w13[0].numel() + m.weights.w2[0].numel()) * m.weights.w13.element_size() for m in moes]
+    return rest + sum(n * b for n, b in zip(touched, per_expert))
+
+
 def bench_ours(s: Setup, step: ModelDecodeStep, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     vocab = s.model.spec.vocab_size
     step.write_rows(torch.randint(0, vocab, (batch,)).tolist(), [args.context] * batch, list(range(batch)))
     step.set_padding_rows(batch, step.max_batch)
     row: dict[str, Any] = {"batch": batch}
+    touched = touched_experts(s, step, batch)
+    if touched is not None:
+        row["touched_experts"] = sum(touched) / len(touched)
+        row["active_bytes"] = active_bytes(s.model, batch, touched)
     row["eager_ms"] = time_ms(lambda: step.run(batch), s.device, args.iters, args.warmup)
     if s.device.type != "cuda":
         return row
@@ -227,8 +265,12 @@ def add_derived(row: dict[str, Any], s: Setup, context: int, rate: float | None)
     if row.get("graph_ms"):
         row["speedup"] = row["eager_ms"] / row["graph_ms"]
     if rate:
-        moved = weight_bytes(s.model) + kv_bytes_read(s.model.spec, row["batch"], context, s.kv_dtype)
+        kv = kv_bytes_read(s.model.spec, row["batch"], context, s.kv_dtype)
+        moved = row.get("active_bytes", weight_bytes(s.model)) + kv
         row["bw_util"] = moved / (best / 1000.0) / rate
+        if "active_bytes" in row:
+            row["floor_active_ms"] = (row["active_bytes"] + kv) / rate * 1000.0
+            row["x_active_floor"] = best / row["floor_active_ms"]
 
 
 # ---- output ----------------------------------------------------------------------------------
@@ -289,8 +331,9 @@ def print_tables(rows: list[dict], anchors: dict | None, summary: dict) -> None:
     print(f"\n{summary['model']} {summary['dtype']} on {summary['device_name']}, context {summary['context']}: "
           f"weights {summary['weight_bytes'] / 1e9:.3f} GB, copy rate {summary['copy_rate_gbps']:.0f} GB/s, "
           f"floor {summary['floor_ms']:.3f} ms")
+    moe = ["touched_experts", "floor_active_ms", "x_active_floor"] if any("active_bytes" in r for r in rows) else []
     print_table(rows, ["batch", "eager_ms", "graph_ms", "speedup", "capture_ms", "graph_mib", "tokens_per_s",
-                       "bw_util"], title="ours: ms per decode step")
+                       "bw_util", *moe], title="ours: ms per decode step")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,12 @@
 #   bash bench/h200_session.sh fp8-kv   # FP8 KV cache: GPU tests, decode steps at context 4096 with bf16 and FP8 KV (1B, 8B)
 #   bash bench/h200_session.sh chunk-attention  # prompt-chunk attention of one layer: the Triton kernel against torch / flash
 #   bash bench/h200_session.sh gen-1b concurrency  # 1,024 chat-like requests at once in 8 GiB of KV: the most running at once
+#   bash bench/h200_session.sh families  # Qwen3, Gemma 3, Qwen3-MoE, Mixtral: their GPU tests (MoE kernels, graphs vs
+#     eager), graphed decode steps at 1 / 64 / 256 (Qwen3-8B beside Llama-3.1-8B, same bytes; Qwen3-30B-A3B against the
+#     floor of the bytes it must read, bf16 and FP8 experts; Gemma 3 4B; Mixtral-8x7B), the MoE layer alone (bf16, FP8
+#     per block)
+#   bash bench/h200_session.sh moe-load  # the chat-like load on builtin:qwen3-30b-a3b (weights made on the device):
+#     TTFT and TPOT p50 / p99 per rate in $MOE_RATES (default 5,10,20), cold and warm; a serving-load part (see load)
 #   bash bench/h200_session.sh gen-1b startup load  # the 1B checkpoint once; start-up GPU tests; the serving load
 #     (TAG=before LOAD_ARGS='--server-args "--startup-graph-timeout 0"' for the start-up captures off)
 set -uo pipefail
@@ -104,6 +110,23 @@ for part in "$@"; do
     gen-1b) run gen-1b 300 python3 -c "import pathlib; from service.model.builtin import ensure_builtin; print(ensure_builtin('llama-1b', pathlib.Path('.cache/models')))" ;;
     startup) TAIL=10 run startup-gpu-tests 400 python3 -m pytest -q -m gpu tests/gpu/test_startup_gpu.py tests/gpu/test_lora_gpu.py \
       -p no:cacheprovider --timeout 200 ;;
+    families)
+      TAIL=16 run families-tests 560 python3 -m pytest -q -m gpu tests/gpu/test_families_gpu.py -p no:cacheprovider --timeout 300
+      for m in llama-8b qwen3-8b gemma3-4b; do
+        run decode-$m 240 python3 bench/decode_bench.py --model builtin:$m --device cuda --random-init --batches 1,64,256 \
+          --no-anchors --no-plot
+      done
+      for q in none fp8; do
+        TAIL=10 run decode-qwen3-30b-a3b-$q 500 python3 bench/decode_bench.py --model builtin:qwen3-30b-a3b --device cuda \
+          --random-init --batches 1,64,256 --no-anchors --no-plot --quantization $q
+      done
+      TAIL=10 run decode-mixtral-8x7b 500 python3 bench/decode_bench.py --model builtin:mixtral-8x7b --device cuda \
+        --random-init --batches 1,64,256 --no-anchors --no-plot
+      TAIL=12 run moe-layer 300 python3 bench/moe_bench.py --device cuda
+      TAIL=12 run moe-layer-fp8 300 python3 bench/moe_bench.py --device cuda --fp8 block ;;
+    moe-load)  # one run per rate and start: a fresh server makes 61 GB of weights on the device each time
+      M="--model builtin:qwen3-30b-a3b --device cuda" load moe-load --rates ${MOE_RATES:-5,10,20} --starts cold,warm \
+        --duration ${DURATION:-30} --repeat ${REPEAT:-1} --max-running-seqs 128 ${LOAD_ARGS:-} ;;
     load)  # Poisson load, mixed lengths, a fresh server per run, cold and warm; bursts on fresh servers
       eval "load serving-load${TAG:+-$TAG} --rates ${RATES:-20,100} --duration ${DURATION:-30} --repeat ${REPEAT:-3} \
         --burst ${BURST:-16:512} --max-running-seqs 256 ${LOAD_ARGS:-}" ;;

@@ -142,7 +142,8 @@ def format_state(s: admin_pb2.CacheState) -> str:
     captured = sum(b.state == admin_pb2.BUCKET_STATE_CAPTURED for b in s.buckets)
     head = (f"graph cache: mode {s.mode} on {s.device}, {captured} of {len(s.buckets)} buckets captured, "
             f"used {human_bytes(s.used_bytes + s.lora_used_bytes)} of budget {human_bytes(s.budget_bytes)}, "
-            f"max batch {s.max_batch}")
+            f"max batch {s.max_batch}"
+            + (f", model {s.architecture}" if s.architecture else ""))
     # One table, one row per descriptor: the graphs of steps with LoRA adapter rows (the wire lists
     # them apart) are rows of kind "full+lora" / "piecewise+lora".
     listed = [(f"{b.kind or 'full'}{'+lora' if lora else ''}", b)

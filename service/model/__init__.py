@@ -1,4 +1,5 @@
-"""Our Llama-family model (Llama, Mistral, Qwen2), its static KV cache, loader and built-in checkpoints."""
+"""Our decoder for every family served (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Qwen3-MoE, Mixtral), its paged
+KV cache, loader and built-in checkpoints."""
 
 from service.model.builtin import BUILTIN_SHAPES, ensure_builtin
 from service.model.kv_cache import KVCache

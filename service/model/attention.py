@@ -8,6 +8,9 @@ through the chunk kernel, all chunks of the step in one call (service.model.kern
 CUDA, torch otherwise). It runs eagerly, between the pieces that CUDA graphs may capture, on the
 real lengths; padding rows of the output stay zero.
 
+A sliding-window layer's attention gets its `window` and every call the model's score `scale`
+(None: head_dim ** -0.5), passed through to the kernels.
+
 `rowwise_step_attention` is the batch-invariant mode's: every row, prompt token or decode, goes
 through the decode kernel (a token attends to its slot's positions up to its own), so a token's
 result is the same whether its prompt arrives whole, in chunks, or beside other requests.
@@ -26,35 +29,43 @@ from service.model.kv_cache import KVCache
 from service.model.step_batch import AttentionMetadata, StepBatch
 
 # (q [B, H, D], k_cache, v_cache, block_table, slot_ids [B], positions [B], the layer's (k, v) scales
-# [2]) -> [B, H * D]
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                            torch.Tensor], torch.Tensor]
+# [2], window=, scale=) -> [B, H * D]
+DecodeAttention = Callable[..., torch.Tensor]
 # (q [S, H, D], k_cache, v_cache, block_table, the step's metadata, out [S, H * D], the layer's (k, v)
-# scales [2]): writes the chunks' rows of out
-ChunkAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
-                           torch.Tensor], None]
+# scales [2], window=, scale=): writes the chunks' rows of out
+ChunkAttention = Callable[..., None]
 
 
 def chunk_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                          meta: AttentionMetadata, out: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+                          meta: AttentionMetadata, out: torch.Tensor, kv_scale: torch.Tensor | None = None,
+                          window: int = 0, scale: float | None = None) -> None:
     prefill_attention_torch(q, k_cache, v_cache, block_table,
-                            [(c.row, c.length, c.start, c.slot) for c in meta.chunks], out, kv_scale)
+                            [(c.row, c.length, c.start, c.slot) for c in meta.chunks], out, kv_scale, window, scale)
 
 
 def chunk_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                           meta: AttentionMetadata, out: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+                           meta: AttentionMetadata, out: torch.Tensor, kv_scale: torch.Tensor | None = None,
+                           window: int = 0, scale: float | None = None) -> None:
     assert meta.chunk_table is not None and meta.chunk_tiles is not None
-    prefill_attention_triton(q, k_cache, v_cache, block_table, meta.chunk_table, meta.chunk_tiles, out, kv_scale)
+    prefill_attention_triton(q, k_cache, v_cache, block_table, meta.chunk_table, meta.chunk_tiles, out, kv_scale,
+                             window, scale)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q: [L, H, D], k, v: [L, KVH, D] -> [L, H * D], causal (the cache-free reference forward)."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
+                     scale: float | None = None) -> torch.Tensor:
+    """q: [L, H, D], k, v: [L, KVH, D] -> [L, H * D], causal (the cache-free reference forward),
+    within a sliding window when `window` > 0."""
     length, heads, _ = q.shape
     groups = heads // k.shape[1]
     qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))
     kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
+    mask = None
+    if window:
+        pos = torch.arange(length, device=q.device)
+        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)  # [1, H, L, D]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None,
+                                             scale=scale)  # [1, H, L, D]
     return out[0].transpose(0, 1).reshape(length, -1)
 
 
@@ -75,18 +86,20 @@ def step_attention(
     decode_attention: DecodeAttention,
     chunk_attention: ChunkAttention,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """q: [S, H, D] rotated queries of every row; the layer's cache already holding this step's K/V
     -> [S, H * D] (written into `out` when given, e.g. a buffer a captured piece reads)."""
     meta = batch.attention
     out = _output(q, out, meta.num_tokens)
-    k_cache, v_cache, scale = kv.k[layer], kv.v[layer], kv.scales[layer]
+    k_cache, v_cache, kv_scale = kv.k[layer], kv.v[layer], kv.scales[layer]
     d = meta.num_decodes
     if d:
         out[:d] = decode_attention(q[:d], k_cache, v_cache, kv.block_table, batch.slot_ids[:d], batch.positions[:d],
-                                   scale)
+                                   kv_scale, window=window, scale=scale)
     if meta.chunks:
-        chunk_attention(q, k_cache, v_cache, kv.block_table, meta, out, scale)
+        chunk_attention(q, k_cache, v_cache, kv.block_table, meta, out, kv_scale, window=window, scale=scale)
     return out
 
 
@@ -98,15 +111,17 @@ def rowwise_step_attention(
     decode_attention: DecodeAttention,
     out: torch.Tensor | None = None,
     rows_per_call: int = 64,
+    window: int = 0,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """As step_attention, with every real row as a decode row: [0, num_tokens) in calls of at most
     rows_per_call rows (bounding the kernel's buffers on long prompts). The decode kernel computes
     each row on its own, so neither the calls' boundaries nor the other rows change a row's result."""
     n = batch.attention.num_tokens
     out = _output(q, out, n)
-    k_cache, v_cache, scale = kv.k[layer], kv.v[layer], kv.scales[layer]
+    k_cache, v_cache, kv_scale = kv.k[layer], kv.v[layer], kv.scales[layer]
     for start in range(0, n, rows_per_call):
         rows = slice(start, min(n, start + rows_per_call))
         out[rows] = decode_attention(q[rows], k_cache, v_cache, kv.block_table, batch.slot_ids[rows],
-                                     batch.positions[rows], scale)
+                                     batch.positions[rows], kv_scale, window=window, scale=scale)
     return out

@@ -1,8 +1,14 @@
-"""Built-in checkpoints: deterministic random-weight Llama models in a real Hugging Face layout.
+"""Built-in checkpoints: deterministic random-weight models of every family we serve, in a real
+Hugging Face layout.
 
 They let the service run and be benchmarked with no downloads. The tokenizer is a real byte-level
 BPE whose merges come from a small embedded English corpus, then (for large vocabularies) from
 programmatic byte pairs, so every id decodes and any UTF-8 text round-trips.
+
+The shapes of real models that are too large to write (a 30B MoE is 61 GB in bf16; the GPU machine
+has 64 GiB of disk) are `on_device`: their directory holds the config and the tokenizer only, and
+load_model makes their weights on the device (`random_init`, seeded: the same distributions as the
+files, not the same values).
 """
 
 from __future__ import annotations
@@ -87,7 +93,7 @@ BUILTIN_SHAPES: dict[str, dict] = {
         "dtype": "bfloat16",
     },
     # Llama-3.1-8B shape (16 GB in bf16) for tensor-parallel benchmarks; use it with --random-init
-    # (bench/decode_bench.py) rather than generating the checkpoint.
+    # (bench/decode_bench.py) rather than generating the checkpoint (or serve qwen3-8b, on_device).
     "llama-8b": {
         "layer_std": 0.02,
         "vocab_size": 128256,
@@ -104,6 +110,59 @@ BUILTIN_SHAPES: dict[str, dict] = {
         "dtype": "bfloat16",
     },
 }
+_TINY = {k: v for k, v in BUILTIN_SHAPES["tiny"].items() if k not in ("rope_theta", "rope_scaling")}
+_QWEN3_8B = {  # Qwen3-8B (16.4 GB in bf16); its dense sibling of the same bytes is llama-8b
+    "architecture": "Qwen3ForCausalLM", "on_device": True, "layer_std": 0.02, "vocab_size": 151936,
+    "num_special": 256, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "dtype": "bfloat16",
+}
+
+
+def _gemma3_layers(count: int, every: int = 6) -> list[str]:
+    """Gemma 3's pattern: five sliding-window layers, then a global one."""
+    return ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(count)]
+
+
+def _gemma3_rope(factor: float | None) -> dict:
+    full = {"rope_type": "linear", "factor": factor} if factor else {"rope_type": "default"}
+    return {"full_attention": {**full, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+
+
+BUILTIN_SHAPES.update({
+    # Tiny models of each family (fast on a laptop CPU, float32 files): tests and smoke benchmarks.
+    "tiny-qwen3": {**_TINY, "architecture": "Qwen3ForCausalLM", "rope_theta": 1000000.0},
+    "tiny-gemma3": {**_TINY, "architecture": "Gemma3ForCausalLM", "tie_word_embeddings": True,
+                    "sliding_window": 32, "layer_types": _gemma3_layers(4, every=4), "query_pre_attn_scalar": 32,
+                    "rope_parameters": _gemma3_rope(None)},
+    "tiny-qwen3-moe": {**_TINY, "architecture": "Qwen3MoeForCausalLM", "num_experts": 8, "num_experts_per_tok": 2,
+                       "moe_intermediate_size": 64, "norm_topk_prob": True, "rope_theta": 1000000.0},
+    "tiny-mixtral": {**_TINY, "architecture": "MixtralForCausalLM", "intermediate_size": 256,
+                     "num_local_experts": 4, "num_experts_per_tok": 2, "rope_theta": 1000000.0},
+    "qwen3-8b": _QWEN3_8B,
+    # Qwen3-30B-A3B: 128 experts of 768, 8 a token (about 3.3B of 30.5B parameters active, 61 GB in bf16)
+    "qwen3-30b-a3b": {**_QWEN3_8B, "architecture": "Qwen3MoeForCausalLM", "hidden_size": 2048,
+                      "intermediate_size": 6144, "num_hidden_layers": 48, "num_key_value_heads": 4,
+                      "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                      "norm_topk_prob": True},
+    # Gemma 3 4B's text model (8.6 GB in bf16): 5 sliding layers (window 1024) a global one, 262k vocabulary
+    "gemma3-4b": {"architecture": "Gemma3ForCausalLM", "on_device": True, "layer_std": 0.02, "vocab_size": 262208,
+                  "num_special": 256, "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+                  "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256,
+                  "sliding_window": 1024, "layer_types": _gemma3_layers(34), "rope_parameters": _gemma3_rope(8.0),
+                  "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+                  "dtype": "bfloat16"},
+    # Mixtral-8x7B (93 GB in bf16: on one H200, or sharded)
+    "mixtral-8x7b": {"architecture": "MixtralForCausalLM", "on_device": True, "layer_std": 0.02, "vocab_size": 32000,
+                     "num_special": 3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+                     "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+                     "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "dtype": "bfloat16"},
+})
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text",
+                "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+_NOT_CONFIG = ("num_special", "dtype", "layer_std", "architecture", "on_device")
 
 _CORPUS = """\
 The service reads a request, turns the prompt into tokens, and streams the answer back one piece at
@@ -191,12 +250,12 @@ def build_tokenizer(num_regular: int, specials: list[str]):  # -> tokenizers.Tok
 
 
 def _hf_config(shape: dict, bos_id: int, eos_id: int) -> dict:
+    arch = shape.get("architecture", "LlamaForCausalLM")
     cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [arch],
+        "model_type": _MODEL_TYPES[arch],
         "hidden_act": "silu",
         "attention_bias": False,
-        "mlp_bias": False,
         "rms_norm_eps": 1e-5,
         "initializer_range": 0.02,
         "bos_token_id": bos_id,
@@ -207,8 +266,24 @@ def _hf_config(shape: dict, bos_id: int, eos_id: int) -> dict:
         # transformers 5.x (< 5.24) suspects a Mistral tokenizer and warns at every load.
         "transformers_version": "5.0.0",
     }
-    cfg.update({k: v for k, v in shape.items() if k not in ("num_special", "dtype", "layer_std")})
+    if arch == "LlamaForCausalLM":
+        cfg["mlp_bias"] = False
+    if arch == "Gemma3ForCausalLM":
+        cfg["hidden_activation"] = "gelu_pytorch_tanh"
+    cfg.update({k: v for k, v in shape.items() if k not in _NOT_CONFIG})
     return dict(sorted(cfg.items()))
+
+
+def random_init(model: torch.nn.Module, layer_std: float, generator: torch.Generator) -> None:
+    """Every parameter of `model` (on its device): norms at their identity (1, or Gemma's 0: it
+    scales by 1 + w), layer weights N(0, layer_std), embeddings and head N(0, 0.02)."""
+    gemma = model.spec.gemma_norms
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(0.0 if gemma else 1.0)
+            else:
+                p.normal_(0.0, layer_std if name.startswith("model.layers.") else 0.02, generator=generator)
 
 
 def _weights(config: dict, dtype: torch.dtype, layer_std: float) -> dict[str, torch.Tensor]:
@@ -216,6 +291,7 @@ def _weights(config: dict, dtype: torch.dtype, layer_std: float) -> dict[str, to
     tensor has its own seed and is generated in float32 chunks, then cast, so a 1B model needs
     neither a float32 copy of everything nor much time."""
     from service.model.llama import LlamaForCausalLM
+    from service.model.moe import hf_name
     from service.model.spec import ModelSpec
 
     # from_hf_config only reads attributes; a namespace avoids importing transformers' Llama here.
@@ -223,10 +299,11 @@ def _weights(config: dict, dtype: torch.dtype, layer_std: float) -> dict[str, to
     names = LlamaForCausalLM(spec, "meta", dtype).named_parameters()  # the names and shapes we load
     out: dict[str, torch.Tensor] = {}
     gen = torch.Generator()
-    for name, p in names:
+    for ours, p in names:
+        name = hf_name(spec.architecture, ours)  # the family's own checkpoint name (Mixtral's experts)
         t = torch.empty(p.shape, dtype=dtype)
         if name.endswith("norm.weight"):
-            t.fill_(1.0)
+            t.fill_(0.0 if spec.gemma_norms else 1.0)
         else:
             gen.manual_seed(_SEED + zlib.crc32(name.encode()))
             std = layer_std if name.startswith("model.layers.") else 0.02
@@ -272,6 +349,8 @@ def _write(path: pathlib.Path, shape: dict, dtype: str) -> None:
     config = _hf_config({**shape, "dtype": dtype}, bos_id, eos_id)
     _dump(path / "config.json", config)
     _dump(path / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
+    if shape.get("on_device"):
+        return  # the weights are made on the device when the model loads
     save_file(
         _weights(config, getattr(torch, dtype), shape["layer_std"]),
         str(path / "model.safetensors"),
@@ -286,6 +365,11 @@ def _fsync_tree(path: pathlib.Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def builtin_files(name: str) -> tuple[str, ...]:
+    """The files of built-in model `name`'s directory (an on_device one has no weights file)."""
+    return tuple(f for f in _FILES if f != "model.safetensors" or not BUILTIN_SHAPES[name].get("on_device"))
 
 
 def ensure_builtin(name: str, cache_dir: pathlib.Path, dtype: str | None = None) -> pathlib.Path:
@@ -305,7 +389,8 @@ def ensure_builtin(name: str, cache_dir: pathlib.Path, dtype: str | None = None)
         / "builtin"
         / f"{name}-{dtype}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
     )
-    if all((final / f).is_file() for f in _FILES):
+    files = builtin_files(name)
+    if all((final / f).is_file() for f in files):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
@@ -313,12 +398,12 @@ def ensure_builtin(name: str, cache_dir: pathlib.Path, dtype: str | None = None)
         os.chmod(tmp, 0o755)
         _write(tmp, shape, dtype)
         _fsync_tree(tmp)
-        if final.exists() and not all((final / f).is_file() for f in _FILES):
+        if final.exists() and not all((final / f).is_file() for f in files):
             shutil.rmtree(final, ignore_errors=True)  # not ours (we only ever rename complete dirs in)
         try:
             os.replace(tmp, final)
         except OSError:
-            if not all((final / f).is_file() for f in _FILES):  # lost a race to another process: fine
+            if not all((final / f).is_file() for f in files):  # lost a race to another process: fine
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

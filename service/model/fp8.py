@@ -54,6 +54,24 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def quantize_experts(weight: torch.Tensor, block: tuple[int, int] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked expert weights [E, N, K] -> (E4M3 [E, N, K], float32 scales): one per output channel
+    [E, N], or one per `block` of (rows, columns) [E, ceil(N / rows), ceil(K / columns)] (the layout of
+    block-quantized checkpoints, e.g. 128 x 128)."""
+    w = weight.float()
+    if block is None:
+        scale = (w.abs().amax(dim=2) / FP8_MAX).clamp(min=MIN_SCALE)
+        return (w / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    bn, bk = block
+    e, n, k = w.shape
+    padded = torch.nn.functional.pad(w, (0, -k % bk, 0, -n % bn))
+    tiles = padded.view(e, padded.shape[1] // bn, bn, padded.shape[2] // bk, bk)
+    scale = (tiles.abs().amax(dim=(2, 4)) / FP8_MAX).clamp(min=MIN_SCALE)  # [E, N / bn, K / bk]
+    q = (tiles / scale[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(padded)[:, :n, :k]
+    return q.contiguous().to(FP8), scale
+
+
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(E4M3 [N, K], scales [N]) -> float32 [N, K]."""
     return q.float() * scale.float()[:, None]
@@ -86,15 +104,20 @@ def checkpoint_scales(weight_scale: torch.Tensor, rows: int) -> torch.Tensor:
     return s.contiguous()
 
 
-def dequantize_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def dequantize_checkpoint(state: dict[str, torch.Tensor], block: tuple[int, int] | None = None
+                          ) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors with every FP8 weight (one with a `<name>.weight_scale` beside it)
     dequantized to float32 and its scales dropped (and static `input_scale`s: activations are
     quantized per token); other tensors as they are. The model casts them to its dtype, and
-    `--quantization fp8` quantizes them again with the same per-channel scales."""
-    scales = [k for k in state if k.endswith(".weight_scale")]
+    `--quantization fp8` quantizes them again with the same per-channel scales. A block-quantized
+    checkpoint (`<name>.weight_scale_inv` [N / rows, K / columns], config.json's
+    quantization_config.weight_block_size = `block`, as DeepSeek's and Qwen3's FP8 releases) is
+    dequantized block by block."""
+    out = _dequantize_blocks(state, block)
+    scales = [k for k in out if k.endswith(".weight_scale")]
     if not scales:
-        return state
-    out = dict(state)
+        return out
+    out = dict(out)
     for key in scales:
         name = key.removesuffix("_scale")
         if name not in out:
@@ -105,6 +128,27 @@ def dequantize_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         except ValueError as e:
             raise ValueError(f"{key}: {e}") from None
         out.pop(key.removesuffix("weight_scale") + "input_scale", None)
+    return out
+
+
+def _dequantize_blocks(state: dict[str, torch.Tensor], block: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+    scales = [k for k in state if k.endswith(".weight_scale_inv")]
+    if not scales:
+        return state
+    if block is None:
+        raise ValueError(f"{scales[0]}: a block-scaled FP8 weight, but config.json has no "
+                         "quantization_config.weight_block_size")
+    out = dict(state)
+    for key in scales:
+        name = key.removesuffix("_scale_inv")
+        w, scale = out[name], out.pop(key)
+        rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])
+        if tuple(scale.shape) != (rows, cols):
+            raise ValueError(f"{key}: {tuple(scale.shape)} scales for a weight of {tuple(w.shape)} in blocks of {block}")
+        from service.model.kernels.moe import dequantize_experts
+
+        out[name] = dequantize_experts(w[None], scale[None], block, torch.float32)[0]
+        out.pop(key.removesuffix("weight_scale_inv") + "input_scale", None)
     return out
 
 

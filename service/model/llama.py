@@ -1,4 +1,5 @@
-"""Our own Llama-family decoder (Llama, Mistral, Qwen2): prefill into and decode from a paged KVCache.
+"""Our own decoder for every family we serve (Llama, Mistral, Qwen2, Qwen3, Gemma 3, and the
+mixture-of-experts Qwen3-MoE and Mixtral): prefill into and decode from a paged KVCache.
 
 Parameter names follow Hugging Face so checkpoints load as they are. All tokens of a call are
 handled as a flat [N, ...] batch so a step (decodes and prompt chunks, see step_batch), the decode
@@ -6,17 +7,24 @@ graph's step and the cache-free forward share the layer code and differ only in 
 and writes keys and values. Each layer is two halves around attention, so the same forward can run
 split at attention (service.model.pieces).
 
-Mistral's (and Qwen2's optional) sliding window is not applied: attention is always over the full
-context. That is exact while the context is no longer than the window (4096 for Mistral-7B v0.1);
-ModelSpec.sliding_window tells the engine where to cap max_seq_len.
+The families differ by switches decided at construction (ModelSpec): Qwen3 and Gemma 3 normalise
+each q and k head before RoPE (inside the RoPE/KV-write kernel), Gemma 3 has its own norms (four a
+layer, `GemmaDecoderLayer`), GELU, an embedding scale, a score scale and logit soft-capping, and its
+sliding-window layers rotate with their own RoPE base (the step's RoPE tables are [kinds, N, 1, D],
+a layer reads its kind's). A sliding-window layer (Gemma 3, Mistral, Qwen with use_sliding_window)
+attends within its window: the paged KV keeps every position, the window is a mask in the attention
+kernels. An MoE layer's MLP is service.model.moe.SparseMoe. The per-layer choices are lists read by
+index, so the Llama step runs the code it ran before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
 
+import structlog
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,31 +40,47 @@ from service.model.attention import (
     step_attention,
 )
 from service.model.kernels import FastPath
-from service.model.kernels.activation import silu_mul_torch, silu_mul_triton
+from service.model.kernels.activation import act_mul_torch, act_mul_triton
 from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton
+from service.model.kernels.fast_path import check_moe
 from service.model.kernels.gemv import linear as gemv_linear
 from service.model.kernels.invariant import InvariantKernels, Matmul
 from service.model.kernels.norm import add_rmsnorm_torch, add_rmsnorm_triton
-from service.model.kernels.rope import apply_rope, rope_kv_write_torch, rope_kv_write_triton, split_qkv
+from service.model.kernels.rope import (
+    QkNorm,
+    apply_rope,
+    norm_heads,
+    rope_kv_write_torch,
+    rope_kv_write_triton,
+    split_qkv,
+)
 from service.model.kv_cache import KVCache, WriteIndex
+from service.model.moe import SparseMoe, checkpoint_name
 from service.model.parallel import TensorParallel, VocabParallelEmbedding, shard_spec
 from service.model.spec import ModelLoadError, ModelSpec
 from service.model.step_batch import ChunkSpec, StepBatch, build_step_batch
 
-# attend(layer_idx, qkv [N, (H + 2 KVH) * D], cos, sin [N, 1, D]) -> [N, H * D]
+# attend(layer_idx, qkv [N, (H + 2 KVH) * D], cos, sin [kinds, N, 1, D]) -> [N, H * D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+log = structlog.get_logger("graphserve.model")
 
 # The torch reference (gathers whole slots); the CPU path. Kept under this name for callers.
 decode_attention = decode_attention_torch
 
 
-def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] in float32, computed exactly as transformers does."""
+def rope_inv_freq(spec: ModelSpec, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] in float32, computed exactly as transformers does; `local`:
+    the sliding layers' (spec.local_rope_theta, unscaled)."""
     dim = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    s = spec.rope_scaling
+    theta = spec.local_rope_theta if local else spec.rope_theta
+    assert theta is not None
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = None if local else spec.rope_scaling
     if s is None:
         return inv_freq
+    if s["rope_type"] == "linear":
+        return inv_freq / float(s["factor"])
     factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
     old_len = float(s["original_max_position_embeddings"])
     low_wavelen, high_wavelen = old_len / low, old_len / high
@@ -181,19 +205,29 @@ class FusedLinear(nn.Module):
         return y if self.lora is None else self.lora(x, y)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, device: torch.device | str, dtype: torch.dtype) -> None:
+class WeightView(nn.Module):
+    """A parameter `weight` that is a view of storage another module owns (a q/k norm's row, an expert's matrix)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        self.eps = eps
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, device: torch.device | str, dtype: torch.dtype,
+                 gemma: bool = False) -> None:
+        super().__init__()
+        self.eps, self.gemma = eps, gemma
         self.weight = _empty(dim, device=device, dtype=dtype)
 
     def forward(
         self, x: torch.Tensor, delta: torch.Tensor | None, fast: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, rmsnorm(x + delta)); normalises in float32 like transformers, scales in the model dtype."""
+        """(x + delta, rmsnorm(x + delta)); normalises in float32 like transformers, scales in the model
+        dtype (Gemma's: by 1 + w in float32)."""
         if fast:
-            return add_rmsnorm_triton(x, delta, self.weight, self.eps)
-        return add_rmsnorm_torch(x, delta, self.weight, self.eps)
+            return add_rmsnorm_triton(x, delta, self.weight, self.eps, self.gemma)
+        return add_rmsnorm_torch(x, delta, self.weight, self.eps, self.gemma)
 
 
 class Attention(nn.Module):
@@ -207,6 +241,13 @@ class Attention(nn.Module):
         # Llama's attention_bias also covers o_proj; Qwen2 biases only q/k/v.
         o_bias = bias and spec.architecture != "Qwen2ForCausalLM"
         self.o_proj = RowParallelLinear(spec.num_heads * hd, spec.hidden_size, o_bias, tp, **kw)
+        # Qwen3 / Gemma 3: q_norm and k_norm (one head_dim weight each, shared by every head) are the
+        # rows of one [2, D] buffer, which the RoPE/KV-write kernel reads
+        self.qk_norm: QkNorm | None = None
+        if spec.qk_norm:
+            self.register_buffer("qk_norm_weight", torch.empty(2, hd, **kw), persistent=False)
+            self.q_norm, self.k_norm = WeightView(self.qk_norm_weight[0]), WeightView(self.qk_norm_weight[1])
+            self.qk_norm = QkNorm(self.qk_norm_weight, spec.rms_norm_eps, spec.gemma_norms)
 
 
 class MLP(nn.Module):
@@ -217,21 +258,24 @@ class MLP(nn.Module):
         self.gate_up_proj = FusedLinear(spec.hidden_size, (inter, inter), **kw)
         self.gate_proj, self.up_proj = self.gate_up_proj.parts
         self.down_proj = RowParallelLinear(inter, spec.hidden_size, tp=tp, **kw)
+        self.act = spec.hidden_act
 
-    def forward(self, x: torch.Tensor, fast: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fast: FastPath) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [N, 2 * intermediate]
-        if fast:
-            return self.down_proj(silu_mul_triton(gate_up))
-        return self.down_proj(silu_mul_torch(gate_up))
+        if fast.silu_mul:
+            return self.down_proj(act_mul_triton(gate_up, self.act))
+        return self.down_proj(act_mul_torch(gate_up, self.act))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype, tp: TensorParallel) -> None:
+    def __init__(self, spec: ModelSpec, index: int, device: torch.device | str, dtype: torch.dtype,
+                 tp: TensorParallel) -> None:
         super().__init__()
         self.self_attn = Attention(spec, device, dtype, tp)
-        self.mlp = MLP(spec, device, dtype, tp)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
+        self.mlp = (SparseMoe if spec.is_moe_layer(index) else MLP)(spec, device, dtype, tp)
+        norm = {"eps": spec.rms_norm_eps, "device": device, "dtype": dtype, "gemma": spec.gemma_norms}
+        self.input_layernorm = RMSNorm(spec.hidden_size, **norm)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, **norm)
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
 
     def forward(
@@ -261,15 +305,36 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """attn [N, H * D] -> (x + o_proj(attn), mlp delta): the output projection, the add, the norm, the MLP."""
         x, h = self.post_attention_layernorm(x, self.self_attn.o_proj(attn), fast.norm)
-        return x, self.mlp(h, fast.silu_mul)
+        return x, self.mlp(h, fast)
+
+
+class GemmaDecoderLayer(DecoderLayer):
+    """Gemma's layer: each branch's output is normed before it joins the residual stream
+    (post_attention_layernorm, post_feedforward_layernorm), and the MLP's input by its own norm."""
+
+    def __init__(self, spec: ModelSpec, index: int, device: torch.device | str, dtype: torch.dtype,
+                 tp: TensorParallel) -> None:
+        super().__init__(spec, index, device, dtype, tp)
+        norm = {"eps": spec.rms_norm_eps, "device": device, "dtype": dtype, "gemma": True}
+        self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, **norm)
+        self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, **norm)
+
+    def post_attention(
+        self, x: torch.Tensor, attn: torch.Tensor, fast: FastPath
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """attn [N, H * D] -> (x + norm(o_proj(attn)), norm(mlp(norm(that))))."""
+        branch = self.post_attention_layernorm(self.self_attn.o_proj(attn), None, fast.norm)[1]
+        x, h = self.pre_feedforward_layernorm(x, branch, fast.norm)
+        return x, self.post_feedforward_layernorm(self.mlp(h, fast), None, fast.norm)[1]
 
 
 class LlamaModel(nn.Module):
     def __init__(self, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp, device, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(spec, device, dtype, tp) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
+        layer = GemmaDecoderLayer if spec.gemma_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer(spec, i, device, dtype, tp) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype, spec.gemma_norms)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -312,6 +377,20 @@ class LlamaForCausalLM(nn.Module):
             else Linear(spec.hidden_size, tp.vocab_rows(spec.vocab_size)[1], False, device, dtype)
         )
         self.register_buffer("inv_freq", rope_inv_freq(spec).to(device), persistent=False)
+        # Per layer, read by index on the step: its sliding window (0: none), its RoPE table (0: the
+        # global one; 1: the sliding layers' own, Gemma 3), its q/k head norm
+        self.windows = [spec.window(i) for i in range(spec.num_layers)]
+        local = spec.local_rope_theta is not None
+        self.rope_kind = [int(local and w > 0) for w in self.windows]
+        self.inv_freq_local = rope_inv_freq(spec, local=True).to(device) if local else None
+        self.qk_norms = [layer.self_attn.qk_norm for layer in self.model.layers]
+        self.attn_scale = spec.query_scale
+        # Gemma: the embeddings' scale, rounded to the model dtype as transformers rounds it
+        self.embed_scale = None if spec.embed_scale is None else float(torch.tensor(spec.embed_scale, dtype=dtype))
+        self.softcap = spec.final_logit_softcap
+        if spec.is_moe and batch_invariant:
+            raise ModelLoadError(f"the batch-invariant mode is not served with mixture-of-experts models "
+                                 f"({spec.architecture}: the expert products are not batch-invariant)")
         self.fast = (
             FastPath.build(
                 device,
@@ -322,6 +401,7 @@ class LlamaForCausalLM(nn.Module):
                 spec.hidden_size,
                 spec.intermediate_size,
                 self.kv_dtype,
+                spec,
             )
             if fast_path
             else FastPath()
@@ -366,11 +446,13 @@ class LlamaForCausalLM(nn.Module):
         for m in self._linears():
             m.matmul = kernels.matmul
 
-    def use_fp8(self) -> int:
+    def use_fp8(self, expert_block: tuple[int, int] | None = None) -> int:
         """`--quantization fp8`, after load_weights: every decoder projection's weight to E4M3 with
         one scale per output channel, its products through service.model.fp8.fp8_linear; the
-        embeddings, the LM head and any weight with a dimension not a multiple of 16 (the FP8
-        GEMM's granule) stay. Returns the bytes the weights no longer take."""
+        embeddings, the LM head, MoE routers and any weight with a dimension not a multiple of 16 (the
+        FP8 GEMM's granule) stay. Experts go to E4M3 too, one scale per output channel, or per
+        `expert_block` (rows, columns) as a block-quantized checkpoint had them; the MoE kernel is
+        checked on them (the torch path serves if it fails). Returns the bytes the weights no longer take."""
         if self.invariant is not None:
             raise ModelLoadError("the batch-invariant mode is not served with FP8 weights (--quantization fp8)")
         reason = fp8.unsupported_reason(self.model.embed_tokens.weight.device)
@@ -379,8 +461,8 @@ class LlamaForCausalLM(nn.Module):
         saved = 0
         quantized = []
         for m in self._linears():
-            if m is self.lm_head or any(d % 16 for d in m.weight.shape):  # FP8 GEMMs take multiples of 16
-                continue
+            if m is self.lm_head or getattr(m, "keep_dtype", False) or any(d % 16 for d in m.weight.shape):
+                continue  # the head, a router, and shapes the FP8 GEMMs (multiples of 16) do not take
             q, scale = fp8.quantize_rows(m.weight)
             saved += m.weight.numel() * (m.weight.element_size() - 1) - scale.numel() * 4
             if isinstance(m, FusedLinear):
@@ -402,8 +484,30 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"--quantization fp8: {e}") from None
         for m in quantized:
             m.matmul = functools.partial(fp8.fp8_linear, scale=m.weight_scale, kernels=self.fp8_kernels)
+        saved += self._experts_to_fp8(expert_block)
         self.fp8 = True
         torch.cuda.empty_cache()
+        return saved
+
+    def _experts_to_fp8(self, block: tuple[int, int] | None) -> int:
+        moes = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoe)]
+        if not moes:
+            return 0
+        s = self.spec
+        inter = s.moe_intermediate_size
+        if block is not None and (inter % block[0] or s.hidden_size % block[0] or inter % block[1]
+                                  or s.hidden_size % block[1]):
+            raise ModelLoadError(f"--quantization fp8: {s.architecture}'s experts ({inter} x {s.hidden_size} on this "
+                                 f"rank) do not divide into the checkpoint's {block[0]} x {block[1]} scale blocks; "
+                                 "use a tensor_parallel_size that keeps them whole")
+        saved = sum(m.use_fp8(block) for m in moes)
+        if self.fast.moe:
+            try:
+                check_moe(self.inv_freq.device, self.dtype, s.num_experts, s.num_experts_per_tok, s.norm_topk_prob,
+                          s.hidden_act, fp8=True, block=block)
+            except Exception as e:  # noqa: BLE001 - a kernel of ours must never take the service down
+                log.warning("fast_path_disabled", kernel="moe_fp8", reason=f"{type(e).__name__}: {e}"[:500])
+                self.fast = dataclasses.replace(self.fast, moe=False)
         return saved
 
     @property
@@ -420,6 +524,10 @@ class LlamaForCausalLM(nn.Module):
         """The prompt chunks' attention: Triton when the fast path has it."""
         return chunk_attention_triton if self.fast.prefill_attention else chunk_attention_torch
 
+    def attention_args(self, layer: int) -> dict:
+        """The layer's window and the model's score scale, as the attention kernels take them."""
+        return {"window": self.windows[layer], "scale": self.attn_scale}
+
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         # input_ids, positions: [N] -> final hidden states [N, hidden]
         x, cos, sin = self.embed(input_ids, positions)
@@ -429,10 +537,16 @@ class LlamaForCausalLM(nn.Module):
         return self.final_norm(x, delta)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """input_ids, positions [N] -> (embeddings [N, hidden], cos, sin [N, 1, D])."""
+        """input_ids, positions [N] -> (embeddings [N, hidden], cos, sin [kinds, N, 1, D]: one table per
+        RoPE kind, rope_kind[layer] says a layer's)."""
         x = self.model.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
-        return x, cos, sin
+        if self.inv_freq_local is None:
+            return x, cos[None], sin[None]
+        cos_local, sin_local = rope_cos_sin(self.inv_freq_local, positions, x.dtype)
+        return x, torch.stack((cos, cos_local)), torch.stack((sin, sin_local))
 
     def final_norm(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         return self.model.norm(x, delta, self.fast.norm)[1]
@@ -445,8 +559,9 @@ class LlamaForCausalLM(nn.Module):
         s = self.spec
         write = rope_kv_write_triton if self.fast.rope_kv else rope_kv_write_torch
         blocks, offsets = index
-        return write(qkv, cos, sin, kv.k[layer], kv.v[layer], blocks, offsets, s.num_heads, s.num_kv_heads,
-                     kv.scales[layer])
+        kind = self.rope_kind[layer]
+        return write(qkv, cos[kind], sin[kind], kv.k[layer], kv.v[layer], blocks, offsets, s.num_heads,
+                     s.num_kv_heads, kv.scales[layer], self.qk_norms[layer])
 
     def step_attention(
         self, layer: int, q: torch.Tensor, batch: StepBatch, kv: KVCache, out: torch.Tensor | None = None,
@@ -454,21 +569,27 @@ class LlamaForCausalLM(nn.Module):
         """Attention of a step's rows (their K/V already in the cache at `index`) -> [S, H * D]. Eager."""
         if self.invariant is not None:
             return rowwise_step_attention(q, kv, layer, batch, self.invariant.attention, out,
-                                          self.invariant.rows_per_call)
-        return step_attention(q, kv, layer, batch, self.row_attention(), self.chunk_attention(), out)
+                                          self.invariant.rows_per_call, **self.attention_args(layer))
+        return step_attention(q, kv, layer, batch, self.row_attention(), self.chunk_attention(), out,
+                              **self.attention_args(layer))
 
     def _rope(
-        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # qkv [N, (H + 2 KVH) * D] -> rotated q [N, H, D], rotated k, v [N, KVH, D]
         s = self.spec
         q, k, v = split_qkv(qkv, s.num_heads, s.num_kv_heads, s.head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q, k = norm_heads(q, k, self.qk_norms[layer])
+        kind = self.rope_kind[layer]
+        return apply_rope(q, cos[kind], sin[kind]), apply_rope(k, cos[kind], sin[kind]), v
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [R, hidden] -> float32 logits [R, V]."""
+        """Final hidden states [R, hidden] -> float32 logits [R, V] (soft-capped where the family caps them)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.tp.gather_vocab(self.matmul(h, weight, None), self.spec.vocab_size).float()
+        logits = self.tp.gather_vocab(self.matmul(h, weight, None), self.spec.vocab_size).float()
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, slot: int, kv: KVCache) -> torch.Tensor:
@@ -516,7 +637,8 @@ class LlamaForCausalLM(nn.Module):
 
         def attend(i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             q = self.rope_kv_write(i, qkv, cos, sin, index, kv)
-            return attention(q, kv.k[i], kv.v[i], kv.block_table, slot_ids, positions, kv.scales[i])
+            return attention(q, kv.k[i], kv.v[i], kv.block_table, slot_ids, positions, kv.scales[i],
+                             **self.attention_args(i))
 
         return self.logits(self._run(input_ids, positions, attend))
 
@@ -525,12 +647,15 @@ class LlamaForCausalLM(nn.Module):
         """[1, L] -> float32 logits [1, L, V] without a cache (reference path for tests)."""
         ids = input_ids[0]
         positions = torch.arange(ids.shape[0], device=ids.device)
-        h = self._run(ids, positions, lambda i, qkv, cos, sin: causal_attention(*self._rope(qkv, cos, sin)))
+        h = self._run(ids, positions, lambda i, qkv, cos, sin: causal_attention(*self._rope(i, qkv, cos, sin),
+                                                                                 **self.attention_args(i)))
         return self.logits(h)[None]
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Copies HF-named tensors in (casting to the model dtype); any mismatch raises ModelLoadError."""
+        """Copies HF-named tensors in (casting to the model dtype); any mismatch raises ModelLoadError.
+        A family's own checkpoint names (Mixtral's experts) are read as ours (moe.checkpoint_name)."""
         params = dict(self.named_parameters())
+        state = {checkpoint_name(self.spec.architecture, n): t for n, t in state.items()}
 
         def ignored(name: str) -> bool:  # derived buffers, and the duplicate head some tied checkpoints store
             return name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight")

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from service.model import fp8, kv_quant
-from service.model.builtin import BUILTIN_PREFIX, BUILTIN_SHAPES, ensure_builtin
+from service.model.builtin import _SEED, BUILTIN_PREFIX, BUILTIN_SHAPES, ensure_builtin, random_init
 from service.model.llama import LlamaForCausalLM
 from service.model.parallel import TensorParallel, read_shard
 from service.model.spec import ModelLoadError, ModelSpec
@@ -136,6 +136,16 @@ def _model_dir(model: str, cache_dir: pathlib.Path | None) -> pathlib.Path:
     return path
 
 
+def _block_size(path: pathlib.Path) -> tuple[int, int] | None:
+    """config.json's quantization_config.weight_block_size (a block-quantized FP8 checkpoint), else None."""
+    try:
+        block = (json.loads((path / "config.json").read_text()).get("quantization_config") or {}).get(
+            "weight_block_size")
+    except (ValueError, AttributeError):
+        return None
+    return (int(block[0]), int(block[1])) if block else None
+
+
 def read_model_spec(model: str, cache_dir: pathlib.Path | None = None) -> ModelSpec:
     """The spec of "builtin:<name>" or a local HF directory, without loading its weights."""
     return _read_spec(_model_dir(model, cache_dir))
@@ -156,22 +166,31 @@ def load_model(
     device = torch.device(device)
     path = _model_dir(model, cache_dir)
     spec = _read_spec(path)
-    files = _weight_files(path)
+    # a built-in shape too large to write: its weights are made on the device (builtin.random_init)
+    shape = BUILTIN_SHAPES[model[len(BUILTIN_PREFIX):]] if model.startswith(BUILTIN_PREFIX) else {}
+    files = [] if shape.get("on_device") else _weight_files(path)
     tokenizer = read_tokenizer(path)
     sharded = tp is not None and tp.world_size > 1
     kv_dtype = kv_quant.cache_dtype(kv_cache_dtype, dtype)
     net = LlamaForCausalLM(spec, device, dtype, tp=tp, batch_invariant=batch_invariant, kv_dtype=kv_dtype)
-    try:
-        state, kv_scales = kv_quant.checkpoint_kv_scales(_read_weights(files, device, tp if sharded else None),
-                                                         spec.num_layers)
-        state = fp8.dequantize_checkpoint(state)
-    except ValueError as e:
-        raise ModelLoadError(f"{path}: {e}") from None
-    net.load_weights(state)
+    block = _block_size(path)
+    kv_scales = None
+    if files:
+        try:
+            state, kv_scales = kv_quant.checkpoint_kv_scales(_read_weights(files, device, tp if sharded else None),
+                                                             spec.num_layers)
+            state = fp8.dequantize_checkpoint(state, block)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
+        net.load_weights(state)
+    else:
+        random_init(net, shape["layer_std"], torch.Generator(device).manual_seed(_SEED + (tp.rank if tp else 0)))
+        log.info("builtin_weights_on_device", model=model, gib=round(sum(
+            p.numel() * p.element_size() for p in net.parameters()) / 2**30, 2))
     net.eval()
     if quantization == "fp8":
-        saved = net.use_fp8()
-        log.info("fp8_weights", saved_gib=round(saved / 2**30, 3))
+        saved = net.use_fp8(expert_block=block)
+        log.info("fp8_weights", saved_gib=round(saved / 2**30, 3), experts_block=block)
     return LoadedModel(
         name=model, path=path, spec=spec, model=net, tokenizer=tokenizer, device=device, dtype=dtype,
         kv_dtype=kv_dtype, kv_scales=kv_scales,

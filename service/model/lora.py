@@ -37,7 +37,7 @@ from service.model.lora_files import (  # noqa: F401
     read_adapter,
     shapes,
 )
-from service.model.spec import ModelSpec
+from service.model.spec import ModelLoadError, ModelSpec
 
 # "stacked": one GEMM against every slot's A, a select, one GEMM against every slot's B (cost grows
 # with max_loras * rank, independent of the batch); "gather": per-token gathered A/B and bmm (cost
@@ -115,6 +115,10 @@ class LoraSlots:
         if kernel not in LORA_KERNELS:
             raise ValueError(f"unknown LoRA kernel {kernel!r}; allowed: {LORA_KERNELS}")
         spec: ModelSpec = model.spec
+        if spec.is_moe:
+            raise ModelLoadError(f"LoRA adapters are not served on mixture-of-experts models ({spec.architecture}: "
+                                 "its expert layers have no gate_up_proj / down_proj to adapt); serve it without "
+                                 "--max-loras and --lora-modules")
         self.max_loras, self.max_rank, self.kernel = max_loras, max_rank, kernel
         self.dtype = model.dtype
         device = model.inv_freq.device

@@ -7,7 +7,10 @@ Each of N ranks holds 1/N of every large matrix:
     embed_tokens     vocab-parallel: this rank's token rows; ids outside them give zeros; one all-reduce
     lm_head          vocab-parallel: this rank's logits columns; one all-gather to rank 0's sampler
 
-so a layer costs two all-reduces of [N, hidden]. KV heads are split across ranks, never replicated:
+so a layer costs two all-reduces of [N, hidden]. A mixture-of-experts layer splits every expert the
+same way (each rank holds all experts' 1/N of the inner dimension: gate/up rows, down columns; the
+router whole) and sums its output once; expert parallelism (whole experts per rank) is not served yet.
+KV heads are split across ranks, never replicated:
 a model whose heads, KV heads or MLP width do not divide by N is refused (ModelLoadError) when it
 loads. The vocabulary is padded up to a multiple of N (zero rows, logits cut back after the gather).
 With world size 1 every collective below is a no-op, so the model has one code path.
@@ -30,9 +33,10 @@ from torch import nn
 
 from service.model.spec import ModelLoadError, ModelSpec
 
-# Hugging Face parameter names by how they are split; anything else (norms) is replicated.
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-_ROW = ("o_proj", "down_proj")
+# Hugging Face parameter names by how they are split; anything else (norms, MoE routers) is replicated.
+# Mixtral's experts are w1 (gate), w3 (up), w2 (down).
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")
+_ROW = ("o_proj", "down_proj", "w2")
 _VOCAB = ("embed_tokens", "lm_head")
 
 
@@ -120,6 +124,8 @@ def shard_spec(spec: ModelSpec, tp: TensorParallel) -> ModelSpec:
         return spec
     counts = {"num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
               "intermediate_size": spec.intermediate_size}
+    if spec.is_moe:
+        counts["moe_intermediate_size"] = spec.moe_intermediate_size
     bad = [f"{name} {value}" for name, value in counts.items() if value % n]
     if bad:
         raise ModelLoadError(
@@ -127,7 +133,8 @@ def shard_spec(spec: ModelSpec, tp: TensorParallel) -> ModelSpec:
             f"never replicated; use a tensor_parallel_size that divides {spec.num_kv_heads}"
         )
     return dataclasses.replace(spec, num_heads=spec.num_heads // n, num_kv_heads=spec.num_kv_heads // n,
-                               intermediate_size=spec.intermediate_size // n)
+                               intermediate_size=spec.intermediate_size // n,
+                               moe_intermediate_size=spec.moe_intermediate_size // n)
 
 
 def shard_index(name: str, shape: tuple[int, ...], tp: TensorParallel) -> tuple[slice, ...] | None:
@@ -143,7 +150,8 @@ def shard_index(name: str, shape: tuple[int, ...], tp: TensorParallel) -> tuple[
     if module in _COLUMN:
         per_rank = shape[0] // tp.world_size
         return (slice(tp.rank * per_rank, (tp.rank + 1) * per_rank),)
-    if module in _ROW and parts[-1] == "weight":  # a row-parallel bias is added once, after the all-reduce
+    # a row-parallel bias is added once, after the all-reduce; a block-scaled FP8 weight's scales split as it does
+    if module in _ROW and parts[-1] in ("weight", "weight_scale_inv"):
         per_rank = shape[1] // tp.world_size
         return (slice(None), slice(tp.rank * per_rank, (tp.rank + 1) * per_rank))
     return None

@@ -91,6 +91,7 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
             lora_buckets=[_bucket_entry(b) for b in snap.buckets if b.lora], lora_used_bytes=snap.lora_used_bytes,
             ranks=[_rank_memory(r) for r in ranks],
             kv_cache=_kv_cache_state(kv, control.kv_cache_dtype) if kv is not None else None,
+            architecture=control.architecture,
         )
 
     async def GetCaptureStats(self, request: admin_pb2.GetCaptureStatsRequest,

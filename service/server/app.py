@@ -147,6 +147,7 @@ class App:
         log.info("model_loaded", model=c.model, architecture=spec.architecture, device=ready.device,
                  dtype=ready.dtype, seconds=round(time.monotonic() - t0, 2), engine_pid=self.engine.process.pid)
         self.control = control = EngineControl(self.engine, ready)
+        self.metrics.set_model(c.model, spec.architecture)
         self.metrics.set_engine_source(control.metric_families)
         self.metrics.set_graph_source(control.snapshot)
         self.admin_server, self.admin_port = await start_admin_server(c, control, self.metrics)

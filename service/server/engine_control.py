@@ -73,6 +73,7 @@ class EngineControl:
         self.max_lora_rank = ready.max_lora_rank
         self.adapter_names: set[str] = set(ready.adapters)  # what Generate accepts
         self.kv_cache_dtype = ready.kv_cache_dtype or ready.dtype  # what the KV cache stores
+        self.architecture = getattr(ready.spec, "architecture", "")  # the served model's, e.g. "Qwen3MoeForCausalLM"
 
     @property
     def alive(self) -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -150,6 +150,8 @@ class Metrics:
                                   ["reason"], registry=r)
         self.auth_failures = Counter("graphserve_admin_auth_failures",
                                      "Admin calls refused for a missing or wrong token.", registry=r)
+        self.model_info = Gauge("graphserve_model_info", "The served model (1): its name and architecture.",
+                                ["model", "architecture"], registry=r)
         self.graphs = GraphCacheCollector()
         r.register(self.graphs)
         self._server: WSGIServer | None = None
@@ -165,6 +167,10 @@ class Metrics:
 
     def auth_failed(self) -> None:
         self.auth_failures.inc()
+
+    def set_model(self, model: str, architecture: str) -> None:
+        """The served model, once it has loaded: graphserve_model_info{model, architecture} 1."""
+        self.model_info.labels(model, architecture).set(1)
 
     # ---- sources read on each scrape (HTTP thread) ---------------------------------------------
 

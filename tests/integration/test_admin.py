@@ -126,6 +126,7 @@ def test_table_names_every_bucket(admin: Admin, capsys) -> None:
     assert out.startswith(f"graph cache: mode {mode_of(admin)} on {device_of(admin)}")
     lines = out.splitlines()
     ready = admin.server.app.model
+    assert lines[0].endswith(f", model {ready.spec.architecture}")  # the served model's architecture
     assert lines[1].startswith(f"KV cache ({ready.kv_cache_dtype or ready.dtype}): 0 of ") and "prefix hits" in lines[1]
     rows = [line.split() for line in lines[3:]]  # after the two head lines and the table's header
     full = [r for r in rows if r[0] == "full"]

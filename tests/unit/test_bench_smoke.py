@@ -44,6 +44,19 @@ def test_decode_bench(tmp_path: pathlib.Path) -> None:
     assert (tmp_path / record["plot"]).is_file()
 
 
+def test_moe_benches(tmp_path: pathlib.Path) -> None:
+    """The MoE layer alone, and a MoE model's decode step with the experts it touched and its floor."""
+    layer = _run("moe_bench.py", ["--device", "cpu", "--shape", "tiny", "--tokens", "1,8", "--iters", "2",
+                                  "--warmup", "1", "--dtype", "float32"], tmp_path / "layer")
+    assert [r["tokens"] for r in layer["rows"]] == [1, 8]
+    assert all(isinstance(r["ours_eager_ms"], float) and r["touched"] >= 2 for r in layer["rows"])
+    step = _run("decode_bench.py", ["--model", "builtin:tiny-qwen3-moe", "--device", "cpu", "--random-init", "--batches",
+                                    "1,4", "--context", "16", "--iters", "2", "--warmup", "1", "--copy-mb", "8",
+                                    "--no-anchors", "--no-plot"], tmp_path / "step")
+    assert [r["touched_experts"] for r in step["rows"]][0] == 2  # top-2 of 8 for one token
+    assert all(r["floor_active_ms"] > 0 and r["active_bytes"] < step["summary"]["weight_bytes"] for r in step["rows"])
+
+
 def test_serve_bench(tmp_path: pathlib.Path) -> None:
     record = _run("serve_bench.py", [
         "--device", "cpu", "--cache-dir", str(tmp_path / "models"), "--concurrency", "1,4",

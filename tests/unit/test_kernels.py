@@ -288,6 +288,19 @@ fp.check_attention(cpu, dt, 6, 1, 24, batch=1, max_seq_len=64, num_splits=1)   #
 fp.check_prefill_attention(cpu, dt, 4, 2, 16)               # prompt chunks: fresh, continued, several tiles
 fp.check_prefill_attention(cpu, dt, 4, 4, 32, block_size=8, chunks=((0, 3), (5, 65)), seed=2)  # MHA
 fp.check_prefill_attention(cpu, dt, 6, 1, 24, chunks=((0, 17), (100, 1)), seed=3)  # head_dim not a power of two
+# The families' variants: Gemma's norm and GELU, q/k head norms in the RoPE kernel, sliding windows
+# (one position, and windows across splits and tiles) with a score scale, the MoE kernels
+fp.check_norm(cpu, dt, 96, rows=2, gemma=True)
+fp.check_silu_mul(cpu, dt, 1500, rows=2, act="gelu_tanh")
+fp.check_rope_kv(cpu, dt, 4, 2, 16, qk_norm=True)
+fp.check_rope_kv(cpu, dt, 4, 2, 16, qk_norm=True, gemma=True)
+fp.check_attention(cpu, dt, 4, 2, 16, window=37, scale=0.3)
+fp.check_attention(cpu, dt, 8, 2, 64, batch=4, max_seq_len=150, num_splits=3, seed=1, window=70)
+fp.check_attention(cpu, dt, 4, 2, 16, window=1)
+fp.check_prefill_attention(cpu, dt, 4, 2, 16, window=37, scale=0.3)
+fp.check_prefill_attention(cpu, dt, 4, 2, 16, window=1)
+fp.check_moe(cpu, dt, 8, 2, True, hidden=32, intermediate=48)
+fp.check_moe(cpu, dt, 16, 4, False, act="gelu_tanh", hidden=32, intermediate=48, token_counts=(3, 66))
 # NaN in a slot past a row's position (a stale earlier sequence) never reaches the row.
 from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton
 g = torch.Generator().manual_seed(5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import shutil
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -60,17 +61,29 @@ def make_checkpoint(
 ) -> transformers.PreTrainedModel:
     """Saves a seeded random HF model (biases and norm weights randomised too) plus the tiny tokenizer."""
     config_cls, extra = VARIANTS[variant]
-    config = config_cls(**_COMMON, **extra)
-    config._attn_implementation = "eager"  # a reference independent of the SDPA calls we make
+
+    def perturb(name: str, p: torch.Tensor, gen: torch.Generator) -> None:
+        if name.endswith("bias") or "norm" in name:  # HF inits these to 0 / 1, which would hide bugs
+            p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+
+    # Shard one variant so the index path is exercised.
+    return save_checkpoint(config_cls(**_COMMON, **extra), path, tokenizer_dir, perturb,
+                           "100KB" if variant == "mistral" else "5GB")
+
+
+def save_checkpoint(config: transformers.PretrainedConfig, path: pathlib.Path, tokenizer_dir: pathlib.Path,
+                    perturb: Callable[[str, torch.Tensor, torch.Generator], None],
+                    max_shard_size: str) -> transformers.PreTrainedModel:
+    """A seeded random HF model of `config`, its parameters `perturb`ed in place, saved by transformers
+    (eager attention: a reference independent of the SDPA calls we make) with the tiny tokenizer."""
+    config._attn_implementation = "eager"
     torch.manual_seed(0)
     ref = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         gen = torch.Generator().manual_seed(1)
         for name, p in ref.named_parameters():
-            if name.endswith("bias") or "norm" in name:  # HF inits these to 0 / 1, which would hide bugs
-                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
-    # Shard one variant so the index path is exercised.
-    ref.save_pretrained(path, max_shard_size="100KB" if variant == "mistral" else "5GB")
+            perturb(name, p, gen)
+    ref.save_pretrained(path, max_shard_size=max_shard_size)
     for f in _TOKENIZER_FILES:
         shutil.copy(tokenizer_dir / f, path / f)
     return ref
@@ -111,12 +124,12 @@ def test_forward_full_matches_transformers(pair):
 
 
 def reference_greedy(
-    ref: transformers.PreTrainedModel, prompt: list[int]
+    ref: transformers.PreTrainedModel, prompt: list[int], steps: int = STEPS
 ) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens and each step's logits, by a cache-free full forward per step."""
     seq, logits = list(prompt), []
     with torch.no_grad():
-        for _ in range(STEPS):
+        for _ in range(steps):
             step = ref(torch.tensor([seq])).logits[0, -1].float()
             logits.append(step)
             seq.append(int(step.argmax()))

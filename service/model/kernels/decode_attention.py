@@ -15,6 +15,11 @@ cache length (`fixed_split_len`). An FP8 cache (service/model/kv_quant.py) is re
 layer's (k, v) scales `kv_scale`: the torch path upcasts what it gathers; the kernel (a compile-time
 switch of the same kernel, from the cache's dtype) converts each tile to fp16, which holds every E4M3
 value exactly, and applies the k scale to the scores and the v scale to the output.
+
+A sliding-window layer (Gemma 3, Mistral) passes `window` w: row i then sees positions
+(positions[i] - w, positions[i]] only (the paged cache keeps every position; the window is a mask,
+and the kernel's loop starts at the window). `scale` replaces head_dim ** -0.5 as the scores' scale
+(Gemma 3's query_pre_attn_scalar ** -0.5).
 """
 
 from __future__ import annotations
@@ -58,20 +63,25 @@ def decode_attention_torch(
     slot_ids: torch.Tensor,
     positions: torch.Tensor,
     kv_scale: torch.Tensor | None = None,
+    window: int = 0,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """q: [B, H, D]; k_cache, v_cache: [num_blocks, KVH, block_size, D]; block_table [rows, MB] int32;
-    slot_ids, positions: [B] long; kv_scale: the layer's (k, v) float32 [2], read for an FP8 cache
-    -> [B, H * D]."""
+    slot_ids, positions: [B] long; kv_scale: the layer's (k, v) float32 [2], read for an FP8 cache;
+    window: the layer's sliding window (0: none); scale: the scores' (None: D ** -0.5) -> [B, H * D]."""
     b, h, d = q.shape
     kvh = k_cache.shape[1]
     t = block_table.shape[1] * k_cache.shape[2]
-    visible = torch.arange(t, device=q.device)[None, :] <= positions[:, None]  # [B, T]
+    keys = torch.arange(t, device=q.device)[None, :]
+    visible = keys <= positions[:, None]  # [B, T]
+    if window:
+        visible &= keys > positions[:, None] - window
     hidden = ~visible[:, None, :, None]  # [B, 1, T, 1]
     k, v = load_kv(gather_rows(k_cache, block_table, slot_ids), gather_rows(v_cache, block_table, slot_ids),
                    kv_scale, q.dtype)
     k, v = k.masked_fill_(hidden, 0), v.masked_fill_(hidden, 0)  # stale positions zeroed
     qg = q.view(b, kvh, h // kvh, d)  # GQA: the query heads of one kv head share its keys
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=visible[:, None, None, :])  # [B, KVH, G, D]
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=visible[:, None, None, :], scale=scale)  # [B, KVH, G, D]
     return out.reshape(b, h * d)
 
 
@@ -111,6 +121,8 @@ def decode_attention_triton(
     num_splits: int | None = None,
     split_len: int | None = None,
     tile: tuple[int, int, int] | None = None,
+    window: int = 0,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Same contract as decode_attention_torch. `num_splits` overrides the heuristic (tests), which
     picks the split by the batch; `split_len` fixes the split's length instead (fixed_split_len).
@@ -146,13 +158,14 @@ def decode_attention_triton(
     _decode_attn_kernel[(b, kvh, num_splits)](
         q, k_cache, v_cache, k_cache if kv_scale is None else kv_scale, block_table, slot_ids, positions, out,
         part, lse,
-        d**-0.5 * LOG2E,
+        (d**-0.5 if scale is None else scale) * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
         out.stride(0), out.stride(1),
         GROUPS=groups, HEAD_DIM=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, KV_BLOCK=block_size,
-        SPLIT_LEN=split_len, NUM_SPLITS=num_splits, DYNAMIC_LOOP=not interpreting(), FP8_KV=fp8_kv, PDL=on,
+        SPLIT_LEN=split_len, NUM_SPLITS=num_splits, DYNAMIC_LOOP=not interpreting(), FP8_KV=fp8_kv, WINDOW=window,
+        PDL=on,
         num_warps=warps, num_stages=stages, **pdl_launch(on),
     )
     if num_splits > 1:
@@ -181,11 +194,13 @@ def check_kv_dtypes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 if triton is not None:
 
     @triton.jit
-    def _attend_tile(q, k_ptr, v_ptr, table_ptr, kv_off, offs_n, end, offs_d, d_mask, stride_kb, stride_kt,
-                     KV_BLOCK: tl.constexpr, sm_scale, m_i, l_i, acc):
+    def _attend_tile(q, k_ptr, v_ptr, table_ptr, kv_off, offs_n, lo, end, offs_d, d_mask, stride_kb, stride_kt,
+                     KV_BLOCK: tl.constexpr, WINDOW: tl.constexpr, sm_scale, m_i, l_i, acc):
         # One tile of BLOCK_N positions, each read through the row's block table: scores,
-        # online-softmax rescale, accumulate p @ v.
+        # online-softmax rescale, accumulate p @ v. With a sliding window only positions >= lo count.
         n_mask = offs_n < end
+        if WINDOW > 0:
+            n_mask = n_mask & (offs_n >= lo)
         blocks = tl.load(table_ptr + offs_n // KV_BLOCK, mask=n_mask, other=0).to(tl.int64)
         rows = blocks * stride_kb + (offs_n % KV_BLOCK) * stride_kt
         tile = kv_off + rows[:, None] + offs_d[None, :]
@@ -208,7 +223,7 @@ if triton is not None:
         stride_ob, stride_oh,
         GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
-        FP8_KV: tl.constexpr, PDL: tl.constexpr,
+        FP8_KV: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
         row = tl.program_id(0)
@@ -218,6 +233,9 @@ if triton is not None:
         length = tl.load(pos_ptr + row).to(tl.int32) + 1
         start = split * SPLIT_LEN
         end = tl.minimum(start + SPLIT_LEN, length)
+        lo = 0  # the first visible position: length - WINDOW with a sliding window
+        if WINDOW > 0:
+            lo = tl.maximum(length - WINDOW, 0)
 
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
@@ -241,17 +259,20 @@ if triton is not None:
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-        if DYNAMIC_LOOP:  # only the filled tiles of this split
-            for n0 in range(start, end, BLOCK_N):
+        if DYNAMIC_LOOP:  # only the filled tiles of this split (from the window's first one)
+            first = start
+            if WINDOW > 0:
+                first = tl.maximum(start, lo // BLOCK_N * BLOCK_N)
+            for n0 in range(first, end, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
-                    q, k_ptr, v_ptr, table, kv_off, n0 + tl.arange(0, BLOCK_N), end, offs_d, d_mask, stride_kb,
-                    stride_kt, KV_BLOCK, sm_scale, m_i, l_i, acc,
+                    q, k_ptr, v_ptr, table, kv_off, n0 + tl.arange(0, BLOCK_N), lo, end, offs_d, d_mask, stride_kb,
+                    stride_kt, KV_BLOCK, WINDOW, sm_scale, m_i, l_i, acc,
                 )
         else:  # the interpreter cannot loop over runtime bounds: every tile of the split, masked
             for i in range(0, SPLIT_LEN, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
-                    q, k_ptr, v_ptr, table, kv_off, start + i + tl.arange(0, BLOCK_N), end, offs_d, d_mask,
-                    stride_kb, stride_kt, KV_BLOCK, sm_scale, m_i, l_i, acc,
+                    q, k_ptr, v_ptr, table, kv_off, start + i + tl.arange(0, BLOCK_N), lo, end, offs_d, d_mask,
+                    stride_kb, stride_kt, KV_BLOCK, WINDOW, sm_scale, m_i, l_i, acc,
                 )
 
         l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (start >= length) has l = 0
@@ -287,7 +308,7 @@ if triton is not None:
         s_mask = offs_s < NUM_SPLITS
         d_mask = offs_d < HEAD_DIM
         lse = tl.load(lse_ptr + row * stride_lb + head * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
-        m = tl.max(lse, 0)  # finite: split 0 always holds position 0
+        m = tl.max(lse, 0)  # finite: the split of the row's own position holds a visible key
         w = tl.exp2(lse - m)  # [BLOCK_S], 0 for empty splits
         parts = tl.load(
             part_ptr + row * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],

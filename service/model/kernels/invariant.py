@@ -35,12 +35,12 @@ Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tenso
 
 def decode_attention_fixed_split(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, slot_ids: torch.Tensor,
-    positions: torch.Tensor, kv_scale: torch.Tensor | None = None,
+    positions: torch.Tensor, kv_scale: torch.Tensor | None = None, window: int = 0, scale: float | None = None,
 ) -> torch.Tensor:
     """The Triton decode kernel with its KV split fixed by the table's span (fixed_split_len)."""
     span = block_table.shape[1] * k_cache.shape[2]
     return decode_attention_triton(q, k_cache, v_cache, block_table, slot_ids, positions, kv_scale,
-                                   split_len=fixed_split_len(span))
+                                   split_len=fixed_split_len(span), window=window, scale=scale)
 
 
 @dataclass(frozen=True)

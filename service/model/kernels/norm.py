@@ -1,7 +1,8 @@
 """RMSNorm, optionally fused with the residual add before it: x = x + delta; h = rmsnorm(x).
 
 Numerics follow transformers (and the torch path): normalise in float32 (x.float(), mean of
-squares, rsqrt), cast to the model dtype, then multiply by the weight in the model dtype.
+squares, rsqrt), cast to the model dtype, then multiply by the weight in the model dtype. Gemma's
+norm (`gemma=True`) scales by (1 + weight) in float32 and casts once, as Gemma3RMSNorm does.
 """
 
 from __future__ import annotations
@@ -14,23 +15,25 @@ if triton is not None:
     from service.model.kernels._triton import pdl_wait
 
 
-def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (h * (1.0 + weight.float())).to(x.dtype)
     return weight * h.to(x.dtype)
 
 
 def add_rmsnorm_torch(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, gemma: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, delta: [N, hidden] -> (x + delta, rmsnorm(x + delta)); delta None means no add."""
     if delta is not None:
         x = x + delta
-    return x, rmsnorm_torch(x, weight, eps)
+    return x, rmsnorm_torch(x, weight, eps, gemma)
 
 
 def add_rmsnorm_triton(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, gemma: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     assert x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous()
     n, hidden = x.shape
@@ -46,7 +49,7 @@ def add_rmsnorm_triton(
         x, delta, weight, out, res,
         x.stride(0), delta.stride(0), out.stride(0), res.stride(0),
         hidden, eps,
-        HAS_DELTA=res is not x, BLOCK=block, PDL=on,
+        HAS_DELTA=res is not x, GEMMA=gemma, BLOCK=block, PDL=on,
         num_warps=max(1, min(16, block // 256)), **pdl_launch(on),
     )
     return res, out
@@ -59,7 +62,7 @@ if triton is not None:
         x_ptr, d_ptr, w_ptr, out_ptr, res_ptr,
         stride_x, stride_d, stride_o, stride_r,
         hidden, eps,
-        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+        HAS_DELTA: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -72,6 +75,10 @@ if triton is not None:
             tl.store(res_ptr + row * stride_r + offs, x, mask=mask)
         xf = x.to(tl.float32)
         mean_sq = tl.sum(xf * xf, 0) / hidden
-        h = (xf * tl.rsqrt(mean_sq + eps)).to(x.dtype)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + row * stride_o + offs, (w.to(tl.float32) * h.to(tl.float32)).to(x.dtype), mask=mask)
+        hf = xf * tl.rsqrt(mean_sq + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if GEMMA:  # (1 + w) in float32, one rounding
+            out = (hf * (1.0 + w)).to(x.dtype)
+        else:  # rounded to the model dtype, then scaled
+            out = (w * hf.to(x.dtype).to(tl.float32)).to(x.dtype)
+        tl.store(out_ptr + row * stride_o + offs, out, mask=mask)

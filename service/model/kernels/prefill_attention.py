@@ -15,6 +15,9 @@ float32. Its per-chunk and per-tile tables are device tensors of the step's one 
 (service.model.step_batch), so it needs no host sync and compiles once per model shape: no
 argument that follows the step's lengths is a compile-time constant. An FP8 cache is read with the
 layer's (k, v) scales, as the decode kernel reads it (service/model/kv_quant.py).
+
+A sliding-window layer passes `window` w: the query at position p sees keys (p - w, p] only, and
+the kernel's key loop starts at the tile's first visible key. `scale` replaces head_dim ** -0.5.
 """
 
 from __future__ import annotations
@@ -53,10 +56,12 @@ def chunk_tiles(lengths: Sequence[int]) -> list[int]:
 def prefill_attention_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     chunks: Sequence[tuple[int, int, int, int]], out: torch.Tensor, kv_scale: torch.Tensor | None = None,
+    window: int = 0, scale: float | None = None,
 ) -> None:
     """q: [S, H, D] rows of the step; k_cache, v_cache: [num_blocks, KVH, block_size, D];
     block_table [rows, MB] int32; chunks: (row, length, start, slot) each (host ints); kv_scale: the
-    layer's (k, v) float32 [2], read for an FP8 cache. Writes each chunk's rows of out [S, H * D]."""
+    layer's (k, v) float32 [2], read for an FP8 cache; window: the layer's sliding window (0: none);
+    scale: the scores' (None: D ** -0.5). Writes each chunk's rows of out [S, H * D]."""
     heads, kvh, bs = q.shape[1], k_cache.shape[1], k_cache.shape[2]
     for row, length, start, slot in chunks:
         end = start + length
@@ -65,15 +70,24 @@ def prefill_attention_torch(
                 for c in (k_cache, v_cache))  # [KVH, end, D]
         k, v = load_kv(k, v, kv_scale, q.dtype)
         k, v = (x.repeat_interleave(heads // kvh, dim=0)[None] for x in (k, v))
+        mask = causal_lower_right(length, end) if not window else _window_mask(start, length, window, q.device)
         with sdpa_kernel(_SDPA_BACKENDS):
             o = F.scaled_dot_product_attention(q[row: row + length].transpose(0, 1)[None], k, v,
-                                               attn_mask=causal_lower_right(length, end))  # [1, H, L, D]
+                                               attn_mask=mask, scale=scale)  # [1, H, L, D]
         out[row: row + length] = o[0].transpose(0, 1).reshape(length, -1)
+
+
+def _window_mask(start: int, length: int, window: int, device: torch.device) -> torch.Tensor:
+    """[L, start + L] bool: query i (position start + i) sees keys (start + i - window, start + i]."""
+    keys = torch.arange(start + length, device=device)[None, :]
+    query = start + torch.arange(length, device=device)[:, None]
+    return (keys <= query) & (keys > query - window)
 
 
 def prefill_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     chunk_table: torch.Tensor, tiles: torch.Tensor, out: torch.Tensor, kv_scale: torch.Tensor | None = None,
+    window: int = 0, scale: float | None = None,
 ) -> None:
     """As prefill_attention_torch, the chunks given as device tensors: chunk_table [C, 4] and tiles
     [T, 2] long (chunk_tiles)."""
@@ -90,13 +104,13 @@ def prefill_attention_triton(
     max_keys = block_table.shape[1] * block_size
     _prefill_attn_kernel[(tiles.shape[0], h)](
         q, k_cache, v_cache, k_cache if kv_scale is None else kv_scale, block_table, chunk_table, tiles, out,
-        d**-0.5 * LOG2E,
+        (d**-0.5 if scale is None else scale) * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0), out.stride(0),
         GROUPS=h // kvh, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         KV_BLOCK=block_size, DYNAMIC_LOOP=not interpreting(), MAX_KEYS=cdiv(max_keys, BLOCK_N) * BLOCK_N,
-        FP8_KV=fp8_kv, num_warps=4, num_stages=2,
+        FP8_KV=fp8_kv, WINDOW=window, num_warps=4, num_stages=2,
     )
 
 
@@ -111,7 +125,7 @@ if triton is not None:
         stride_tb, stride_os,
         GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, MAX_KEYS: tl.constexpr,
-        FP8_KV: tl.constexpr,
+        FP8_KV: tl.constexpr, WINDOW: tl.constexpr,
     ):
         tile = tl.program_id(0)
         head = tl.program_id(1)
@@ -142,14 +156,17 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         if DYNAMIC_LOOP:
-            for n0 in range(0, end, BLOCK_N):
+            first_key = 0  # with a sliding window: the tile's first query's first visible key, tile-aligned
+            if WINDOW > 0:
+                first_key = tl.maximum(start + first - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+            for n0 in range(first_key, end, BLOCK_N):
                 m_i, l_i, acc = _attend_keys(q, k_ptr, v_ptr, table, kv_off, n0 + tl.arange(0, BLOCK_N), end,
-                                             q_pos, offs_d, d_mask, stride_kb, stride_kt, KV_BLOCK, qk_scale,
+                                             q_pos, offs_d, d_mask, stride_kb, stride_kt, KV_BLOCK, WINDOW, qk_scale,
                                              m_i, l_i, acc)
         else:  # the interpreter cannot loop over runtime bounds: every key tile of the table, masked
             for n0 in range(0, MAX_KEYS, BLOCK_N):
                 m_i, l_i, acc = _attend_keys(q, k_ptr, v_ptr, table, kv_off, n0 + tl.arange(0, BLOCK_N), end,
-                                             q_pos, offs_d, d_mask, stride_kb, stride_kt, KV_BLOCK, qk_scale,
+                                             q_pos, offs_d, d_mask, stride_kb, stride_kt, KV_BLOCK, WINDOW, qk_scale,
                                              m_i, l_i, acc)
         o = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]  # v_scale: 1.0 but for an FP8 cache
         tl.store(out_ptr + rows[:, None] * stride_os + head * HEAD_DIM + offs_d[None, :],
@@ -157,7 +174,7 @@ if triton is not None:
 
     @triton.jit
     def _attend_keys(q, k_ptr, v_ptr, table, kv_off, offs_n, end, q_pos, offs_d, d_mask, stride_kb, stride_kt,
-                     KV_BLOCK: tl.constexpr, qk_scale, m_i, l_i, acc):
+                     KV_BLOCK: tl.constexpr, WINDOW: tl.constexpr, qk_scale, m_i, l_i, acc):
         # BLOCK_N keys, each read through the chunk's block table: causal scores, the online-softmax
         # rescale (base 2), accumulate p @ v.
         n_mask = offs_n < end
@@ -167,6 +184,9 @@ if triton is not None:
         tile_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + tile, mask=tile_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]; E4M3 -> fp16
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N] float32
-        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if WINDOW > 0:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - WINDOW)
+        s = tl.where(visible, s, float("-inf"))
         v = tl.load(v_ptr + tile, mask=tile_mask, other=0.0).to(q.dtype)
         return online_softmax(s, v, m_i, l_i, acc)
