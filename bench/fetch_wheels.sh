@@ -12,7 +12,7 @@ DEST=${DEST:-.whl}
 PIN=(
   # graphserve serve: not in the image, or older there than pyproject.toml asks
   structlog==26.1.0 grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
-  smg-grpc-proto==0.4.28 typing-extensions==4.16.0
+  smg-grpc-proto==0.4.28 typing-extensions==4.16.0 google-re2==1.1.20251105
   # structured outputs (llguidance) and the GPU tests' output checks (jsonschema)
   llguidance==1.9.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
   attrs==26.1.0
