@@ -16,6 +16,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as v
 
 from service.engine.block_pool import chain_hashes
 from service.server.vllm_servicer import wire_hash
+from tests.integration.test_vllm_metrics import scrape, vllm
 from tests.support.server import ServerThread, running_server
 
 BS = 16
@@ -198,3 +199,25 @@ def test_get_loads_reports_the_prefix_cache_hit_rate(server) -> None:  # noqa: A
     stats = server.app.control.kv_state()
     assert stats.prefix_hits > 0 and load.cache_hit_rate == pytest.approx(stats.prefix_hits / stats.prefix_queries)
     assert 0 < load.cache_hit_rate < 1
+
+
+def test_metrics_count_the_prefix_cache_as_vllm_names_it(server) -> None:  # noqa: ANN001
+    """vllm:prefix_cache_queries / _hits advance by the prompt tokens looked up and found (the same
+    counts as GetLoads' rate); vllm:cache_config_info gives the block size and the pool's blocks."""
+    port, stub = server.app.metrics_port, engine(server)
+    prompt = [random.Random(5).randrange(5, 200) for _ in range(5 * BS + 3)]
+    _, before = scrape(port)
+    complete(stub, prompt)
+    again = complete(stub, prompt)
+    _, after = scrape(port)
+    stats = server.app.control.kv_state()
+
+    def delta(name: str) -> float:
+        return vllm(after, name) - vllm(before, name)
+
+    assert delta("vllm:prefix_cache_queries_total") == 2 * len(prompt)
+    assert delta("vllm:prefix_cache_hits_total") == again.cached_tokens == 5 * BS
+    assert (vllm(after, "vllm:prefix_cache_queries_total"), vllm(after, "vllm:prefix_cache_hits_total")) == (
+        stats.prefix_queries, stats.prefix_hits)
+    [info] = [dict(labels) for (name, labels) in after if name == "vllm:cache_config_info"]
+    assert (info["block_size"], info["num_gpu_blocks"]) == (str(BS), str(stats.num_blocks))
