@@ -55,8 +55,13 @@ class Subscription:
         self._queue: collections.deque[KvBatch] = collections.deque(first)
         self._limit = hub.buffer + len(first)  # its replay, then `buffer` live batches untaken at most
         self._ready = asyncio.Event()
+        self.snapshot = bool(first) and first[0].snapshot is not None  # it starts with one, not a replay
         self.dropped = False  # it fell behind
         self.ended = False  # the server is shutting down
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue)
 
     def offer(self, batch: KvBatch) -> bool:
         """Queue a live batch; False (and dropped) when the subscriber has too many untaken."""

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import structlog
 from google.protobuf.unknown_fields import UnknownFieldSet
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
@@ -50,6 +51,8 @@ from service.engine.validation import (
 from service.server.engine_control import EngineControl
 from service.server.kv_event_hub import KvBatch, KvEventHub, Subscription
 from service.server.streams import Stream, Streams, answers_rejections
+
+log = structlog.get_logger("graphserve.vllm")
 
 PROTO_VERSION = importlib.metadata.version("smg-grpc-proto")
 SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
@@ -246,6 +249,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         the server drains."""
         await self._facts(context)
         sub = self.kv_events.subscribe(request.start_sequence_number)
+        log.info("kv_events_subscribed", peer=context.peer(), start=request.start_sequence_number,
+                 snapshot=sub.snapshot, batches=sub.pending, subscribers=len(self.kv_events.subscribers))
         try:
             await context.send_initial_metadata(())  # the subscriber's call resolves before the first event
             while (batch := await sub.next()) is not None:
@@ -256,6 +261,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def _end_subscription(self, sub: Subscription, context: grpc.aio.ServicerContext) -> None:
         if sub.dropped:
+            log.warning("kv_events_subscriber_dropped", peer=context.peer(), buffer=self.kv_events.buffer)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"this subscriber read KV events too slowly ({self.kv_events.buffer} batches behind, "
                                 "--kv-events-buffer): subscribe again from the last sequence number applied")
