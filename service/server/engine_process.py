@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import structlog
 
 from service.engine.engine import EngineStopped, Sink, deliver
+from service.engine.kv_events import from_wire
 from service.engine.request import EngineError, GenerationRequest, TokenDelta
 from service.model.spec import ModelLoadError
 from service.server.engine_messages import (
@@ -302,7 +303,7 @@ class EngineProcess:
         with self._lock:
             for kind, key, payload in events:
                 if kind == KV:
-                    kv.append(payload)
+                    kv.append(from_wire(payload))
                     continue
                 sink = self._sinks.get(key) if kind == DELTA else self._sinks.pop(key, None)
                 if sink is None:

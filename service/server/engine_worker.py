@@ -297,8 +297,8 @@ def worker_main(conn: Any, spec: WorkerSpec) -> None:
 def encode_events(pairs: list[tuple[Any, Any]]) -> list[tuple[str, str, Any]]:
     """A step's (sink, event) pairs as the pipe carries them: a delta as a plain tuple, a finish or
     an error as itself (an error's type, e.g. AdapterGone, decides the gRPC status), the step's KV
-    events as their batch."""
-    from service.engine.kv_events import KvEventBatch
+    events as plain tuples (kv_events.to_wire)."""
+    from service.engine.kv_events import KvEventBatch, to_wire
     from service.engine.request import Finish, TokenDelta
 
     events = []
@@ -306,7 +306,7 @@ def encode_events(pairs: list[tuple[Any, Any]]) -> list[tuple[str, str, Any]]:
         if isinstance(event, TokenDelta):
             events.append((DELTA, sink.key, (event.token_ids, event.text, event.logprobs, event.prompt_logprobs)))
         elif isinstance(event, KvEventBatch):
-            events.append((KV, "", event))
+            events.append((KV, "", to_wire(event)))
         else:
             events.append((FINISH if isinstance(event, Finish) else ERROR, sink.key, event))
     return events

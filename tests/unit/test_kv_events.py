@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.engine.block_pool import BlockPool, chain_hashes
-from service.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, replay
+from service.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, from_wire, replay, to_wire
 from service.engine.request import GenerationRequest, SamplingParams
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import Sequence, SequenceStatus
@@ -119,3 +119,9 @@ def test_replaying_every_event_rebuilds_the_cached_hashes(ops: list[tuple], num_
     for cut in range(len(batches) + 1):
         resumed = replay([e for b in batches[:cut] for e in b.events], set())
         assert replay([e for b in batches[cut:] for e in b.events], resumed) == subscriber
+
+
+def test_the_pipe_form_gives_the_same_batch_back() -> None:
+    batch = KvEventBatch((BlockStored((b"a" * 16,), None, (1, 2, 3, 4), BS, "ad"), BlockRemoved((b"b" * 16,)),
+                          AllBlocksCleared()))
+    assert from_wire(to_wire(batch)) == batch
