@@ -59,6 +59,7 @@ SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_na
 FIELDS = Fields("sampling_params.", "sampling_params.", "tokenized.input_ids", "--max-seq-len", "sampling_params.n")
 INLINE_TOKENIZE_BYTES = 16 * 1024  # text prompts above this are tokenized off the event loop
 TOKENIZER_CHUNK_BYTES = 64 * 1024
+HIT_RATE_WAIT_S = 0.5  # GetLoads answers without a fresh hit rate rather than wait longer for the engine
 # The files a gateway needs to tokenize, detokenize and render chats as the worker would (smg's list).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json",
                    "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "tiktoken.model",
@@ -114,6 +115,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.control: EngineControl | None = None
         self.started = time.time()
         self._tokenizer_zip: tuple[bytes, str] | None = None
+        self._hit_rate = 0.0  # GetLoads' cache_hit_rate as last read
 
     def attach(self, tokenizer: Any, limits: Limits, facts: ModelFacts, control: EngineControl) -> None:
         self.tokenizer, self.limits, self.facts, self.control = tokenizer, limits, facts, control
@@ -203,9 +205,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                        ) -> vllm_engine_pb2.GetLoadsResponse:
         f = await self._facts(context)
         try:  # the prefix cache's counts, read in the engine process beside its steps
-            hit_rate = (await asyncio.to_thread(self.control.kv_state)).hit_rate
-        except Exception:  # noqa: BLE001 - the engine is stopping or slow to answer: the other loads still help
-            hit_rate = 0.0
+            self._hit_rate = (await asyncio.wait_for(asyncio.to_thread(self.control.kv_state), HIT_RATE_WAIT_S)).hit_rate
+        except Exception:  # noqa: BLE001 - the engine is stopping or slow to answer: the last rate, and the loads, still help
+            pass
+        hit_rate = self._hit_rate
         engine = self.streams.engine
         running, waiting = engine.num_running, engine.num_waiting
         used, total = engine.kv_cache_usage  # KV blocks held by requests, of the pool's
