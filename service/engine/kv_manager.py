@@ -202,7 +202,7 @@ class KVManager:
                 start = i
             elif not entered and start is not None:
                 self.pool.events.stored(BlockStored(tuple(hashes[start:i]), hashes[start - 1] if start else None,
-                                                    tuple(seq.token_ids(start * bs, i * bs)), bs, lora))
+                                                    _tokens(seq, start * bs, i * bs), bs, lora))
                 start = None
 
     def check(self, running: Collection[Sequence]) -> None:
@@ -220,3 +220,14 @@ class KVManager:
             held.update(blocks)
         for block in range(1, self.pool.num_blocks + 1):
             assert self.pool.refs(block) == held[block], f"block {block}: refs {self.pool.refs(block)}, held {held[block]}"
+
+
+def _tokens(seq: Sequence, start: int, end: int) -> tuple[int, ...]:
+    """seq's tokens [start, end) without copying its whole prompt and completion (a decode's block
+    lies in its completion)."""
+    prompt, n = seq.request.prompt_token_ids, seq.num_prompt_tokens
+    if end <= n:
+        return tuple(prompt[start:end])
+    if start >= n:
+        return tuple(seq.completion_token_ids[start - n:end - n])
+    return tuple(prompt[start:]) + tuple(seq.completion_token_ids[:end - n])
