@@ -132,6 +132,10 @@ class ServeConfig:
     # client holds, as a client that opens streams past it, or while the server closes the last ones, is refused
     max_streams_per_connection: int = 512
     max_stream_backlog_tokens: int = 128  # undelivered tokens per stream before it is paused
+    # SubscribeKvEvents: batches (one per engine step with KV events) kept for subscribers that resume
+    # from a sequence number; batches queued for one subscriber that reads too slowly before it is dropped
+    kv_events_history: int = 4096
+    kv_events_buffer: int = 1024
     # An engine step whose host work takes longer is logged (slow_step, at most one line per 10 s); 0: never
     slow_step_threshold_ms: float = 100.0
     # Structured outputs (service/engine/constraint_limits.py): sizes checked before any compile, CPU
@@ -214,7 +218,7 @@ class ServeConfig:
             "max_running_seqs", "max_seq_len", "max_num_batched_tokens", "default_max_tokens", "max_tokens_limit",
             "max_prompt_bytes", "max_chat_messages", "max_stop_string_bytes", "max_waiting_requests", "max_waiting_tokens",
             "max_concurrent_streams", "max_receive_message_bytes", "max_streams_per_connection",
-            "max_stream_backlog_tokens", "block_size",
+            "max_stream_backlog_tokens", "block_size", "kv_events_history", "kv_events_buffer",
         )
         for name in positive:
             need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -548,6 +552,9 @@ LIMIT_HELP = {
     "max_receive_message_bytes": "bytes of one request message",
     "max_streams_per_connection": "open streams of one HTTP/2 connection (at most half of --max-concurrent-streams)",
     "max_stream_backlog_tokens": "tokens a stream's client has not read before its sequence pauses",
+    "kv_events_history": "KV event batches kept for SubscribeKvEvents subscribers that resume from a sequence number",
+    "kv_events_buffer": "KV event batches queued for one SubscribeKvEvents subscriber that reads too slowly; past "
+                        "it the subscriber is dropped (it resubscribes from its last sequence number)",
 }
 
 

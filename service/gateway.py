@@ -190,8 +190,14 @@ def _checked(args: argparse.Namespace, serve_args: list[str], replicas: list[Rep
 
 
 def _smg_command(args: argparse.Namespace, smg: str, replicas: list[Replica]) -> list[str]:
+    """smg in front of the replicas. Its cache-aware policy follows each replica's KV events
+    (SubscribeKvEvents) and chunks prompts into the replicas' blocks."""
+    from service.config import load_config
+
+    block_size = load_config(replicas[0].cmd[replicas[0].cmd.index("serve") + 1:]).block_size
     cmd = [smg, "launch", "--host", args.host, "--port", str(args.http_port), "--backend", "vllm",
-           "--policy", args.policy, "--prometheus-port", str(args.smg_metrics_port), *SMG_DEFAULTS]
+           "--policy", args.policy, "--block-size", str(block_size), "--prometheus-port", str(args.smg_metrics_port),
+           *SMG_DEFAULTS]
     for flag in ("api_key", "tool_call_parser", "reasoning_parser"):
         if getattr(args, flag) is not None:
             cmd += ["--" + flag.replace("_", "-"), getattr(args, flag)]

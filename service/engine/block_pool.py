@@ -9,6 +9,9 @@ again. A registered block keeps its hash while free and can be hit until `alloca
 which takes the front of the free queue: the least recently freed block, so cached blocks are
 evicted LRU and only when free.
 
+With an event log (`events`, set where KV events are published: kv_events.py), each eviction and reset
+is recorded there; the KV manager records the stores, which know their tokens.
+
 Hashes are blake2b digests over the parent digest, the adapter key and the token ids, so a hit
 means the same tokens after the same prefix under the same adapter (a collision is as unlikely as
 blake2b-128's), and the chain makes a block's hash depend on everything before it.
@@ -21,6 +24,8 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from service.engine.kv_events import KvEventLog
 
 NULL_BLOCK = 0
 ROOT = b""  # the parent hash of a sequence's first block
@@ -76,6 +81,7 @@ class BlockPool:
         self._hash_of: dict[int, bytes] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.events: KvEventLog | None = None  # evictions and resets, for KV event subscribers
 
     @property
     def num_free(self) -> int:
@@ -95,6 +101,8 @@ class BlockPool:
             digest = self._hash_of.pop(block, None)
             if digest is not None:  # evicted from the prefix cache
                 del self._by_hash[digest]
+                if self.events is not None:
+                    self.events.removed(digest)
             self._refs[block] = 1
             blocks.append(block)
         return blocks
@@ -127,14 +135,16 @@ class BlockPool:
         self.prefix_queries += tokens
         self.prefix_hits += hit_tokens
 
-    def register(self, block: int, digest: bytes) -> None:
+    def register(self, block: int, digest: bytes) -> bool:
         """A held, full block's hash: later prompts with the same prefix may take it. The first block
-        registered under a hash keeps it (an identical block computed meanwhile stays private)."""
+        registered under a hash keeps it (an identical block computed meanwhile stays private).
+        Returns whether the hash entered the cache now."""
         if not self.prefix_caching or digest in self._by_hash or block in self._hash_of:
-            return
+            return False
         assert self._refs[block] > 0, f"block {block} registered while free"
         self._by_hash[digest] = block
         self._hash_of[block] = digest
+        return True
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while any block is held, as vLLM refuses, so
@@ -143,7 +153,13 @@ class BlockPool:
             return False
         self._by_hash.clear()
         self._hash_of.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
+
+    def cached_hashes(self) -> set[bytes]:
+        """The hashes in the prefix cache now (what KV event subscribers should hold; tests)."""
+        return set(self._by_hash)
 
     def refs(self, block: int) -> int:
         return self._refs[block]

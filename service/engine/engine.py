@@ -5,7 +5,8 @@ runs while the device computes step t+1; without it each step is read right afte
 Other threads talk to it only through `submit`, `abort` and `call`, which queue work that the
 engine thread applies between steps. Events reach clients through `publish`, called once per step
 with every (sink, event) pair of that step, so the gRPC side can hand them to its event loop in one
-wake-up instead of one per token.
+wake-up instead of one per token. The step's KV events (kv_events.py), once `publish_kv_events`
+named their sink, travel in the same call as one more pair.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ class Engine:
         self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
         self._outputs: dict[str, tuple[RequestOutput, Sink]] = {}
         self._step_events: list[tuple[Sink, RequestEvent]] = []  # built this step, not yet published
+        self._kv_sink: Callable[[Any], None] | None = None  # receives each step's KvEventBatch
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # set when a step failed; the engine is then dead
@@ -223,6 +225,12 @@ class Engine:
             request, sink, aborted = entry
             self._inbox.append((key, request, sink, _ABORTED if aborted else result))
             self._cond.notify()
+
+    def publish_kv_events(self, sink: Callable[[Any], None]) -> None:
+        """Publish KV events from now on: each step's KvEventBatch goes out with its events, as the
+        pair (sink, batch). Call before `start`."""
+        self._kv_sink = sink
+        self.scheduler.kv.publish_events()
 
     def wake(self) -> None:
         """Run `between_steps` soon even when idle (a graph capture finished and waits to be committed)."""
@@ -378,7 +386,8 @@ class Engine:
                 self._slow_steps = (0, None, done)
             else:
                 self._slow_steps = (count + 1, slowest, logged_at)
-        self._publish_step(events)
+        kv = self.scheduler.kv.take_events()  # this step's and those of calls before it (None unless published)
+        self._publish_step(events + [(self._kv_sink, kv)] if kv else events)
         if not self.scheduler.num_running:
             self._tokens_read_at = None  # idle time is no stream's gap
         if not scheduled.empty or events:

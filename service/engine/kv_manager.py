@@ -14,7 +14,11 @@ after its holder frees it until the pool reuses it (LRU).
 
 Every allocation also records which block-table entries it changed: the scheduled step carries
 them (`take_table_updates`) to the runner, which writes them into its persistent table in place,
-so nothing compares a sequence's blocks with its table row per step. Not thread-safe: the engine
+so nothing compares a sequence's blocks with its table row per step.
+
+KV events (kv_events.py), once `publish_events` started the log: each run of a sequence's blocks
+registered together is one BlockStored (its tokens, the hash before it, its adapter), the pool
+records evictions and resets; `take_events` hands them over once per step. Not thread-safe: the engine
 thread alone calls it (`stats` aside, which only reads).
 """
 
@@ -26,6 +30,7 @@ from collections.abc import Collection, Iterable
 from typing import Protocol
 
 from service.engine.block_pool import NULL_BLOCK, ROOT, BlockPool, PoolStats, chain_hashes
+from service.engine.kv_events import BlockStored, KvEventBatch, KvEventLog
 from service.engine.scheduled_step import PrefillChunk, TableUpdate
 from service.engine.sequence import Sequence
 
@@ -50,6 +55,15 @@ class KVManager:
     def stats(self) -> PoolStats:
         """The pool's counts with the preemptions. Any thread may call it (reads)."""
         return dataclasses.replace(self.pool.stats(), preemptions=self.num_preemptions)
+
+    def publish_events(self) -> None:
+        """Record KV events from now on (`take_events` must then be called, once per step)."""
+        if self.pool.events is None:
+            self.pool.events = KvEventLog()
+
+    def take_events(self) -> KvEventBatch | None:
+        """The KV events since the last call (None: none, or not recording)."""
+        return None if self.pool.events is None else self.pool.events.take()
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (between steps); False while sequences hold blocks."""
@@ -171,9 +185,25 @@ class KVManager:
         if full <= seq.num_registered_blocks:
             return
         self._extend_hashes(seq, full * self.block_size)
-        for i in range(seq.num_registered_blocks, full):
-            self.pool.register(seq.block_ids[i], seq.block_hashes[i])
+        first = seq.num_registered_blocks
+        registered = [self.pool.register(seq.block_ids[i], seq.block_hashes[i]) for i in range(first, full)]
         seq.num_registered_blocks = full
+        if self.pool.events is not None:
+            self._record_stored(seq, first, registered)
+
+    def _record_stored(self, seq: Sequence, first: int, registered: list[bool]) -> None:
+        """One BlockStored per run of blocks (from block `first` on) that entered the cache."""
+        bs = self.block_size
+        hashes = seq.block_hashes
+        lora = seq.request.adapter or ""
+        start = None
+        for i, entered in enumerate([*registered, False], first):
+            if entered and start is None:
+                start = i
+            elif not entered and start is not None:
+                self.pool.events.stored(BlockStored(tuple(hashes[start:i]), hashes[start - 1] if start else None,
+                                                    _tokens(seq, start * bs, i * bs), bs, lora))
+                start = None
 
     def check(self, running: Collection[Sequence]) -> None:
         """Invariants (tests; O(blocks)): the pool's; the running sequences are the holders, each
@@ -190,3 +220,14 @@ class KVManager:
             held.update(blocks)
         for block in range(1, self.pool.num_blocks + 1):
             assert self.pool.refs(block) == held[block], f"block {block}: refs {self.pool.refs(block)}, held {held[block]}"
+
+
+def _tokens(seq: Sequence, start: int, end: int) -> tuple[int, ...]:
+    """seq's tokens [start, end) without copying its whole prompt and completion (a decode's block
+    lies in its completion)."""
+    prompt, n = seq.request.prompt_token_ids, seq.num_prompt_tokens
+    if end <= n:
+        return tuple(prompt[start:end])
+    if start >= n:
+        return tuple(seq.completion_token_ids[start - n:end - n])
+    return tuple(prompt[start:]) + tuple(seq.completion_token_ids[:end - n])

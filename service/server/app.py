@@ -37,6 +37,7 @@ from service.server.engine_messages import WorkerReady, WorkerSpec
 from service.server.engine_process import EngineProcess, EngineStartError, read_tokenizer
 from service.server.faults import Faults
 from service.server.inference_servicer import InferenceServicer
+from service.server.kv_event_hub import KvEventHub
 from service.server.streams import AdmissionLimits, Streams
 from service.server.transport import add_port
 from service.server.vllm_servicer import SERVICE_NAME as VLLM_SERVICE
@@ -96,7 +97,8 @@ class App:
             metrics=self.metrics,
         )
         self.servicer = InferenceServicer(self.streams)
-        self.vllm_servicer = VllmEngineServicer(self.streams)
+        self.kv_events = KvEventHub(config.kv_events_history, config.kv_events_buffer)  # SubscribeKvEvents'
+        self.vllm_servicer = VllmEngineServicer(self.streams, self.kv_events)
         self.engine: EngineProcess | None = None
         self.control: EngineControl | None = None  # what the admin servicer, the metrics and FlushCache call
         self.model: WorkerReady | None = None  # the loaded model's description, from the engine process
@@ -141,6 +143,7 @@ class App:
         c = self.config
         t0 = time.monotonic()
         self.engine = EngineProcess(WorkerSpec(c, self.faults), asyncio.get_running_loop())
+        self.engine.on_kv_events = self.kv_events.publish
         self.model = ready = await _in_daemon_thread(self.engine.start)
         self.tokenizer = await _in_daemon_thread(read_tokenizer, ready.model_path)
         spec = ready.spec
@@ -241,6 +244,7 @@ class App:
         c = self.config
         log.info("draining", timeout_s=c.drain_timeout, open_streams=len(self.streams.active))
         self.streams.draining = True
+        self.kv_events.end_all()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         engine_deadline = None
         if self.streams.active and not await self._streams_idle_within(c.drain_timeout):

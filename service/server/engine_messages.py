@@ -34,8 +34,9 @@ if TYPE_CHECKING:  # the calls' reply types, named in strings (EngineCall["..."]
 
 T = TypeVar("T")
 
-# Event kinds inside an Events message: (kind, key, payload)
-DELTA, FINISH, ERROR = "d", "f", "e"
+# Event kinds inside an Events message: (kind, key, payload); a step's KV events (kv_events.to_wire)
+# have the key "".
+DELTA, FINISH, ERROR, KV = "d", "f", "e", "k"
 
 
 # ---- the engine process's start ----------------------------------------------------------------

@@ -26,11 +26,13 @@ from typing import Any, TypeVar
 import structlog
 
 from service.engine.engine import EngineStopped, Sink, deliver
+from service.engine.kv_events import from_wire
 from service.engine.request import EngineError, GenerationRequest, TokenDelta
 from service.model.spec import ModelLoadError
 from service.server.engine_messages import (
     DELTA,
     FINISH,
+    KV,
     Abort,
     Call,
     EngineCall,
@@ -85,6 +87,7 @@ class EngineProcess:
         self.last_progress = time.monotonic()
         self.stats_saved = False  # the engine process said so as it stopped
         self._last_message_at = time.monotonic()
+        self.on_kv_events: Callable[[Any], None] | None = None  # each step's KvEventBatch, on the event loop
 
     # ---- start --------------------------------------------------------------------------------
 
@@ -296,8 +299,12 @@ class EngineProcess:
 
     def _on_events(self, events: list[tuple]) -> None:
         pairs: list[tuple[Sink, Any]] = []
+        kv = []
         with self._lock:
             for kind, key, payload in events:
+                if kind == KV:
+                    kv.append(from_wire(payload))
+                    continue
                 sink = self._sinks.get(key) if kind == DELTA else self._sinks.pop(key, None)
                 if sink is None:
                     continue
@@ -309,6 +316,8 @@ class EngineProcess:
                     pairs.append((sink, payload if isinstance(payload, EngineError) else EngineError(payload)))
         if pairs:
             deliver(pairs)
+        for batch in kv if self.on_kv_events is not None else ():
+            self.on_kv_events(batch)
 
     def _on_status(self, status: WorkerStatus) -> None:
         self._status = status

@@ -31,6 +31,7 @@ from service.server.engine_messages import (
     DELTA,
     ERROR,
     FINISH,
+    KV,
     Abort,
     Call,
     Events,
@@ -128,6 +129,7 @@ class _Worker:
         self.graphs = graphs = lr.graphs
         self.runner = lr
         self.engine = new_engine(c, lr, publish=self.publish, observer=self.metrics)
+        self.engine.publish_kv_events(_KeySink(""))  # shipped to the gRPC process's KV event hub
         self.calls = EngineCalls(self.engine, lr, self.metric_families, reads=self.replies)
         blocks = self.engine.scheduler.block_stats()
         self.metrics.set_cache_config(blocks.block_size, c.kv_cache_dtype, c.prefix_caching, blocks.num_blocks)
@@ -294,13 +296,17 @@ def worker_main(conn: Any, spec: WorkerSpec) -> None:
 
 def encode_events(pairs: list[tuple[Any, Any]]) -> list[tuple[str, str, Any]]:
     """A step's (sink, event) pairs as the pipe carries them: a delta as a plain tuple, a finish or
-    an error as itself (an error's type, e.g. AdapterGone, decides the gRPC status)."""
+    an error as itself (an error's type, e.g. AdapterGone, decides the gRPC status), the step's KV
+    events as plain tuples (kv_events.to_wire)."""
+    from service.engine.kv_events import KvEventBatch, to_wire
     from service.engine.request import Finish, TokenDelta
 
     events = []
     for sink, event in pairs:
         if isinstance(event, TokenDelta):
             events.append((DELTA, sink.key, (event.token_ids, event.text, event.logprobs, event.prompt_logprobs)))
+        elif isinstance(event, KvEventBatch):
+            events.append((KV, "", to_wire(event)))
         else:
             events.append((FINISH if isinstance(event, Finish) else ERROR, sink.key, event))
     return events

@@ -2,7 +2,8 @@
 
 What gateways speak to vLLM workers: the Shepherd Model Gateway (smg) sends tokenized prompts,
 detokenizes, applies stop strings and chat templates itself, balances replicas on GetLoads, and
-fetches the tokenizer with GetTokenizer. The checks are engine/validation.py's (shared with graphserve.v1
+fetches the tokenizer with GetTokenizer, and routes by cache contents on SubscribeKvEvents (the
+prefix cache's stored / removed / cleared blocks, kv_event_hub.py). The checks are engine/validation.py's (shared with graphserve.v1
 and the Python API); the stream's life is streams.py's.
 
 Semantics follow vLLM's servicer: chunks carry the new token ids (a delta) and their count; the
@@ -30,9 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import structlog
 from google.protobuf.unknown_fields import UnknownFieldSet
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from service.engine.kv_events import BlockRemoved, BlockStored
 from service.engine.request import Finish, FinishReason, GenerationRequest, TokenDelta, TokenLogprobs
 from service.engine.validation import (
     Fields,
@@ -46,13 +49,17 @@ from service.engine.validation import (
     samples,
 )
 from service.server.engine_control import EngineControl
+from service.server.kv_event_hub import KvBatch, KvEventHub, Subscription
 from service.server.streams import Stream, Streams, answers_rejections
+
+log = structlog.get_logger("graphserve.vllm")
 
 PROTO_VERSION = importlib.metadata.version("smg-grpc-proto")
 SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 FIELDS = Fields("sampling_params.", "sampling_params.", "tokenized.input_ids", "--max-seq-len", "sampling_params.n")
 INLINE_TOKENIZE_BYTES = 16 * 1024  # text prompts above this are tokenized off the event loop
 TOKENIZER_CHUNK_BYTES = 64 * 1024
+HIT_RATE_WAIT_S = 0.5  # GetLoads answers without a fresh hit rate rather than wait longer for the engine
 # The files a gateway needs to tokenize, detokenize and render chats as the worker would (smg's list).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json",
                    "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "tiktoken.model",
@@ -99,14 +106,16 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     client can abort another's or learn which ids it uses.
     """
 
-    def __init__(self, streams: Streams) -> None:
+    def __init__(self, streams: Streams, kv_events: KvEventHub | None = None) -> None:
         self.streams = streams
+        self.kv_events = kv_events if kv_events is not None else KvEventHub()
         self.tokenizer: Any = None
         self.limits: Limits | None = None
         self.facts: ModelFacts | None = None
         self.control: EngineControl | None = None
         self.started = time.time()
         self._tokenizer_zip: tuple[bytes, str] | None = None
+        self._hit_rate = 0.0  # GetLoads' cache_hit_rate as last read
 
     def attach(self, tokenizer: Any, limits: Limits, facts: ModelFacts, control: EngineControl) -> None:
         self.tokenizer, self.limits, self.facts, self.control = tokenizer, limits, facts, control
@@ -195,6 +204,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetLoads(self, request: vllm_engine_pb2.GetLoadsRequest, context: grpc.aio.ServicerContext
                        ) -> vllm_engine_pb2.GetLoadsResponse:
         f = await self._facts(context)
+        try:  # the prefix cache's counts, read in the engine process beside its steps
+            self._hit_rate = (await asyncio.wait_for(asyncio.to_thread(self.control.kv_state), HIT_RATE_WAIT_S)).hit_rate
+        except Exception:  # noqa: BLE001 - the engine is stopping or slow to answer: the last rate, and the loads, still help
+            pass
+        hit_rate = self._hit_rate
         engine = self.streams.engine
         running, waiting = engine.num_running, engine.num_waiting
         used, total = engine.kv_cache_usage  # KV blocks held by requests, of the pool's
@@ -202,7 +216,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             dp_rank=0, num_running_reqs=running, num_waiting_reqs=waiting, num_total_reqs=running + waiting,
             num_used_tokens=used * f.block_size, max_total_num_tokens=total * f.block_size,
             token_usage=used / total if total else 0.0, max_running_requests=f.max_running_seqs,
-            num_waiting_uncached_tokens=engine.waiting_prompt_tokens,
+            num_waiting_uncached_tokens=engine.waiting_prompt_tokens, cache_hit_rate=hit_rate,
         )
         return vllm_engine_pb2.GetLoadsResponse(
             timestamp=datetime.datetime.now(datetime.UTC).isoformat(), version="graphserve", dp_rank_count=1,
@@ -232,9 +246,29 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             success=False, message="requests are running and hold KV blocks: flush again when the server is idle")
 
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
-                                context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "graphserve publishes no KV cache events (its prefix cache is local to the worker)")
+                                context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.KvEventBatch]:
+        """The prefix cache's events from `start_sequence_number` (0: the cached blocks now, as a
+        snapshot), then live until the client goes, falls `--kv-events-buffer` batches behind, or
+        the server drains."""
+        await self._facts(context)
+        sub = self.kv_events.subscribe(request.start_sequence_number)
+        log.info("kv_events_subscribed", peer=context.peer(), start=request.start_sequence_number,
+                 snapshot=sub.snapshot, batches=sub.pending, subscribers=len(self.kv_events.subscribers))
+        try:
+            await context.send_initial_metadata(())  # the subscriber's call resolves before the first event
+            while (batch := await sub.next()) is not None:
+                yield _kv_batch_message(batch)
+            await self._end_subscription(sub, context)
+        finally:
+            sub.close()
+
+    async def _end_subscription(self, sub: Subscription, context: grpc.aio.ServicerContext) -> None:
+        if sub.dropped:
+            log.warning("kv_events_subscriber_dropped", peer=context.peer(), buffer=self.kv_events.buffer)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"this subscriber read KV events too slowly ({self.kv_events.buffer} batches behind, "
+                                "--kv-events-buffer): subscribe again from the last sequence number applied")
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
 
     async def StartProfile(self, request: common_pb2.StartProfileRequest, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the profiler is not served over gRPC; see bench/ for profiles")
@@ -312,6 +346,47 @@ def _output_logprobs(ids: list[int], logprobs: list[TokenLogprobs]) -> vllm_engi
     return vllm_engine_pb2.OutputLogProbs(
         token_logprobs=[lp.logprob for lp in logprobs], token_ids=ids,
         top_logprobs=[_top(lp) for lp in logprobs])
+
+
+# ---- KV events -> smg.grpc.common -------------------------------------------------------------
+
+def _kv_batch_message(batch: KvBatch) -> common_pb2.KvEventBatch:
+    """A batch as the protocol carries it, made once for every subscriber. Event ids count within
+    the batch (a snapshot's are 0, as the protocol asks)."""
+    if batch.wire is None:
+        message = common_pb2.KvEventBatch(sequence_number=batch.sequence_number, timestamp=batch.timestamp, dp_rank=0)
+        for i, event in enumerate(batch.events):
+            message.events.append(_kv_event_message(event, 0 if batch.snapshot is not None else i + 1))
+        if batch.snapshot is not None:
+            s = batch.snapshot
+            message.snapshot.CopyFrom(common_pb2.KvSnapshotChunk(index=s.index, count=s.count, blocks=s.blocks))
+        batch.wire = message
+    return batch.wire
+
+
+def _kv_event_message(event: Any, event_id: int) -> common_pb2.KvCacheEvent:
+    if isinstance(event, BlockStored):
+        bs = event.block_size
+        stored = common_pb2.KvBlocksStored(
+            blocks=[common_pb2.KvBlock(block_hash=wire_hash(h), token_ids=event.token_ids[i * bs:(i + 1) * bs],
+                                       block_size=bs)
+                    for i, h in enumerate(event.block_hashes)],
+            tier=common_pb2.KV_CACHE_TIER_DEVICE, medium="GPU")
+        if event.parent_block_hash is not None:
+            stored.parent_block_hash = wire_hash(event.parent_block_hash)
+        if event.lora_name:
+            stored.lora_name = event.lora_name
+        return common_pb2.KvCacheEvent(event_id=event_id, stored=stored)
+    if isinstance(event, BlockRemoved):
+        return common_pb2.KvCacheEvent(event_id=event_id, removed=common_pb2.KvBlocksRemoved(
+            block_hashes=[wire_hash(h) for h in event.block_hashes], tier=common_pb2.KV_CACHE_TIER_DEVICE, medium="GPU"))
+    return common_pb2.KvCacheEvent(event_id=event_id, cleared=common_pb2.KvCacheCleared())
+
+
+def wire_hash(digest: bytes) -> int:
+    """A block's hash as the protocol's int64: its first 8 bytes, big-endian, signed (the router
+    takes it as the block's identity; it hashes the tokens itself)."""
+    return int.from_bytes(digest[:8], "big", signed=True)
 
 
 # ---- vllm.grpc.engine request -> checked values -------------------------------------------------

@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 import jsonschema
@@ -42,11 +43,11 @@ def start_replicas(count: int, model_cache_dir, tmp_path, tag: str) -> list[Serv
     return replicas
 
 
-@pytest.fixture(scope="module")
-def fleet(model_cache_dir, tmp_path_factory) -> Iterator[tuple[list[ServerProcess], Gateway]]:  # noqa: ANN001
-    tmp = tmp_path_factory.mktemp("fleet")
-    replicas = start_replicas(2, model_cache_dir, tmp, "shared")
-    gateway = Gateway([r.address for r in replicas], tmp / "smg.log")
+@contextmanager
+def replicas_behind_smg(count: int, model_cache_dir, tmp, tag: str,  # noqa: ANN001
+                        policy: str = "round_robin") -> Iterator[tuple[list[ServerProcess], Gateway]]:
+    replicas = start_replicas(count, model_cache_dir, tmp, tag)
+    gateway = Gateway([r.address for r in replicas], tmp / "smg.log", policy)
     try:
         gateway.wait_ready(MODEL)
         yield replicas, gateway
@@ -54,6 +55,12 @@ def fleet(model_cache_dir, tmp_path_factory) -> Iterator[tuple[list[ServerProces
         gateway.close()
         for replica in replicas:
             replica.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(model_cache_dir, tmp_path_factory) -> Iterator[tuple[list[ServerProcess], Gateway]]:  # noqa: ANN001
+    with replicas_behind_smg(2, model_cache_dir, tmp_path_factory.mktemp("fleet"), "shared") as pair:
+        yield pair
 
 
 def client(gateway: Gateway) -> openai.OpenAI:

@@ -236,7 +236,6 @@ def test_both_services_in_reflection_and_health(server) -> None:  # noqa: ANN001
 
 UNSUPPORTED = {
     "embeddings": ("Embed", v.EmbedRequest(tokenized=v.TokenizedInput(input_ids=PROMPT)), "UNIMPLEMENTED", "embeddings"),
-    "kv events": ("SubscribeKvEvents", common_pb2.SubscribeKvEventsRequest(), "UNIMPLEMENTED", "KV cache events"),
     "profiler": ("StartProfile", common_pb2.StartProfileRequest(), "UNIMPLEMENTED", "profiler"),
 }
 
