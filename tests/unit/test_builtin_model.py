@@ -118,7 +118,8 @@ def test_tiny_greedy_completion_is_varied(tiny_cache: pathlib.Path):
 
 
 def test_unknown_name_lists_known(tmp_path: pathlib.Path):
-    with pytest.raises(ModelLoadError, match="known: llama-1b, llama-8b, tiny"):
+    with pytest.raises(ModelLoadError, match="known: gemma3-4b, llama-1b, llama-8b, mixtral-8x7b, qwen3-30b-a3b, "
+                       "qwen3-8b, tiny, tiny-gemma3, tiny-mixtral, tiny-qwen3, tiny-qwen3-moe"):
         ensure_builtin("nope", tmp_path)
     with pytest.raises(ModelLoadError, match="unknown builtin model 'nope'"):
         load_model("builtin:nope", CPU, torch.float32, cache_dir=tmp_path)
