@@ -1,6 +1,6 @@
 """From a validated ServeConfig to a warmed-up runner and an engine over it.
 
-The engine process (service/server/engine_worker.py) and the in-process Python API (service/llm.py)
+The engine process (service/engine_client/worker.py) and the in-process Python API (service/llm.py)
 both build their engine here, so that both run the same model, runner, graph cache and scheduler
 for the same config.
 """

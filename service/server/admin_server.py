@@ -13,11 +13,11 @@ import structlog
 from grpc_reflection.v1alpha import reflection
 
 from service.config import ServeConfig
+from service.engine_client.control import EngineControl
 from service.proto import admin_pb2, admin_pb2_grpc
 from service.server.admin_servicer import GraphCacheAdminServicer
 from service.server.auth import BearerTokenInterceptor
 from service.server.decoding import RequestDecodingInterceptor
-from service.server.engine_control import EngineControl
 from service.server.transport import add_port
 from service.telemetry.metrics import Metrics
 

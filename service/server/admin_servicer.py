@@ -38,9 +38,9 @@ from service.engine.adapters import (
 )
 from service.engine.block_pool import PoolStats
 from service.engine.rank_memory import RankMemory
+from service.engine_client.control import EngineControl
 from service.model.lora import LoraError, LoraPathError
 from service.proto import admin_pb2, admin_pb2_grpc
-from service.server.engine_control import EngineControl
 
 log = structlog.get_logger("graphserve.admin")
 

@@ -28,14 +28,14 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from service.config import ServeConfig
 from service.engine.validation import Limits
+from service.engine_client.control import EngineControl
+from service.engine_client.faults import Faults
+from service.engine_client.messages import WorkerReady, WorkerSpec
+from service.engine_client.process import EngineProcess, EngineStartError, read_tokenizer
 from service.model.spec import ModelLoadError
 from service.proto import inference_pb2, inference_pb2_grpc
 from service.server.admin_server import start_admin_server
 from service.server.decoding import RequestDecodingInterceptor
-from service.server.engine_control import EngineControl
-from service.server.engine_messages import WorkerReady, WorkerSpec
-from service.server.engine_process import EngineProcess, EngineStartError, read_tokenizer
-from service.server.faults import Faults
 from service.server.inference_servicer import InferenceServicer
 from service.server.streams import AdmissionLimits, Streams
 from service.server.transport import add_port

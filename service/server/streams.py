@@ -6,7 +6,7 @@ only what is its own: how to check and map its request (`prepare`) and how to wr
 events as its messages (`StreamWriter`).
 
 The event loop never waits on the engine: each step's events arrive from the engine process in one
-message (see engine_process.py), and each stream drains its own queue. A client that falls behind
+message (see service/engine_client/process.py), and each stream drains its own queue. A client that falls behind
 gets the tokens that piled up merged into one message instead of one message per token.
 
 Writes are paced: the loop writes at most `stream_message_rate` messages per second across the open

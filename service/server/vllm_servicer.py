@@ -45,7 +45,7 @@ from service.engine.validation import (
     need,
     samples,
 )
-from service.server.engine_control import EngineControl
+from service.engine_client.control import EngineControl
 from service.server.streams import Stream, Streams, answers_rejections
 
 PROTO_VERSION = importlib.metadata.version("smg-grpc-proto")

@@ -2,7 +2,7 @@
 also under vLLM's names (vllm_metrics.py).
 
 `EngineMetrics` is the engine's EngineObserver, so it lives where the engine runs: in the engine
-process (engine_worker.py), or in the test's process for an in-process engine. The gRPC process
+process (service/engine_client/worker.py), or in the test's process for an in-process engine. The gRPC process
 exports its families on each scrape (metrics.EngineMetricsCollector): nothing per token crosses
 the pipe or runs on the gRPC process's event loop.
 

@@ -24,11 +24,11 @@ from service import graphctl
 from service.config import ConfigError, ServeConfig, load_config
 from service.engine.engine import Engine
 from service.engine.scheduler import Scheduler
+from service.engine_client.control import EngineControl
+from service.engine_client.host import EngineCalls
+from service.engine_client.messages import EngineCall, WorkerReady
 from service.proto import admin_pb2, admin_pb2_grpc
 from service.server.admin_server import start_admin_server
-from service.server.engine_calls import EngineCalls
-from service.server.engine_control import EngineControl
-from service.server.engine_messages import EngineCall, WorkerReady
 from tests.support.server import ServerThread, free_port, generate, greedy, running_server
 
 TOKEN = "s3cret-admin-token-for-tests"

@@ -14,9 +14,9 @@ import grpc
 import pytest
 from safetensors.torch import load_file, save_file
 
+from service.engine_client.messages import UnloadAdapter
 from service.model import ensure_builtin
 from service.proto import admin_pb2, admin_pb2_grpc, inference_pb2
-from service.server.engine_messages import UnloadAdapter
 from tests.support.lora import make_adapter
 from tests.support.server import ServerThread, running_server
 

@@ -14,8 +14,8 @@ import torch
 from cache_manager import Fingerprint, GraphCache, GraphCacheConfig, GraphFamily, OpOutcome
 from cache_manager.sizes import FULL
 from cache_manager.testing import CountingStep, FakeGraphBackend
-from service.server.engine_calls import EngineCalls
-from service.server.engine_messages import Capture, EngineCall, Evict, ReadGraphMemory, SetBudget
+from service.engine_client.host import EngineCalls
+from service.engine_client.messages import Capture, EngineCall, Evict, ReadGraphMemory, SetBudget
 
 SIZES = (1, 2, 4, 8)
 

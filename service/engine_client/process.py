@@ -1,8 +1,8 @@
-"""The gRPC process's handle on the engine process (see engine_worker.py).
+"""The gRPC process's handle on the engine process (see worker.py).
 
 `EngineProcess` offers what the streams use of an in-process `Engine` (submit, abort, pause,
 stop, alive, error, the queue counters, last_progress) over a pipe whose messages are
-engine_messages.py's, and `request`, the reply to one typed call (EngineControl, in
+messages.py's, and `request`, the reply to one typed call (EngineControl, in
 engine_control.py, is what the servicers and the metrics call). The event loop itself reads the
 pipe (`loop.add_reader`): each step's message becomes (sink, event) pairs delivered at once. No
 reader thread: a second Python thread in this process would wait for the GIL behind the loop, the
@@ -27,8 +27,7 @@ import structlog
 
 from service.engine.engine import EngineStopped, Sink, deliver
 from service.engine.request import EngineError, GenerationRequest, TokenDelta
-from service.model.spec import ModelLoadError
-from service.server.engine_messages import (
+from service.engine_client.messages import (
     DELTA,
     FINISH,
     Abort,
@@ -46,7 +45,8 @@ from service.server.engine_messages import (
     WorkerSpec,
     WorkerStatus,
 )
-from service.server.engine_worker import worker_main
+from service.engine_client.worker import worker_main
+from service.model.spec import ModelLoadError
 
 log = structlog.get_logger("graphserve.engine_process")
 

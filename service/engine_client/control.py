@@ -15,7 +15,7 @@ import concurrent.futures
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from service.server.engine_messages import (
+from service.engine_client.messages import (
     Capture,
     EngineCall,
     Evict,

@@ -1,5 +1,5 @@
 """The engine-process boundary: every message that crosses the pipe between the gRPC process
-(engine_process.py) and the engine process (engine_worker.py), in both directions.
+(process.py) and the engine process (worker.py), in both directions.
 
 gRPC process -> engine process: `Submit`, `Abort`, `Pause`, `Call` (an `EngineCall` and its id),
 `Stop`. Engine process -> gRPC process: `WorkerReady` or `LoadFailed` once, at start; `Events`
@@ -8,11 +8,11 @@ per step (the engine's counters with the step's token deltas, finishes and error
 with a `WorkerSpec`.
 
 An `EngineCall[T]` asks the engine process for something whose reply is a T: the graph cache's
-reads and operations, the adapters, the prefix cache, the metrics (engine_calls.py says where
+reads and operations, the adapters, the prefix cache, the metrics (host.py says where
 each runs there; engine_control.py is the gRPC process's typed side of them).
 
 Per step the engine sends one `Events` message, whose events stay the plain tuples (kind, key,
-payload) that engine_worker.encode_events makes: no object per token on the hot path.
+payload) that worker.encode_events makes: no object per token on the hot path.
 
 Torch-free, like everything the engine process imports before its model: the types named only
 in annotations are imported for the type checker alone.

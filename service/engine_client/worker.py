@@ -2,10 +2,10 @@
 
 The gRPC process does the network and the engine process does the device; each has its own GIL,
 so 64 streams of message writing no longer take turns with the engine's per-step Python. The
-messages are engine_messages.py's. Per step the engine sends one `Events` message with every
+messages are messages.py's. Per step the engine sends one `Events` message with every
 token delta of that step, so the gRPC process wakes once per step, not once per token. The
 engine's metrics stay here (EngineMetrics observes the engine on its thread); the gRPC process
-reads their families when Prometheus scrapes it. Its calls run as engine_calls.py says.
+reads their families when Prometheus scrapes it. Its calls run as host.py says.
 
 The worker ignores SIGINT and SIGTERM: the gRPC process owns the shutdown (drain first) and sends
 `Stop`. When the pipe closes (the gRPC process died) the worker stops the same way; while it is
@@ -26,8 +26,9 @@ import threading
 import time
 from typing import Any
 
-from service.server.engine_calls import EngineCalls
-from service.server.engine_messages import (
+from service.engine_client.gil import shorten_switch_interval  # torch-free, like everything imported at the top here
+from service.engine_client.host import EngineCalls
+from service.engine_client.messages import (
     DELTA,
     ERROR,
     FINISH,
@@ -45,7 +46,6 @@ from service.server.engine_messages import (
     WorkerSpec,
     WorkerStatus,
 )
-from service.server.gil import shorten_switch_interval  # torch-free, like everything imported at the top here
 from service.telemetry.engine_metrics import EngineMetrics
 from service.telemetry.gc_pauses import freeze_startup_heap, watch_gc_pauses
 
@@ -115,7 +115,7 @@ class _Worker:
     def load(self) -> WorkerReady:
         from cache_manager import EngineHooks
         from service.engine.builder import load_runner, new_engine
-        from service.server.faults import wrap_decode
+        from service.engine_client.faults import wrap_decode
         from service.telemetry.log import route_library_logs
 
         c, faults = self.spec.config, self.spec.faults

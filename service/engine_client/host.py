@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from service.engine.adapters import AdaptersOff
-from service.server.engine_messages import (
+from service.engine_client.messages import (
     Capture,
     EngineCall,
     Evict,
