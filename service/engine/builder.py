@@ -204,10 +204,10 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
     return engine
 
 
-def close_engine(engine: Engine, graphs: GraphCache) -> bool:
+def close_engine(engine: Engine, graphs: GraphCache, timeout: float = 10.0) -> bool:
     """Stop the engine; free the graphs once its thread is gone (a step that would not stop still
     uses the device, so then only the stats are saved). Returns whether the stats were saved."""
-    engine.stop()
+    engine.stop(timeout)
     saved = graphs.close() if not engine.thread_alive else graphs.save()
     ranks = getattr(engine.runner, "ranks", None)
     if ranks is not None:  # a stop message only when no step is left half-run on the other ranks

@@ -1,15 +1,11 @@
 """The engine-process boundary: every message that crosses the pipe between the gRPC process
 (process.py) and the engine process (worker.py), in both directions.
 
-gRPC process -> engine process: `Submit`, `Abort`, `Pause`, `Call` (an `EngineCall` and its id),
-`Stop`. Engine process -> gRPC process: `WorkerReady` or `LoadFailed` once, at start; `Events`
+gRPC process -> engine process: `Submit`, `Abort`, `Pause`, `Call` (an `EngineCall` of calls.py
+and its id), `Stop`. Engine process -> gRPC process: `EngineFacts` or `LoadFailed` once, at start; `Events`
 per step (the engine's counters with the step's token deltas, finishes and errors);
 `WorkerStatus` (the counters alone) every 0.2 s; `Reply` to each `Call`; `Stopped` last. The process itself starts
 with a `WorkerSpec`.
-
-An `EngineCall[T]` asks the engine process for something whose reply is a T: the graph cache's
-reads and operations, the adapters, the prefix cache, the metrics (host.py says where
-each runs there; engine_control.py is the gRPC process's typed side of them).
 
 Per step the engine sends one `Events` message, whose events stay the plain tuples (kind, key,
 payload) that worker.encode_events makes: no object per token on the hot path.
@@ -22,17 +18,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # the calls' reply types, named in strings (EngineCall["..."])
-    from cache_manager import CacheSnapshot, OpResult  # noqa: F401
-    from cache_manager.stats import StatsTables  # noqa: F401
-    from service.engine.adapters import AdapterInfo  # noqa: F401
-    from service.engine.block_pool import PoolStats  # noqa: F401
-    from service.engine.rank_memory import RankMemory  # noqa: F401
+from service.engine_client.client import EngineFacts
+
+if TYPE_CHECKING:
     from service.engine.request import GenerationRequest
-
-T = TypeVar("T")
+    from service.engine_client.calls import EngineCall
 
 # Event kinds inside an Events message: (kind, key, payload)
 DELTA, FINISH, ERROR = "d", "f", "e"
@@ -48,25 +40,6 @@ class WorkerSpec:
     # Taken in the gRPC process: the worker may start after that process already died (and it was
     # re-parented), so its own os.getppid() at start would not tell.
     parent_pid: int = field(default_factory=os.getpid)
-
-
-@dataclass(frozen=True)
-class WorkerReady:
-    """What the gRPC process needs to serve: the model's description and the graph cache's shape."""
-
-    model_path: str
-    spec: Any  # ModelSpec
-    max_seq_len: int
-    device: str
-    dtype: str
-    graph_config: Any  # GraphCacheConfig
-    graph_mode: str
-    graphs_device: str
-    has_graph_backend: bool
-    adapters: tuple[str, ...] = ()  # loaded at start (--lora-modules)
-    max_loras: int = 0  # adapter slots; 0: adapters are off
-    max_lora_rank: int = 0
-    kv_cache_dtype: str = ""  # what the KV cache stores, e.g. bfloat16 or float8_e4m3fn ("": dtype)
 
 
 @dataclass(frozen=True)
@@ -153,97 +126,4 @@ class Stopped:
 
 # What each side sends.
 ToWorker = Submit | Abort | Pause | Call | Stop
-FromWorker = WorkerReady | LoadFailed | WorkerStatus | Events | Reply | Stopped
-
-
-# ---- calls -------------------------------------------------------------------------------------
-
-
-class EngineCall(Generic[T]):
-    """A request to the engine process whose reply is a T."""
-
-
-@dataclass(frozen=True)
-class ReadMetrics(EngineCall["list[Any]"]):
-    """The engine's metric families (EngineMetrics), for a scrape of the gRPC process."""
-
-
-@dataclass(frozen=True)
-class ReadSnapshot(EngineCall["CacheSnapshot"]):
-    """The graph cache's snapshot (every family's graphs, LoRA ones too)."""
-
-
-@dataclass(frozen=True)
-class ReadRankMemory(EngineCall["list[RankMemory]"]):
-    """Every tensor-parallel rank's graph memory, rank 0 first (empty on one rank)."""
-
-
-@dataclass(frozen=True)
-class ReadKvState(EngineCall["PoolStats"]):
-    """The KV block pool's counts."""
-
-
-@dataclass(frozen=True)
-class ReadPersistedStats(EngineCall["StatsTables"]):
-    pass
-
-
-@dataclass(frozen=True)
-class ReadGraphMemory(EngineCall["tuple[int, int]"]):
-    """(budget, used) bytes: the one budget, and what counts against it (every graph, LoRA ones too)."""
-
-
-@dataclass(frozen=True)
-class ReadTotalMemory(EngineCall["int | None"]):
-    """The device's memory as the graph backend sees it (None without one)."""
-
-
-@dataclass(frozen=True)
-class _GraphSizes:
-    sizes: tuple[int, ...]
-    kind: str = "full"  # or "piecewise"
-    lora: bool = False  # the LoRA family's graphs (steps with adapter rows)
-
-
-@dataclass(frozen=True)
-class Capture(_GraphSizes, EngineCall["dict[int, OpResult]"]):
-    pass
-
-
-@dataclass(frozen=True)
-class Evict(_GraphSizes, EngineCall["dict[int, OpResult]"]):
-    pass
-
-
-@dataclass(frozen=True)
-class SetBudget(EngineCall["dict[tuple[int, str], OpResult]"]):
-    """The one budget of every graph; the reply is the evictions keyed (size, kind), the kind as
-    operators name the descriptor's family ("full", "piecewise+lora")."""
-
-    budget_bytes: int
-
-
-@dataclass(frozen=True)
-class ResetStats(EngineCall[None]):
-    pass
-
-
-@dataclass(frozen=True)
-class ResetPrefixCache(EngineCall[bool]):
-    """Empty the prefix cache; False while requests hold KV blocks."""
-
-
-@dataclass(frozen=True)
-class LoadAdapter(EngineCall["AdapterInfo"]):
-    name: str
-    path: str
-
-
-@dataclass(frozen=True)
-class UnloadAdapter(EngineCall[None]):
-    name: str
-
-
-@dataclass(frozen=True)
-class ListAdapters(EngineCall["list[AdapterInfo]"]):
-    pass
+FromWorker = EngineFacts | LoadFailed | WorkerStatus | Events | Reply | Stopped

@@ -42,6 +42,7 @@ from service.engine.request import (
     TokenDelta,
 )
 from service.engine.validation import MAX_SAMPLES, Fields, InvalidRequest, constraint_message, request_id_of
+from service.engine_client.client import EngineClient
 
 log = structlog.get_logger("graphserve.server")
 
@@ -104,7 +105,7 @@ class Stream:
     queue is drained.
     """
 
-    def __init__(self, engine: Any, max_backlog: int, arrival: float) -> None:
+    def __init__(self, engine: EngineClient, max_backlog: int, arrival: float) -> None:
         self.engine = engine
         self.max_backlog = max_backlog
         self.arrival = arrival
@@ -199,7 +200,7 @@ class Streams:
     def __init__(self, admission: AdmissionLimits, metrics: Any = None) -> None:
         self.admission = admission
         self.metrics = metrics
-        self.engine: Any = None
+        self.engine: EngineClient | None = None
         self.draining = False
         self.serving = False
         self.active: dict[tuple[str, str], Stream] = {}  # (scope, request id) -> stream
@@ -207,7 +208,7 @@ class Streams:
         self.idle.set()
         self.last_received = 0.0  # time.time() of the latest Generate
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: EngineClient) -> None:
         self.engine = engine
 
     def abort_all(self) -> None:

@@ -45,7 +45,7 @@ from service.engine.validation import (
     need,
     samples,
 )
-from service.engine_client.control import EngineControl
+from service.engine_client.calls import ResetPrefixCache
 from service.server.streams import Stream, Streams, answers_rejections
 
 PROTO_VERSION = importlib.metadata.version("smg-grpc-proto")
@@ -104,12 +104,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.tokenizer: Any = None
         self.limits: Limits | None = None
         self.facts: ModelFacts | None = None
-        self.control: EngineControl | None = None
         self.started = time.time()
         self._tokenizer_zip: tuple[bytes, str] | None = None
 
-    def attach(self, tokenizer: Any, limits: Limits, facts: ModelFacts, control: EngineControl) -> None:
-        self.tokenizer, self.limits, self.facts, self.control = tokenizer, limits, facts, control
+    def attach(self, tokenizer: Any, limits: Limits, facts: ModelFacts) -> None:
+        self.tokenizer, self.limits, self.facts = tokenizer, limits, facts
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -226,7 +225,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def FlushCache(self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
                          ) -> common_pb2.FlushCacheResponse:
         await self._facts(context)
-        if await asyncio.to_thread(self.control.reset_prefix_cache):
+        if await asyncio.to_thread(self.streams.engine.request, ResetPrefixCache()):
             return common_pb2.FlushCacheResponse(success=True, message="the prefix cache is empty")
         return common_pb2.FlushCacheResponse(
             success=False, message="requests are running and hold KV blocks: flush again when the server is idle")
