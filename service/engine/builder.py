@@ -18,7 +18,8 @@ from cache_manager import CudaGraphMode, EngineHooks, GraphCache, GraphCacheConf
 from service.config import ServeConfig
 from service.engine.adapters import AdapterError, AdapterRegistry, AdapterRootMissing, AdaptersOff, check_name
 from service.engine.constraints import Constraints
-from service.engine.engine import Engine, EngineObserver, Publish, deliver
+from service.engine.engine import Engine
+from service.engine.interfaces import EngineObserver, Publish, deliver
 from service.engine.kv_sizing import size_kv_cache
 from service.engine.ranks import Ranks, start_ranks
 from service.engine.runner import ModelRunner
@@ -198,8 +199,8 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
                           blocks=lr.runner.new_block_pool(c.prefix_caching))
     engine = Engine(lr.runner, scheduler, lr.loaded.tokenizer,
                     frozenset(lr.loaded.spec.eos_token_ids), publish=publish, observer=observer,
-                    between_steps=between_steps, overlap=c.overlap_steps, constraints=lr.constraints)
-    engine.slow_step_s = c.slow_step_threshold_ms / 1000
+                    between_steps=between_steps, overlap=c.overlap_steps, constraints=lr.constraints,
+                    slow_step_s=c.slow_step_threshold_ms / 1000)
     graphs.hooks.attach(engine)
     return engine
 

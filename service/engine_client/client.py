@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 if TYPE_CHECKING:
     from service.config import ServeConfig
     from service.engine.builder import LoadedRunner
-    from service.engine.engine import Sink
+    from service.engine.interfaces import Sink
     from service.engine.request import GenerationRequest
     from service.engine_client.calls import EngineCall
 

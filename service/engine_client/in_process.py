@@ -16,7 +16,8 @@ from service.engine_client.host import EngineHost
 if TYPE_CHECKING:
     from service.config import ServeConfig
     from service.engine.builder import LoadedRunner
-    from service.engine.engine import Engine, Sink
+    from service.engine.engine import Engine
+    from service.engine.interfaces import Sink
     from service.engine.request import GenerationRequest
 
 T = TypeVar("T")

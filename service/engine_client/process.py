@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from service.engine.engine import EngineStopped, Sink, deliver
+from service.engine.interfaces import EngineStopped, Sink, deliver
 from service.engine.request import EngineError, GenerationRequest, TokenDelta
 from service.engine_client.calls import EngineCall
 from service.engine_client.client import EngineFacts

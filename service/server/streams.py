@@ -29,7 +29,7 @@ from typing import Any, NoReturn, Protocol, TypeVar
 import grpc
 import structlog
 
-from service.engine.engine import EngineStopped
+from service.engine.interfaces import EngineStopped
 from service.engine.request import (
     AdapterGone,
     ConstraintFailed,

@@ -16,7 +16,7 @@ from cache_manager import CacheSnapshot
 from service.config import ServeConfig
 from service.engine.adapters import AdaptersOff
 from service.engine.constraint_limits import InvalidConstraint
-from service.engine.engine import EngineStopped
+from service.engine.interfaces import EngineStopped
 from service.engine.request import Constraint, Finish, FinishReason, GenerationRequest, SamplingParams, TokenDelta
 from service.engine_client.calls import (
     CheckConstraint,
