@@ -253,6 +253,7 @@ def test_a_generate_racing_its_adapters_unload_is_not_found(hostile: Hostile) ->
     process's list of names follows, the window of a real race)."""
     hostile.load("race", hostile.good)
     hostile.server.app.engine.request(UnloadAdapter("race"), timeout=60)
+    hostile.server.app.engine.adapter_names.add("race")  # the names as before the reply came back
     with pytest.raises(grpc.RpcError) as err:
         hostile.generate("race")
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "'race' is not loaded" in err.value.details()
