@@ -1,10 +1,9 @@
 """The gRPC process's handle on the engine process (see worker.py): an `EngineClient` over a pipe
-whose messages are messages.py's; `request` sends a typed call (calls.py), which the engine process
-runs, and waits for its reply. The event loop itself reads the
-pipe (`loop.add_reader`): each step's message becomes (sink, event) pairs delivered at once. No
-reader thread: a second Python thread in this process would wait for the GIL behind the loop, the
-pipe would fill, and the engine would stall. The engine's metrics are not sent per step: a scrape
-asks for them.
+whose messages are messages.py's; `request` sends a typed call (calls.py), which runs itself in the
+engine process, and waits for its reply. The event loop itself reads the pipe (`loop.add_reader`):
+each step's message becomes (sink, event) pairs delivered at once. No reader thread: a second
+Python thread in this process would wait for the GIL behind the loop, the pipe would fill, and the
+engine would stall. The engine's metrics are not sent per step: a scrape asks for them.
 """
 
 from __future__ import annotations
