@@ -35,7 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench.common import add_model_arguments, percentile, print_table, write_result
 from bench.decode_bench import load, make_step
 from cache_manager import EngineHooks, Fingerprint, GraphCache, GraphCacheConfig, default_capture_sizes
-from service.server.gil import shorten_switch_interval
+from service.engine_client.gil import shorten_switch_interval
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

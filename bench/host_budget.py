@@ -52,9 +52,9 @@ class _TimedEvent:
 
 
 def _pickling_publisher() -> tuple[Any, list]:
-    """engine_worker.publish's work before its pipe write: the events encoded, pickled."""
+    """engine_client.worker.publish's work before its pipe write: the events encoded, pickled."""
     from service.engine.request import Finish
-    from service.server.engine_worker import encode_events
+    from service.engine_client.worker import encode_events
 
     sent = [0]
 

@@ -85,7 +85,7 @@ def _measure(tokenizer: Any, eos: frozenset[int], kind: str, streams: int, steps
     from service.engine.request import GenerationRequest, SamplingParams, StepTokens
     from service.engine.scheduler import Scheduler
     from service.engine.sequence import Sequence, SequenceStatus
-    from service.server.engine_worker import encode_events
+    from service.engine_client.worker import encode_events
     from service.telemetry.engine_metrics import EngineMetrics
 
     rng = random.Random(seed)

@@ -349,10 +349,10 @@ class EngineAlone:
 
     def __init__(self, args: argparse.Namespace) -> None:
         from service.config import ServeConfig
-        from service.server.engine_messages import WorkerSpec
-        from service.server.engine_process import EngineProcess
-        from service.server.faults import Faults
-        from service.server.gil import shorten_switch_interval
+        from service.engine_client.faults import Faults
+        from service.engine_client.gil import shorten_switch_interval
+        from service.engine_client.messages import WorkerSpec
+        from service.engine_client.process import EngineProcess
 
         shorten_switch_interval()  # as in the gRPC process
         config = ServeConfig(model=args.model, model_cache_dir=args.cache_dir, device=args.device, dtype=args.dtype,

@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(config.log_format, config.log_level)
     structlog.get_logger("graphserve").info("config", **config.redacted())
+    from service.engine_client.gil import shorten_switch_interval
     from service.server.app import App  # heavy imports (torch) after the flags are known good
-    from service.server.gil import shorten_switch_interval
 
     shorten_switch_interval()
     return asyncio.run(App(config).run())

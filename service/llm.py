@@ -8,7 +8,8 @@
 
 The keywords are checked by the server's config validation (service/config.py); the model, runner,
 graph cache and engine are built by the same builder as the server's engine process
-(service/engine/builder.py), and the engine runs on its own thread. `generate` hands every prompt
+(service/engine/builder.py), and the engine runs on its own thread. The LLM reaches it only as an
+`EngineClient` (service/engine_client/), as the server's streams do. `generate` hands every prompt
 (each of its n samples) to the engine at once (continuous batching) and returns when all are done,
 in prompt order.
 """
@@ -42,6 +43,8 @@ from service.engine.validation import (
     generation_request,
     samples,
 )
+from service.engine_client.calls import CheckConstraint, ReadSnapshot
+from service.engine_client.client import EngineClient
 from service.llm_config import config_of
 
 log = structlog.get_logger("graphserve.llm")
@@ -158,16 +161,14 @@ def _opened() -> None:
         _num_open += 1
 
 
-def _release(held: dict[str, Any]) -> None:
+def _release(held: dict[str, EngineClient]) -> None:
     """Stop the engine and free what it holds. The runner's warm-up froze every object alive then
     (gc.freeze, so that collections while serving skip the model), the model's reference cycles
     included: only a collection after gc.unfreeze() frees them. What other open LLMs hold is frozen
     again."""
     global _num_open
-    from service.engine.builder import close_engine
-
     engine = held["engine"]
-    close_engine(engine, engine.runner.graphs)
+    engine.stop()
     held.clear()
     del engine
     with _open_lock:
@@ -196,27 +197,28 @@ class LLM:
             from service.telemetry.log import configure_logging
 
             configure_logging("console", config.log_level)
-        from service.engine.builder import load_runner, new_engine
+        from service.engine_client.in_process import InProcessEngine
 
         t0 = time.monotonic()
-        lr = load_runner(config)
-        self.adapters: tuple[str, ...] = tuple(lr.adapters.names) if lr.adapters is not None else ()
+        engine = InProcessEngine.load(config)
+        facts = engine.facts
+        self.adapters: tuple[str, ...] = facts.adapters
         # The engine (its thread, runner, model, KV cache and graphs) is released once: by close(), when
         # this LLM is garbage-collected, or at interpreter exit, whichever comes first.
-        self._held: dict[str, Any] = {"engine": new_engine(config, lr)}
+        self._held: dict[str, EngineClient] = {"engine": engine}
         self._finalizer = weakref.finalize(self, _release, self._held)
         _opened()
-        self._engine.start()
-        self.tokenizer = lr.loaded.tokenizer
-        self.max_seq_len = lr.max_seq_len
-        self.vocab_size = lr.loaded.spec.vocab_size
+        engine.start()
+        self.tokenizer = engine.tokenizer
+        self.max_seq_len = facts.max_seq_len
+        self.vocab_size = facts.spec.vocab_size
         # The server's request limits; no server cap on max_tokens beyond the context.
         self._limits = dataclasses.replace(Limits.from_config(config, self.vocab_size),
                                            max_seq_len=self.max_seq_len, max_tokens_limit=2**31)
         seed = options.get("seed")
         self._seeds = random.Random(seed) if seed is not None else None
         self._ids = itertools.count()
-        log.info("llm_ready", model=config.model, device=str(lr.loaded.device), graph_mode=lr.mode.value,
+        log.info("llm_ready", model=config.model, device=facts.device, graph_mode=facts.graph_mode,
                  seconds=round(time.monotonic() - t0, 2))
 
     # ---- generation ---------------------------------------------------------------------------
@@ -318,14 +320,14 @@ class LLM:
                                      self._limits, fields, adapter=adapter)
         if p.constraint is not None:  # compiled now (bounded, cached): a bad one fails before any submit
             try:
-                self._engine.constraints.preparer.prepare_now(p.constraint)
+                self._engine.request(CheckConstraint(p.constraint))
             except InvalidConstraint as exc:
                 raise ValueError(constraint_message(p.constraint.kind, str(exc), fields)) from None
         # Nothing streams: the text arrives in one piece with the finish.
         return samples(dataclasses.replace(request, stream_interval=request.sampling.max_tokens))
 
     @staticmethod
-    def _wait(engine: Any, done: queue.SimpleQueue, samples_per_prompt: list[int], show: bool) -> None:
+    def _wait(engine: EngineClient, done: queue.SimpleQueue, samples_per_prompt: list[int], show: bool) -> None:
         """Until every sample ended; the bar counts the prompts whose samples all ended."""
         from tqdm.auto import tqdm
 
@@ -336,7 +338,7 @@ class LLM:
                 try:
                     index = done.get(timeout=1.0)
                 except queue.Empty:
-                    if not engine.thread_alive:
+                    if not engine.alive:
                         raise RuntimeError(f"the engine stopped: {engine.error!r}") from None
                     continue
                 running -= 1
@@ -375,7 +377,7 @@ class LLM:
         """The graph cache's state (cache_manager.CacheSnapshot), as the admin RPC reports it: mode,
         device, budget and used bytes, capture sizes and each bucket's state and counters."""
         self._check_open()
-        return self._engine.runner.graphs.snapshot()
+        return self._engine.request(ReadSnapshot())
 
     def close(self) -> None:
         """Stop the engine, save the graph statistics and release the model, the KV cache and the
@@ -383,7 +385,7 @@ class LLM:
         self._finalizer()
 
     @property
-    def _engine(self) -> Any:
+    def _engine(self) -> EngineClient:
         return self._held["engine"]
 
     def _check_open(self) -> None:

@@ -1,6 +1,6 @@
 """From a validated ServeConfig to a warmed-up runner and an engine over it.
 
-The engine process (service/server/engine_worker.py) and the in-process Python API (service/llm.py)
+The engine process (service/engine_client/worker.py) and the in-process Python API (service/llm.py)
 both build their engine here, so that both run the same model, runner, graph cache and scheduler
 for the same config.
 """
@@ -18,7 +18,8 @@ from cache_manager import CudaGraphMode, EngineHooks, GraphCache, GraphCacheConf
 from service.config import ServeConfig
 from service.engine.adapters import AdapterError, AdapterRegistry, AdapterRootMissing, AdaptersOff, check_name
 from service.engine.constraints import Constraints
-from service.engine.engine import Engine, EngineObserver, Publish, deliver
+from service.engine.engine import Engine
+from service.engine.interfaces import EngineObserver, Publish, deliver
 from service.engine.kv_sizing import size_kv_cache
 from service.engine.ranks import Ranks, start_ranks
 from service.engine.runner import ModelRunner
@@ -198,16 +199,16 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
                           blocks=lr.runner.new_block_pool(c.prefix_caching))
     engine = Engine(lr.runner, scheduler, lr.loaded.tokenizer,
                     frozenset(lr.loaded.spec.eos_token_ids), publish=publish, observer=observer,
-                    between_steps=between_steps, overlap=c.overlap_steps, constraints=lr.constraints)
-    engine.slow_step_s = c.slow_step_threshold_ms / 1000
+                    between_steps=between_steps, overlap=c.overlap_steps, constraints=lr.constraints,
+                    slow_step_s=c.slow_step_threshold_ms / 1000)
     graphs.hooks.attach(engine)
     return engine
 
 
-def close_engine(engine: Engine, graphs: GraphCache) -> bool:
+def close_engine(engine: Engine, graphs: GraphCache, timeout: float = 10.0) -> bool:
     """Stop the engine; free the graphs once its thread is gone (a step that would not stop still
     uses the device, so then only the stats are saved). Returns whether the stats were saved."""
-    engine.stop()
+    engine.stop(timeout)
     saved = graphs.close() if not engine.thread_alive else graphs.save()
     ranks = getattr(engine.runner, "ranks", None)
     if ranks is not None:  # a stop message only when no step is left half-run on the other ranks

@@ -17,13 +17,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 
 from service.engine.adapters import AdapterNotFound
 from service.engine.constraint_prepare import ConstraintsBusy
 from service.engine.detokenizer import token_bytes
+from service.engine.interfaces import EngineObserver, EngineStopped, Publish, Runner, Sink, deliver
 from service.engine.output import RequestOutput
 from service.engine.request import (
     AdapterGone,
@@ -34,67 +35,17 @@ from service.engine.request import (
     FinishReason,
     GenerationRequest,
     RequestEvent,
-    StepTokens,
 )
-from service.engine.scheduled_step import ScheduledStep
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import Sequence, SequenceStatus
+from service.engine.slow_steps import SlowSteps
 
-# A step whose host work (schedule, launch, reading the tokens) took longer than Engine.slow_step_s is
-# logged: the first at once, then at most one line per interval with the count and the slowest.
-SLOW_STEP_LOG_INTERVAL_S = 10.0
 log = structlog.get_logger("graphserve.engine")
-
-Sink = Callable[[RequestEvent], None]
-
-
-class EngineStopped(RuntimeError):
-    """The engine accepts no more work (it failed or is shutting down)."""
-
-Publish = Callable[[list[tuple[Sink, RequestEvent]]], None]
-
-
-class Runner(Protocol):
-    def launch(self, step: ScheduledStep, before_sampling: Callable[[], None] | None = None) -> Any:
-        """Queue one forward pass over the step's decodes (one token each) and prompt chunks; returns
-        a handle for `collect`. A decode may have a token pending from the previous launch: the
-        runner feeds it on the device. before_sampling (given only while a constrained request
-        runs) is called after the forward pass is queued and before the tokens are sampled."""
-        ...
-
-    def collect(self, launched: Any) -> StepTokens:
-        """The launched step's sampled tokens: one per decode, then one per chunk that completes its
-        prompt (ScheduledStep.sampling's order), with the log-probabilities rows asked for."""
-        ...
-
-    def take_failed_constraints(self) -> list[tuple[Sequence, str]]:
-        """The sequences whose grammar mask failed in the launches since the last call, and why
-        (their rows sampled anyway: those tokens are to be discarded)."""
-        ...
-
 
 @dataclass
 class _InFlight:
     seqs: tuple[Sequence, ...]  # the sequences that sample, in the order of the launch's tokens
     launched: Any  # the runner's handle
-
-
-class EngineObserver(Protocol):
-    """Receives what the engine did, for metrics. Called on the engine thread."""
-
-    def on_step(self, num_running: int, num_waiting: int, num_decode: int, num_prefill: int) -> None: ...
-    def on_tokens(self, seqs: list[Sequence], now: float) -> None:
-        """One new completion token of each of seqs: a step's, read at `now`."""
-    def on_finish(self, seq: Sequence, finish: Finish) -> None: ...
-    def on_step_gap(self, seconds: float) -> None:
-        """Time since the previous step that delivered tokens, while streams were running: the gap
-        every running stream saw (a stall of any cause, e.g. a capture beside the step, shows here)."""
-
-
-def deliver(pairs: list[tuple[Sink, RequestEvent]]) -> None:
-    """Call each sink with its event, in order (on the calling thread)."""
-    for sink, event in pairs:
-        sink(event)
 
 
 class Engine:
@@ -109,9 +60,11 @@ class Engine:
         between_steps: Callable[[], None] | None = None,
         overlap: bool = True,
         constraints: Any = None,
+        slow_step_s: float = 0.1,
     ) -> None:
         """constraints: constraints.Constraints, for requests with a constraint (None: none accepted);
-        the engine closes it when it stops."""
+        the engine closes it when it stops. slow_step_s: a step whose host work takes longer is
+        logged (slow_steps.py; --slow-step-threshold-ms, 0: never)."""
         self.runner = runner
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -145,8 +98,7 @@ class Engine:
         self.error: BaseException | None = None  # set when a step failed; the engine is then dead
         self.last_progress = time.monotonic()
         self._tokens_read_at: float | None = None  # the last step that delivered tokens (None: no stream since)
-        self.slow_step_s = 0.1  # --slow-step-threshold-ms; 0: never logged
-        self._slow_steps: tuple[int, dict[str, Any] | None, float] = (0, None, float("-inf"))  # count, slowest, logged at
+        self._slow_steps = SlowSteps(slow_step_s)
 
     # ---- any thread ------------------------------------------------------------------------
 
@@ -373,19 +325,7 @@ class Engine:
             self._read_tokens(launched, events)
             if launched.seqs:
                 self._tokens_read(time.monotonic())
-        done = time.monotonic()
-        if self.slow_step_s and done - started > self.slow_step_s:  # what a stall was made of, for the operator
-            count, slowest, logged_at = self._slow_steps
-            if slowest is None or done - started > slowest["ms"] / 1000:
-                slowest = dict(ms=round((done - started) * 1000, 1), schedule_ms=round((now - started) * 1000, 1),
-                               launch_ms=round((launched_at - now) * 1000, 1), read_ms=round((done - launched_at) * 1000, 1),
-                               decodes=len(scheduled.decodes), prompt_chunks=len(scheduled.prefills),
-                               prompt_tokens=sum(c.num_tokens for c in scheduled.prefills))
-            if done - logged_at >= SLOW_STEP_LOG_INTERVAL_S:
-                log.warning("slow_step", slow_steps=count + 1, threshold_ms=round(self.slow_step_s * 1000, 1), **slowest)
-                self._slow_steps = (0, None, done)
-            else:
-                self._slow_steps = (count + 1, slowest, logged_at)
+        self._slow_steps.step(scheduled, started, now, launched_at, time.monotonic())  # what a stall was made of
         kv = self.scheduler.kv.take_events()  # this step's and those of calls before it (None unless published)
         self._publish_step(events + [(self._kv_sink, kv)] if kv else events)
         if not self.scheduler.num_running:

@@ -13,11 +13,11 @@ import structlog
 from grpc_reflection.v1alpha import reflection
 
 from service.config import ServeConfig
+from service.engine_client.client import EngineClient
 from service.proto import admin_pb2, admin_pb2_grpc
 from service.server.admin_servicer import GraphCacheAdminServicer
 from service.server.auth import BearerTokenInterceptor
 from service.server.decoding import RequestDecodingInterceptor
-from service.server.engine_control import EngineControl
 from service.server.transport import add_port
 from service.telemetry.metrics import Metrics
 
@@ -36,7 +36,7 @@ def _is_loopback(host: str) -> bool:
 
 
 async def start_admin_server(
-    config: ServeConfig, control: EngineControl, metrics: Metrics | None = None,
+    config: ServeConfig, engine: EngineClient, metrics: Metrics | None = None,
 ) -> tuple[grpc.aio.Server | None, int | None]:
     """Start the admin server; returns (server, bound port), or (None, None) when no token is configured.
 
@@ -54,7 +54,7 @@ async def start_admin_server(
                       RequestDecodingInterceptor(metrics.undecodable if metrics else None)],
         options=[("grpc.so_reuseport", 0)],
     )
-    admin_pb2_grpc.add_GraphCacheAdminServicer_to_server(GraphCacheAdminServicer(control), server)
+    admin_pb2_grpc.add_GraphCacheAdminServicer_to_server(GraphCacheAdminServicer(engine), server)
     reflection.enable_server_reflection((ADMIN_SERVICE, reflection.SERVICE_NAME), server)
     port = add_port(server, f"{config.admin_host}:{config.admin_port}", config)
     await server.start()

@@ -1,10 +1,11 @@
 """GraphCacheAdmin: the operator's view and control of the graph cache, over gRPC.
 
-A thin edge over the engine's control (`EngineControl`): reads are snapshots taken in the engine
-process, operations run on its engine thread between steps (one at a time, through
-`control.call`), and their per-size results and errors are turned into protobuf and status codes
-here. Every call into the engine process runs off the event loop. Sizes are checked against the
-allowed list before anything else, so a wrong size is INVALID_ARGUMENT whatever the device.
+A thin edge over the engine client (`EngineClient`): each RPC sends its typed engine call
+(engine_client/calls.py); reads are snapshots taken where the engine runs, operations run on its
+engine thread between steps (one at a time, through `engine.call`), and their per-size results and
+errors are turned into protobuf and status codes here. Every call into the engine runs off the
+event loop. Sizes are checked against the allowed list before anything else, so a wrong size is
+INVALID_ARGUMENT whatever the device.
 """
 
 from __future__ import annotations
@@ -38,9 +39,25 @@ from service.engine.adapters import (
 )
 from service.engine.block_pool import PoolStats
 from service.engine.rank_memory import RankMemory
+from service.engine_client.calls import (
+    Capture,
+    EngineCall,
+    Evict,
+    ListAdapters,
+    LoadAdapter,
+    ReadGraphMemory,
+    ReadKvState,
+    ReadPersistedStats,
+    ReadRankMemory,
+    ReadSnapshot,
+    ReadTotalMemory,
+    ResetStats,
+    SetBudget,
+    UnloadAdapter,
+)
+from service.engine_client.client import EngineClient
 from service.model.lora import LoraError, LoraPathError
 from service.proto import admin_pb2, admin_pb2_grpc
-from service.server.engine_control import EngineControl
 
 log = structlog.get_logger("graphserve.admin")
 
@@ -71,17 +88,21 @@ _STATES = {
 
 
 class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
-    def __init__(self, control: EngineControl) -> None:
-        self.control = control
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+
+    def _ask(self, call: EngineCall) -> Callable[[], Any]:
+        """The engine's reply to `call`, as a function to run off the event loop."""
+        return lambda: self.engine.request(call)
 
     # ---- reads --------------------------------------------------------------------------------
 
     async def GetCacheState(self, request: admin_pb2.GetCacheStateRequest,
                             context: grpc.aio.ServicerContext) -> admin_pb2.CacheState:
-        control = self.control
-        snap = await self._read(context, control.snapshot)
-        ranks = await self._read(context, control.rank_memory)
-        kv = await self._read(context, control.kv_state)
+        facts = self.engine.facts
+        snap = await self._read(context, self._ask(ReadSnapshot()))
+        ranks = await self._read(context, self._ask(ReadRankMemory()))
+        kv = await self._read(context, self._ask(ReadKvState()))
         # One cache: the LoRA family's entries fill the lora fields, as when they were a cache of their own.
         return admin_pb2.CacheState(
             mode=snap.mode, device=snap.device, budget_bytes=snap.budget_bytes,
@@ -90,14 +111,14 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
             buckets=[_bucket_entry(b) for b in snap.buckets if not b.lora], piecewise_sizes=list(snap.piecewise_sizes),
             lora_buckets=[_bucket_entry(b) for b in snap.buckets if b.lora], lora_used_bytes=snap.lora_used_bytes,
             ranks=[_rank_memory(r) for r in ranks],
-            kv_cache=_kv_cache_state(kv, control.kv_cache_dtype) if kv is not None else None,
-            architecture=control.architecture,
+            kv_cache=_kv_cache_state(kv, facts.kv_cache_dtype or facts.dtype) if kv is not None else None,
+            architecture=facts.architecture,
         )
 
     async def GetCaptureStats(self, request: admin_pb2.GetCaptureStatsRequest,
                               context: grpc.aio.ServicerContext) -> admin_pb2.CaptureStats:
-        snap = await self._read(context, self.control.snapshot)
-        persisted = await self._read(context, self.control.persisted_stats)
+        snap = await self._read(context, self._ask(ReadSnapshot()))
+        persisted = await self._read(context, self._ask(ReadPersistedStats()))
         return admin_pb2.CaptureStats(
             since_start=_stats_view(snap, snap.requested_since_start, "since_start",
                                     _sum_reasons(r.eager_fallbacks for r in snap.requested_detail)),
@@ -113,14 +134,14 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
                       context: grpc.aio.ServicerContext) -> admin_pb2.OperationResponse:
         sizes, family = await self._checked_sizes(request, context)
         return await self._operate(context, "capture",
-                                   lambda: self.control.capture(sizes, family.mode.value, family.lora),
+                                   self._ask(Capture(tuple(sizes), family.mode.value, family.lora)),
                                    kind=str(family), sizes=sizes)
 
     async def Evict(self, request: admin_pb2.SizesRequest,
                     context: grpc.aio.ServicerContext) -> admin_pb2.OperationResponse:
         sizes, family = await self._checked_sizes(request, context)
         return await self._operate(context, "evict",
-                                   lambda: self.control.evict(sizes, family.mode.value, family.lora),
+                                   self._ask(Evict(tuple(sizes), family.mode.value, family.lora)),
                                    kind=str(family), sizes=sizes)
 
     async def SetBudget(self, request: admin_pb2.SetBudgetRequest,
@@ -134,16 +155,16 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
                                 f"budget_bytes {budget} is absurd (more than {MAX_BUDGET_BYTES} bytes)")
 
         def set_budget() -> dict[Any, OpResult]:
-            total = self.control.total_memory()
+            total = self.engine.request(ReadTotalMemory()) if self.engine.facts.has_graph_backend else None
             if total is not None and budget > total:
                 raise ValueError(f"budget_bytes {budget} exceeds the device's {total} bytes of memory")
-            return self.control.set_budget(int(budget))
+            return self.engine.request(SetBudget(int(budget)))
 
         return await self._operate(context, "set_budget", set_budget, requested_budget=budget)
 
     async def ResetStats(self, request: admin_pb2.ResetStatsRequest,
                          context: grpc.aio.ServicerContext) -> admin_pb2.ResetStatsResponse:
-        await self._on_engine(context, "reset_stats", self.control.reset_stats)
+        await self._on_engine(context, "reset_stats", self._ask(ResetStats()))
         log.info("admin_stats_reset")
         return admin_pb2.ResetStatsResponse()
 
@@ -157,21 +178,22 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
         # On a thread of its own, not the one that runs admin calls one at a time: reading the files
         # must not hold up the other admin calls (the engine process reads one adapter at a time).
         info = await self._adapter_call(context, "load_adapter",
-                                        lambda: self.control.load_adapter(request.name, request.path), own_thread=True)
+                                        self._ask(LoadAdapter(request.name, request.path)), own_thread=True)
         log.info("admin_adapter_loaded", name=info.name, path=info.path, rank=info.rank)
         return _adapter_info(info)
 
     async def UnloadAdapter(self, request: admin_pb2.UnloadAdapterRequest,
                             context: grpc.aio.ServicerContext) -> admin_pb2.UnloadAdapterResponse:
-        await self._adapter_call(context, "unload_adapter", lambda: self.control.unload_adapter(request.name))
+        await self._adapter_call(context, "unload_adapter", self._ask(UnloadAdapter(request.name)))
         log.info("admin_adapter_unloaded", name=request.name)
         return admin_pb2.UnloadAdapterResponse()
 
     async def ListAdapters(self, request: admin_pb2.ListAdaptersRequest,
                            context: grpc.aio.ServicerContext) -> admin_pb2.ListAdaptersResponse:
-        infos = await self._adapter_call(context, "list_adapters", self.control.list_adapters)
+        infos = await self._adapter_call(context, "list_adapters", self._ask(ListAdapters()))
+        facts = self.engine.facts
         return admin_pb2.ListAdaptersResponse(adapters=[_adapter_info(i) for i in infos],
-                                              max_loras=self.control.max_loras, max_lora_rank=self.control.max_lora_rank)
+                                              max_loras=facts.max_loras, max_lora_rank=facts.max_lora_rank)
 
     async def _adapter_call(self, context: grpc.aio.ServicerContext, op: str, fn: Callable[[], Any],
                             own_thread: bool = False) -> Any:
@@ -179,7 +201,7 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
         try:
             if own_thread:
                 return await asyncio.to_thread(fn)
-            return await asyncio.wrap_future(self.control.call(fn))
+            return await asyncio.wrap_future(self.engine.call(fn))
         except (AdapterError, LoraError) as exc:
             code = next(c for kind, c in _ADAPTER_STATUS if isinstance(exc, kind))
             await context.abort(code, f"{op}: {exc}")
@@ -201,12 +223,12 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"kind {request.kind!r}: use full, piecewise, full+lora or piecewise+lora")
         kind = str(family)
-        if family.lora and not self.control.max_loras:
+        if family.lora and not self.engine.facts.max_loras:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"kind {kind}: this server has no adapter slots, so no LoRA graphs "
                                 "(start with --max-loras or --lora-modules)")
         unique = list(dict.fromkeys(request.sizes))
-        config = self.control.graph_config
+        config = self.engine.facts.graph_config
         allowed = config.sizes if family.mode.value == "full" else config.piecewise_sizes  # LoRA or not
         if not unique:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -229,7 +251,7 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
         engine process names the LoRA graphs' kinds "full+lora" / "piecewise+lora")."""
         def run() -> tuple[dict[Any, OpResult], int, int]:
             results = fn()
-            return results, *self.control.graph_memory()
+            return results, *self.engine.request(ReadGraphMemory())
 
         results, budget, used = await self._on_engine(context, op, run)
         keys = {s: _size_and_kind(s, kind) for s in results}
@@ -246,18 +268,18 @@ class GraphCacheAdminServicer(admin_pb2_grpc.GraphCacheAdminServicer):
     async def _on_engine(self, context: grpc.aio.ServicerContext, op: str, fn: Callable[[], Any]) -> Any:
         """Run fn on the engine thread between steps; map its errors to status codes."""
         try:
-            return await asyncio.wrap_future(self.control.call(fn))
+            return await asyncio.wrap_future(self.engine.call(fn))
         except GraphsUnavailableError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"{op}: CUDA graphs are unavailable on this server ({exc.reason}, "
-                                f"device {self.control.graphs_device})")
+                                f"device {self.engine.facts.graphs_device})")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{op}: {exc}")
         except Exception as exc:
             await self._failed(context, op, exc)
 
     async def _failed(self, context: grpc.aio.ServicerContext, op: str, exc: Exception) -> None:
-        if not self.control.alive:
+        if not self.engine.alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{op}: the engine is not running ({exc})")
         log.exception("admin_operation_failed", op=op)
         await context.abort(grpc.StatusCode.INTERNAL, f"{op} failed: {type(exc).__name__}: {exc}")

@@ -28,14 +28,15 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from service.config import ServeConfig
 from service.engine.validation import Limits
+from service.engine_client.calls import ReadMetrics, ReadSnapshot
+from service.engine_client.client import EngineFacts
+from service.engine_client.faults import Faults
+from service.engine_client.messages import WorkerSpec
+from service.engine_client.process import EngineProcess, EngineStartError, read_tokenizer
 from service.model.spec import ModelLoadError
 from service.proto import inference_pb2, inference_pb2_grpc
 from service.server.admin_server import start_admin_server
 from service.server.decoding import RequestDecodingInterceptor
-from service.server.engine_control import EngineControl
-from service.server.engine_messages import WorkerReady, WorkerSpec
-from service.server.engine_process import EngineProcess, EngineStartError, read_tokenizer
-from service.server.faults import Faults
 from service.server.inference_servicer import InferenceServicer
 from service.server.kv_event_hub import KvEventHub
 from service.server.streams import AdmissionLimits, Streams
@@ -100,8 +101,7 @@ class App:
         self.kv_events = KvEventHub(config.kv_events_history, config.kv_events_buffer)  # SubscribeKvEvents'
         self.vllm_servicer = VllmEngineServicer(self.streams, self.kv_events)
         self.engine: EngineProcess | None = None
-        self.control: EngineControl | None = None  # what the admin servicer, the metrics and FlushCache call
-        self.model: WorkerReady | None = None  # the loaded model's description, from the engine process
+        self.model: EngineFacts | None = None  # the loaded model's description, from the engine process
         self.tokenizer: Any = None
         self.admin_server: grpc.aio.Server | None = None
         self.admin_port: int | None = None
@@ -142,26 +142,24 @@ class App:
         """Start the engine process (it loads the model and runs one eager step), then SERVING."""
         c = self.config
         t0 = time.monotonic()
-        self.engine = EngineProcess(WorkerSpec(c, self.faults), asyncio.get_running_loop())
-        self.engine.on_kv_events = self.kv_events.publish
+        self.engine = EngineProcess(WorkerSpec(c, self.faults), asyncio.get_running_loop(), self.kv_events.publish)
         self.model = ready = await _in_daemon_thread(self.engine.start)
         self.tokenizer = await _in_daemon_thread(read_tokenizer, ready.model_path)
         spec = ready.spec
         log.info("model_loaded", model=c.model, architecture=spec.architecture, device=ready.device,
                  dtype=ready.dtype, seconds=round(time.monotonic() - t0, 2), engine_pid=self.engine.process.pid)
-        self.control = control = EngineControl(self.engine, ready)
+        engine = self.engine
         self.metrics.set_model(c.model, spec.architecture)
-        self.metrics.set_engine_source(control.metric_families)
-        self.metrics.set_graph_source(control.snapshot)
-        self.admin_server, self.admin_port = await start_admin_server(c, control, self.metrics)
+        self.metrics.set_engine_source(lambda: engine.request(ReadMetrics()))
+        self.metrics.set_graph_source(lambda: engine.request(ReadSnapshot()))
+        self.admin_server, self.admin_port = await start_admin_server(c, engine, self.metrics)
         limits = Limits.from_config(dataclasses.replace(c, max_seq_len=ready.max_seq_len), vocab_size=spec.vocab_size)
         self.streams.attach(self.engine)
         self.servicer.attach(self.tokenizer, limits, self._model_info(ready))
         self.vllm_servicer.attach(self.tokenizer, limits, ModelFacts.read(
             c.model_name, ready.model_path, spec, ready.max_seq_len, c.max_running_seqs, ready.dtype, c.block_size,
-            ready.kv_cache_dtype),
-            control)
-        self.servicer.adapter_names = control.adapter_names
+            ready.kv_cache_dtype))
+        self.servicer.adapter_names = engine.adapter_names
         # What start-up made lives as long as the process: out of every collection from now on, so a
         # full collection does not stop the event loop (and, through the pipe, the engine) for long.
         frozen = freeze_startup_heap()
@@ -171,7 +169,7 @@ class App:
         self.ready.set()
         log.info("serving", model=c.model, port=self.port, graph_mode=ready.graph_mode, gc_frozen_objects=frozen)
 
-    def _model_info(self, ready: WorkerReady) -> inference_pb2.ModelInfo:
+    def _model_info(self, ready: EngineFacts) -> inference_pb2.ModelInfo:
         c, spec = self.config, ready.spec
         return inference_pb2.ModelInfo(
             model=c.model, architecture=spec.architecture, vocab_size=spec.vocab_size,

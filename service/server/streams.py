@@ -6,7 +6,7 @@ only what is its own: how to check and map its request (`prepare`) and how to wr
 events as its messages (`StreamWriter`).
 
 The event loop never waits on the engine: each step's events arrive from the engine process in one
-message (see engine_process.py), and each stream drains its own queue. A client that falls behind
+message (see service/engine_client/process.py), and each stream drains its own queue. A client that falls behind
 gets the tokens that piled up merged into one message instead of one message per token.
 
 Writes are paced: the loop writes at most `stream_message_rate` messages per second across the open
@@ -29,7 +29,7 @@ from typing import Any, NoReturn, Protocol, TypeVar
 import grpc
 import structlog
 
-from service.engine.engine import EngineStopped
+from service.engine.interfaces import EngineStopped
 from service.engine.request import (
     AdapterGone,
     ConstraintFailed,
@@ -42,6 +42,7 @@ from service.engine.request import (
     TokenDelta,
 )
 from service.engine.validation import MAX_SAMPLES, Fields, InvalidRequest, constraint_message, request_id_of
+from service.engine_client.client import EngineClient
 
 log = structlog.get_logger("graphserve.server")
 
@@ -104,7 +105,7 @@ class Stream:
     queue is drained.
     """
 
-    def __init__(self, engine: Any, max_backlog: int, arrival: float) -> None:
+    def __init__(self, engine: EngineClient, max_backlog: int, arrival: float) -> None:
         self.engine = engine
         self.max_backlog = max_backlog
         self.arrival = arrival
@@ -199,7 +200,7 @@ class Streams:
     def __init__(self, admission: AdmissionLimits, metrics: Any = None) -> None:
         self.admission = admission
         self.metrics = metrics
-        self.engine: Any = None
+        self.engine: EngineClient | None = None
         self.draining = False
         self.serving = False
         self.active: dict[tuple[str, str], Stream] = {}  # (scope, request id) -> stream
@@ -207,7 +208,7 @@ class Streams:
         self.idle.set()
         self.last_received = 0.0  # time.time() of the latest Generate
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: EngineClient) -> None:
         self.engine = engine
 
     def abort_all(self) -> None:

@@ -48,7 +48,7 @@ from service.engine.validation import (
     need,
     samples,
 )
-from service.server.engine_control import EngineControl
+from service.engine_client.calls import ReadKvState, ResetPrefixCache
 from service.server.kv_event_hub import KvBatch, KvEventHub, Subscription
 from service.server.streams import Stream, Streams, answers_rejections
 
@@ -112,13 +112,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.tokenizer: Any = None
         self.limits: Limits | None = None
         self.facts: ModelFacts | None = None
-        self.control: EngineControl | None = None
         self.started = time.time()
         self._tokenizer_zip: tuple[bytes, str] | None = None
         self._hit_rate = 0.0  # GetLoads' cache_hit_rate as last read
 
-    def attach(self, tokenizer: Any, limits: Limits, facts: ModelFacts, control: EngineControl) -> None:
-        self.tokenizer, self.limits, self.facts, self.control = tokenizer, limits, facts, control
+    def attach(self, tokenizer: Any, limits: Limits, facts: ModelFacts) -> None:
+        self.tokenizer, self.limits, self.facts = tokenizer, limits, facts
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -205,7 +204,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                        ) -> vllm_engine_pb2.GetLoadsResponse:
         f = await self._facts(context)
         try:  # the prefix cache's counts, read in the engine process beside its steps
-            self._hit_rate = (await asyncio.wait_for(asyncio.to_thread(self.control.kv_state), HIT_RATE_WAIT_S)).hit_rate
+            stats = asyncio.to_thread(self.streams.engine.request, ReadKvState())
+            self._hit_rate = (await asyncio.wait_for(stats, HIT_RATE_WAIT_S)).hit_rate
         except Exception:  # noqa: BLE001 - the engine is stopping or slow to answer: the last rate, and the loads, still help
             pass
         hit_rate = self._hit_rate
@@ -240,7 +240,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def FlushCache(self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
                          ) -> common_pb2.FlushCacheResponse:
         await self._facts(context)
-        if await asyncio.to_thread(self.control.reset_prefix_cache):
+        if await asyncio.to_thread(self.streams.engine.request, ResetPrefixCache()):
             return common_pb2.FlushCacheResponse(success=True, message="the prefix cache is empty")
         return common_pb2.FlushCacheResponse(
             success=False, message="requests are running and hold KV blocks: flush again when the server is idle")

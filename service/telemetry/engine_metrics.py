@@ -2,7 +2,7 @@
 also under vLLM's names (vllm_metrics.py).
 
 `EngineMetrics` is the engine's EngineObserver, so it lives where the engine runs: in the engine
-process (engine_worker.py), or in the test's process for an in-process engine. The gRPC process
+process (service/engine_client/worker.py), or in the test's process for an in-process engine. The gRPC process
 exports its families on each scrape (metrics.EngineMetricsCollector): nothing per token crosses
 the pipe or runs on the gRPC process's event loop.
 
@@ -71,9 +71,11 @@ class StepHistogram(Histogram):
 class EngineMetrics:
     """The engine's metrics in a registry of their own; implements the EngineObserver protocol."""
 
-    def __init__(self, model_name: str = "", max_seq_len: int = 2048) -> None:
+    def __init__(self, model_name: str = "", max_seq_len: int = 2048,
+                 capturing: Callable[[], bool] = lambda: False) -> None:
         """`model_name`: the served model, the model_name label of the vllm: series; `max_seq_len` bounds
-        the buckets of the per-request token histograms."""
+        the buckets of the per-request token histograms; `capturing`: whether a graph capture is in
+        flight now (asked on the engine thread)."""
         # prometheus-client's switch is process-wide: no family of this process exports _created samples
         # (a gauge series per counter and histogram that nobody queries).
         disable_created_metrics()
@@ -107,8 +109,7 @@ class EngineMetrics:
         self._gap_children = {flag: (self.step_gap.labels(str(flag).lower()), self.step_gap_max.labels(str(flag).lower()))
                               for flag in (False, True)}
         self._gap_max = {False: 0.0, True: 0.0}
-        # Whether a graph capture is in flight now (set by whoever owns the graph caches; engine thread).
-        self.capturing: Callable[[], bool] = lambda: False
+        self.capturing = capturing
         self.prompt_tokens = Counter("graphserve_prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.request_prompt_tokens = Histogram("graphserve_request_prompt_tokens", "Prompt tokens of each finished "
                                                "sequence.", buckets=one_two_five(max_seq_len), registry=r)

@@ -52,7 +52,7 @@ def gpu_server(model_cache_dir, tmp_path) -> Iterator[tuple[ServerThread, str, s
         port = getattr(server.app, "admin_port", None)
         own = None
         if port is None:  # until app.py starts the admin server itself
-            own, port = server._run(start_admin_server(server.config, server.app.control))
+            own, port = server._run(start_admin_server(server.config, server.app.engine))
         try:
             yield server, f"127.0.0.1:{port}", str(token_file)
         finally:

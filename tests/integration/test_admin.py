@@ -9,7 +9,6 @@ import json
 import threading
 import types
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -24,11 +23,10 @@ from service import graphctl
 from service.config import ConfigError, ServeConfig, load_config
 from service.engine.engine import Engine
 from service.engine.scheduler import Scheduler
+from service.engine_client.client import EngineFacts
+from service.engine_client.in_process import InProcessEngine
 from service.proto import admin_pb2, admin_pb2_grpc
 from service.server.admin_server import start_admin_server
-from service.server.engine_calls import EngineCalls
-from service.server.engine_control import EngineControl
-from service.server.engine_messages import EngineCall, WorkerReady
 from tests.support.server import ServerThread, free_port, generate, greedy, running_server
 
 TOKEN = "s3cret-admin-token-for-tests"
@@ -365,7 +363,7 @@ def test_no_token_configured_keeps_the_admin_port_closed(server: ServerThread) -
     assert server.config.admin_token is None
     assert getattr(server.app, "admin_port", None) is None
     started = asyncio.run_coroutine_threadsafe(
-        start_admin_server(server.config, server.app.control), server.loop
+        start_admin_server(server.config, server.app.engine), server.loop
     ).result(30)
     assert started == (None, None)
 
@@ -402,47 +400,24 @@ def _fake_graphs_admin(tmp_path, pad_single_rows: bool, lora: bool) -> Iterator[
                     between_steps=graphs.poll)
     graphs.hooks.attach(engine)
     engine.start()
-    link = _InProcessEngine(engine, types.SimpleNamespace(graphs=graphs, adapters=None,
-                                                          runner=types.SimpleNamespace(rank_memory=list)))
-    ready = WorkerReady(model_path="", spec=None, max_seq_len=256, device="cpu", dtype="float32", graph_config=config,
+    facts = EngineFacts(model_path="", spec=None, max_seq_len=256, device="cpu", dtype="float32", graph_config=config,
                         graph_mode="full", graphs_device="cpu", has_graph_backend=True, max_loras=2 if lora else 0)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
+    client = InProcessEngine(engine, types.SimpleNamespace(graphs=graphs, adapters=None,
+                                                           runner=types.SimpleNamespace(rank_memory=list)), facts)
     serve = ServeConfig(admin_port=0, admin_token=TOKEN)
     with structlog.testing.capture_logs() as logs:
         server, port = asyncio.run_coroutine_threadsafe(
-            start_admin_server(serve, EngineControl(link, ready)), loop).result(30)
+            start_admin_server(serve, client), loop).result(30)
         try:
             yield Admin(None, port, str(token_file), logs)
         finally:
             asyncio.run_coroutine_threadsafe(server.stop(1.0), loop).result(30)
             loop.call_soon_threadsafe(loop.stop)
             thread.join(10)
-            link.close()
-            engine.stop()
-
-
-class _InProcessEngine:
-    """EngineControl's link to an engine in this process: its calls run as in the engine process
-    (EngineCalls), without the pipe."""
-
-    def __init__(self, engine: Engine, lr: object) -> None:
-        self.alive = True
-        self._reads = ThreadPoolExecutor(1)
-        self._lane = ThreadPoolExecutor(1)  # the admin operations, one at a time
-        self._calls = EngineCalls(engine, lr, list, self._reads)
-
-    def call(self, fn) -> Future:  # noqa: ANN001
-        return self._lane.submit(fn)
-
-    def request(self, call: EngineCall, timeout: float) -> object:
-        return self._calls.start(call).result(timeout)
-
-    def close(self) -> None:
-        self._calls.close()
-        self._lane.shutdown()
-        self._reads.shutdown()
+            client.stop()
 
 
 def test_a_budget_above_the_device_s_memory_is_invalid_argument(fake_graphs_admin: Admin) -> None:

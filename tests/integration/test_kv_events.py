@@ -15,6 +15,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as v
 
 from service.engine.block_pool import chain_hashes
+from service.engine_client.calls import ReadKvState
 from service.server.vllm_servicer import wire_hash
 from tests.integration.test_vllm_metrics import scrape, vllm
 from tests.support.server import ServerThread, running_server
@@ -124,7 +125,7 @@ def test_stored_blocks_carry_their_tokens_and_chain_a_hit_stores_nothing_a_flush
         time.sleep(0.3)
         assert not [b for batch in sub.batches[seen:] for e in batch.events if e.WhichOneof("data") == "stored"
                     for b in e.stored.blocks if b.block_hash in hashes]
-        assert len(sub.cached) == server.app.control.kv_state().cached  # the subscriber's set is the pool's size
+        assert len(sub.cached) == server.app.engine.request(ReadKvState()).cached  # the subscriber's set is the pool's size
 
         flush(server)
         sub.wait_for(lambda: not sub.cached)
@@ -196,7 +197,7 @@ def test_get_loads_reports_the_prefix_cache_hit_rate(server) -> None:  # noqa: A
     complete(stub, prompt)
     complete(stub, prompt)
     [load] = stub.GetLoads(v.GetLoadsRequest(), timeout=10).loads
-    stats = server.app.control.kv_state()
+    stats = server.app.engine.request(ReadKvState())
     assert stats.prefix_hits > 0 and load.cache_hit_rate == pytest.approx(stats.prefix_hits / stats.prefix_queries)
     assert 0 < load.cache_hit_rate < 1
 
@@ -210,7 +211,7 @@ def test_metrics_count_the_prefix_cache_as_vllm_names_it(server) -> None:  # noq
     complete(stub, prompt)
     again = complete(stub, prompt)
     _, after = scrape(port)
-    stats = server.app.control.kv_state()
+    stats = server.app.engine.request(ReadKvState())
 
     def delta(name: str) -> float:
         return vllm(after, name) - vllm(before, name)

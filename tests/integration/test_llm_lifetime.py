@@ -46,8 +46,8 @@ def test_close_releases_the_model_and_the_kv_cache(model_cache_dir: Path) -> Non
         for _ in range(5):
             llm = open_llm()
             llm.generate("hello", SamplingParams(max_tokens=2))
-            runner = weakref.ref(llm._engine.runner)
-            model = weakref.ref(llm._engine.runner.loaded.model)
+            runner = weakref.ref(llm._engine.lr.runner)
+            model = weakref.ref(llm._engine.lr.loaded.model)
             llm.close()
             assert runner() is None and model() is None, gc.get_referrers(runner())
             sizes.append(rss_mb())

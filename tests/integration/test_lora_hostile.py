@@ -14,9 +14,9 @@ import grpc
 import pytest
 from safetensors.torch import load_file, save_file
 
+from service.engine_client.calls import EngineCall, LoadAdapter, UnloadAdapter
 from service.model import ensure_builtin
 from service.proto import admin_pb2, admin_pb2_grpc, inference_pb2
-from service.server.engine_messages import UnloadAdapter
 from tests.support.lora import make_adapter
 from tests.support.server import ServerThread, running_server
 
@@ -148,14 +148,15 @@ def test_a_catastrophic_regex_costs_nothing_while_streams_and_admin_calls_go_on(
 
 def test_admin_calls_do_not_wait_behind_a_load(hostile: Hostile, monkeypatch: pytest.MonkeyPatch) -> None:
     """A load that takes long (a slow disk) holds up no other admin call."""
-    control = hostile.server.app.control
-    real_load = control.load_adapter
+    engine = hostile.server.app.engine
+    real_request = engine.request
 
-    def slow_load(name: str, path: str) -> object:
-        time.sleep(2.0)
-        return real_load(name, path)
+    def slow_request(call: EngineCall, timeout: float | None = None) -> object:
+        if isinstance(call, LoadAdapter):
+            time.sleep(2.0)
+        return real_request(call, timeout)
 
-    monkeypatch.setattr(control, "load_adapter", slow_load)
+    monkeypatch.setattr(engine, "request", slow_request)
     loader = threading.Thread(target=hostile.load, args=("slow", hostile.good))
     loader.start()
     time.sleep(0.2)
@@ -252,10 +253,11 @@ def test_a_generate_racing_its_adapters_unload_is_not_found(hostile: Hostile) ->
     process's list of names follows, the window of a real race)."""
     hostile.load("race", hostile.good)
     hostile.server.app.engine.request(UnloadAdapter("race"), timeout=60)
+    hostile.server.app.engine.adapter_names.add("race")  # the names as before the reply came back
     with pytest.raises(grpc.RpcError) as err:
         hostile.generate("race")
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "'race' is not loaded" in err.value.details()
-    hostile.server.app.control.adapter_names.discard("race")
+    hostile.server.app.engine.adapter_names.discard("race")
     with pytest.raises(grpc.RpcError) as err:
         hostile.generate("race")
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -2,10 +2,13 @@
 modules import each other in a circle. Read from the source (every import statement, function-level
 ones included), so a new upward import fails here, not in review.
 
-    cache_manager < config, logs < model < engine < metrics < chat < server | Python API < entry points
+    cache_manager < config, logs < model < engine < metrics < chat < engine client < server | Python API
+    < entry points
 
 The gRPC server and the Python API are two ways in over one engine: neither imports the other (what
-both need lives below them). Below the entry points, a layer's packages do not import each other.
+both need lives below them). Both reach the engine through the engine client (service.engine_client:
+the `EngineClient` protocol, its in-process and engine-process implementations, and the engine
+process itself). Below the entry points, a layer's packages do not import each other.
 """
 
 from __future__ import annotations
@@ -27,15 +30,16 @@ LAYERS = {
     "service.engine": 3,
     "service.telemetry": 4,
     "service.chat": 5,
-    "service.server": 6,
-    "service.llm": 6,
-    "service.llm_config": 6,
-    "service": 7,
-    "service.engine.rank_main": 7,
+    "service.engine_client": 6,
+    "service.server": 7,
+    "service.llm": 7,
+    "service.llm_config": 7,
+    "service": 8,
+    "service.engine.rank_main": 8,
 }
-TOP = 7
+TOP = 8
 NAMES = {0: "cache_manager", 1: "config and logs", 2: "model", 3: "engine", 4: "metrics", 5: "chat",
-         6: "server | Python API", 7: "entry points"}
+         6: "engine client", 7: "server | Python API", 8: "entry points"}
 
 
 # Packages of one layer that are one part (may import each other).

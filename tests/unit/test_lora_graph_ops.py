@@ -14,8 +14,8 @@ import torch
 from cache_manager import Fingerprint, GraphCache, GraphCacheConfig, GraphFamily, OpOutcome
 from cache_manager.sizes import FULL
 from cache_manager.testing import CountingStep, FakeGraphBackend
-from service.server.engine_calls import EngineCalls
-from service.server.engine_messages import Capture, EngineCall, Evict, ReadGraphMemory, SetBudget
+from service.engine_client.calls import Capture, EngineCall, Evict, ReadGraphMemory, SetBudget
+from service.engine_client.host import EngineHost
 
 SIZES = (1, 2, 4, 8)
 
@@ -38,7 +38,7 @@ def _cache(lora: bool = True) -> GraphCache:
 
 def _calls(graphs: GraphCache):
     reads = ThreadPoolExecutor(1)
-    c = EngineCalls(_InlineEngine(), types.SimpleNamespace(graphs=graphs), list, reads)
+    c = EngineHost(_InlineEngine(), types.SimpleNamespace(graphs=graphs), list, reads)
     yield c
     c.close()
     reads.shutdown()
@@ -50,7 +50,7 @@ def calls():
     yield from _calls(_cache())
 
 
-def call(c: EngineCalls, request: EngineCall) -> object:
+def call(c: EngineHost, request: EngineCall) -> object:
     """One call as the gRPC process makes it; the cache commits between steps (here: poll until idle)."""
     future = c.start(request)
     c.lr.graphs.wait_idle()
@@ -62,7 +62,7 @@ def held(graphs: GraphCache, lora: bool) -> int:
     return sum(b.bytes for b in graphs.snapshot().buckets if b.lora == lora and b.state.value == "captured")
 
 
-def test_lora_kinds_act_on_the_lora_graphs(calls: EngineCalls) -> None:
+def test_lora_kinds_act_on_the_lora_graphs(calls: EngineHost) -> None:
     graphs = calls.lr.graphs
     result = call(calls, Capture((2, 8), "full", lora=True))
     assert {s: r.outcome for s, r in result.items()} == {2: OpOutcome.CAPTURED, 8: OpOutcome.CAPTURED}
@@ -73,7 +73,7 @@ def test_lora_kinds_act_on_the_lora_graphs(calls: EngineCalls) -> None:
     assert held(graphs, lora=True) == 2000 and held(graphs, lora=False) == 4000
 
 
-def test_a_budget_binds_lora_and_base_graphs_and_lists_the_evictions_of_both(calls: EngineCalls) -> None:
+def test_a_budget_binds_lora_and_base_graphs_and_lists_the_evictions_of_both(calls: EngineHost) -> None:
     base = graphs = calls.lr.graphs
     call(calls, Capture((1, 2, 4), "full"))
     call(calls, Capture((2, 8), "full", lora=True))

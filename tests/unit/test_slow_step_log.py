@@ -8,7 +8,7 @@ import time
 import pytest
 import structlog
 
-from service.engine import engine as engine_module
+from service.engine import slow_steps
 from service.engine.engine import Engine
 from service.engine.scheduler import Scheduler
 from tests.unit.test_engine import Collector, LetterTokenizer, ScriptedRunner, request
@@ -21,8 +21,7 @@ class SlowRunner(ScriptedRunner):
 
 
 def slow_step_lines(threshold_s: float, steps: int = 20) -> list[dict]:
-    engine = Engine(SlowRunner(), Scheduler(4, 1000), LetterTokenizer(), frozenset())
-    engine.slow_step_s = threshold_s
+    engine = Engine(SlowRunner(), Scheduler(4, 1000), LetterTokenizer(), frozenset(), slow_step_s=threshold_s)
     out = Collector()
     with structlog.testing.capture_logs() as logs:
         engine.start()
@@ -38,7 +37,7 @@ def test_every_step_slow_gives_one_line_per_interval() -> None:
 
 
 def test_the_lines_count_the_slow_steps_between_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_module, "SLOW_STEP_LOG_INTERVAL_S", 0.02)
+    monkeypatch.setattr(slow_steps, "SLOW_STEP_LOG_INTERVAL_S", 0.02)
     lines = slow_step_lines(0.001, steps=40)
     assert 2 <= len(lines) < 40
     assert sum(line["slow_steps"] for line in lines) <= 41  # the prefill step and 39 decodes, some not logged yet

@@ -2,10 +2,10 @@
 
 The gRPC process does the network and the engine process does the device; each has its own GIL,
 so 64 streams of message writing no longer take turns with the engine's per-step Python. The
-messages are engine_messages.py's. Per step the engine sends one `Events` message with every
+messages are messages.py's. Per step the engine sends one `Events` message with every
 token delta of that step, so the gRPC process wakes once per step, not once per token. The
 engine's metrics stay here (EngineMetrics observes the engine on its thread); the gRPC process
-reads their families when Prometheus scrapes it. Its calls run as engine_calls.py says.
+reads their families when Prometheus scrapes it. Its typed calls (calls.py) run themselves here.
 
 The worker ignores SIGINT and SIGTERM: the gRPC process owns the shutdown (drain first) and sends
 `Stop`. When the pipe closes (the gRPC process died) the worker stops the same way; while it is
@@ -26,8 +26,10 @@ import threading
 import time
 from typing import Any
 
-from service.server.engine_calls import EngineCalls
-from service.server.engine_messages import (
+from service.engine_client.client import EngineFacts, facts_of
+from service.engine_client.gil import shorten_switch_interval  # torch-free, like everything imported at the top here
+from service.engine_client.host import EngineHost
+from service.engine_client.messages import (
     DELTA,
     ERROR,
     FINISH,
@@ -42,11 +44,9 @@ from service.server.engine_messages import (
     Stop,
     Stopped,
     Submit,
-    WorkerReady,
     WorkerSpec,
     WorkerStatus,
 )
-from service.server.gil import shorten_switch_interval  # torch-free, like everything imported at the top here
 from service.telemetry.engine_metrics import EngineMetrics
 from service.telemetry.gc_pauses import freeze_startup_heap, watch_gc_pauses
 
@@ -74,11 +74,12 @@ class _Worker:
         self.engine: Any = None
         self.graphs: Any = None
         self.runner: Any = None  # LoadedRunner
-        self.metrics = EngineMetrics(model_name=spec.config.model_name, max_seq_len=spec.config.max_seq_len)
+        self.metrics = EngineMetrics(model_name=spec.config.model_name, max_seq_len=spec.config.max_seq_len,
+                                     capturing=lambda: self.graphs is not None and self.graphs.capturing)
         self.received = 0
         self.received_tokens = 0
         self.replies = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphserve-reply")
-        self.calls: EngineCalls | None = None  # once loaded
+        self.host: EngineHost | None = None  # once loaded
 
     def send(self, message: FromWorker) -> None:
         with self.send_lock:
@@ -113,10 +114,10 @@ class _Worker:
 
     # ---- start --------------------------------------------------------------------------------
 
-    def load(self) -> WorkerReady:
+    def load(self) -> EngineFacts:
         from cache_manager import EngineHooks
         from service.engine.builder import load_runner, new_engine
-        from service.server.faults import wrap_decode
+        from service.engine_client.faults import wrap_decode
         from service.telemetry.log import route_library_logs
 
         c, faults = self.spec.config, self.spec.faults
@@ -126,23 +127,14 @@ class _Worker:
         route_library_logs()  # transformers is imported now: its log lines go through structlog
         if faults.decode_raise_after is not None:
             wrap_decode(lr.runner, faults.decode_raise_after)
-        self.graphs = graphs = lr.graphs
+        self.graphs = lr.graphs
         self.runner = lr
         self.engine = new_engine(c, lr, publish=self.publish, observer=self.metrics)
         self.engine.publish_kv_events(_KeySink(""))  # shipped to the gRPC process's KV event hub
-        self.calls = EngineCalls(self.engine, lr, self.metric_families, reads=self.replies)
+        self.host = EngineHost(self.engine, lr, self.metric_families, reads=self.replies)
         blocks = self.engine.scheduler.block_stats()
         self.metrics.set_cache_config(blocks.block_size, c.kv_cache_dtype, c.prefix_caching, blocks.num_blocks)
-        self.metrics.capturing = lambda: graphs.capturing
-        loaded = lr.loaded
-        return WorkerReady(
-            model_path=str(loaded.path), spec=loaded.spec, max_seq_len=lr.max_seq_len, device=str(loaded.device),
-            dtype=str(loaded.dtype).removeprefix("torch."), graph_config=graphs.config, graph_mode=lr.mode.value,
-            graphs_device=str(graphs.device), has_graph_backend=graphs.backend is not None,
-            adapters=tuple(lr.adapters.names) if lr.adapters is not None else (), max_loras=c.lora_slots,
-            max_lora_rank=c.max_lora_rank if lr.adapters is not None else 0,
-            kv_cache_dtype=str(loaded.kv_cache_dtype).removeprefix("torch."),
-        )
+        return facts_of(c, lr)
 
     def on_rank_death(self) -> None:
         """A tensor-parallel rank died: the engine fails at its next step boundary. A step stuck in a
@@ -181,7 +173,7 @@ class _Worker:
                 case Pause(key, paused):
                     self.engine.pause(key, paused)
                 case Call(call_id, call):
-                    self._reply_when_done(call_id, self.calls.start(call))
+                    self._reply_when_done(call_id, self.host.start(call))
                 case Stop():
                     return
 
@@ -234,7 +226,7 @@ class _Worker:
         from service.engine.builder import close_engine
 
         saved = close_engine(self.engine, self.graphs)
-        self.calls.close()
+        self.host.close()
         return saved
 
 

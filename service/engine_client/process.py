@@ -1,13 +1,9 @@
-"""The gRPC process's handle on the engine process (see engine_worker.py).
-
-`EngineProcess` offers what the streams use of an in-process `Engine` (submit, abort, pause,
-stop, alive, error, the queue counters, last_progress) over a pipe whose messages are
-engine_messages.py's, and `request`, the reply to one typed call (EngineControl, in
-engine_control.py, is what the servicers and the metrics call). The event loop itself reads the
-pipe (`loop.add_reader`): each step's message becomes (sink, event) pairs delivered at once. No
-reader thread: a second Python thread in this process would wait for the GIL behind the loop, the
-pipe would fill, and the engine would stall. The engine's metrics are not sent per step: a scrape
-asks for them.
+"""The gRPC process's handle on the engine process (see worker.py): an `EngineClient` over a pipe
+whose messages are messages.py's; `request` sends a typed call (calls.py), which runs itself in the
+engine process, and waits for its reply. The event loop itself reads the pipe (`loop.add_reader`):
+each step's message becomes (sink, event) pairs delivered at once. No reader thread: a second
+Python thread in this process would wait for the GIL behind the loop, the pipe would fill, and the
+engine would stall. The engine's metrics are not sent per step: a scrape asks for them.
 """
 
 from __future__ import annotations
@@ -25,17 +21,17 @@ from typing import Any, TypeVar
 
 import structlog
 
-from service.engine.engine import EngineStopped, Sink, deliver
+from service.engine.interfaces import EngineStopped, Sink, deliver
 from service.engine.kv_events import from_wire
 from service.engine.request import EngineError, GenerationRequest, TokenDelta
-from service.model.spec import ModelLoadError
-from service.server.engine_messages import (
+from service.engine_client.calls import EngineCall
+from service.engine_client.client import EngineFacts
+from service.engine_client.messages import (
     DELTA,
     FINISH,
     KV,
     Abort,
     Call,
-    EngineCall,
     Events,
     LoadFailed,
     Pause,
@@ -44,11 +40,11 @@ from service.server.engine_messages import (
     Stopped,
     Submit,
     ToWorker,
-    WorkerReady,
     WorkerSpec,
     WorkerStatus,
 )
-from service.server.engine_worker import worker_main
+from service.engine_client.worker import worker_main
+from service.model.spec import ModelLoadError
 
 log = structlog.get_logger("graphserve.engine_process")
 
@@ -63,7 +59,11 @@ class EngineStartError(RuntimeError):
 
 
 class EngineProcess:
-    def __init__(self, spec: WorkerSpec, loop: asyncio.AbstractEventLoop) -> None:
+    """An EngineClient whose engine runs in an engine process of its own; `facts` and
+    `adapter_names` are there once `start` returned."""
+
+    def __init__(self, spec: WorkerSpec, loop: asyncio.AbstractEventLoop,
+                 on_kv_events: Callable[[Any], None] | None = None) -> None:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
         self._conn, self._child_conn = ctx.Pipe()
         self.process = ctx.Process(target=worker_main, args=(self._child_conn, spec), name="graphserve-engine",
@@ -87,11 +87,13 @@ class EngineProcess:
         self.last_progress = time.monotonic()
         self.stats_saved = False  # the engine process said so as it stopped
         self._last_message_at = time.monotonic()
-        self.on_kv_events: Callable[[Any], None] | None = None  # each step's KvEventBatch, on the event loop
+        self.on_kv_events = on_kv_events  # each step's KvEventBatch, on the event loop
+        self.facts: EngineFacts | None = None
+        self.adapter_names: set[str] = set()
 
     # ---- start --------------------------------------------------------------------------------
 
-    def start(self) -> WorkerReady:
+    def start(self) -> EngineFacts:
         """Start the engine process and wait until its model is loaded (blocking: call it off the event
         loop). Raises ModelLoadError when the model cannot be loaded, EngineStartError otherwise."""
         self.process.start()
@@ -108,11 +110,12 @@ class EngineProcess:
                 self.process.join(5)
                 raise EngineStartError(f"the engine process exited with code {self.process.exitcode} while "
                                        "loading; see its log above") from None
-            if isinstance(message, WorkerReady):
+            if isinstance(message, EngineFacts):
                 break
             if isinstance(message, LoadFailed):
                 self.process.join(10)
                 raise ModelLoadError(message.message) if message.model else EngineStartError(message.message)
+        self.facts, self.adapter_names = message, set(message.adapters)
         with self._lock:
             self._ready = not self._stopping
         self.loop.call_soon_threadsafe(self._start_reading)
@@ -186,17 +189,16 @@ class EngineProcess:
                 self._send(Pause(key, paused))
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run fn on a thread of this process, one call at a time; fn reaches the engine through
-        `request` (EngineControl's methods)."""
+        """Run fn on a thread of this process, one call at a time; fn reaches the engine through `request`."""
         if not self.alive or self._stopping:
             future: concurrent.futures.Future = concurrent.futures.Future()
             future.set_exception(RuntimeError("the engine is not running"))
             return future
         return self._ops.submit(fn)
 
-    def request(self, call: EngineCall[T], timeout: float) -> T:
-        """The engine process's reply to `call` (engine_calls.py runs it there); blocking, so never
-        on the event loop, which is the thread that reads the reply."""
+    def request(self, call: EngineCall[T], timeout: float | None = None) -> T:
+        """The engine process's reply to `call` (which runs itself there); blocking, so never on the
+        event loop, which is the thread that reads the reply."""
         if self._on_loop():
             raise RuntimeError("EngineProcess.request blocks: call it off the event loop")
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -207,10 +209,12 @@ class EngineProcess:
             self._calls[call_id] = future
             self._send(Call(call_id, call))
         try:
-            return future.result(timeout)
+            reply = future.result(call.timeout_s if timeout is None else timeout)
         finally:
             with self._lock:
                 self._calls.pop(call_id, None)
+        call.on_reply(self, reply)
+        return reply
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Stop the engine process: running requests end with an EngineError, the graph cache saves
