@@ -34,7 +34,6 @@ if triton is not None:
     from service.model.kernels.activation import activate
 
 EXPERT_GROUP = 8  # experts per dense product of the torch path: bounds its [group, T, 2I] buffer
-SHARED_MEMORY_BYTES = 200 * 1024  # a grouped GEMM's pipeline buffers: under Hopper's 227 KiB a block
 
 
 @dataclass(frozen=True)
@@ -161,12 +160,7 @@ def moe_config(num_tokens: int, n: int, k: int, block: tuple[int, int] | None = 
     block_k = 128 if k % 128 == 0 else 64
     if block is not None:
         block_k = min(block_k, block[1])
-    # A pipeline stage of the gate-up GEMM holds a's tile and two weight tiles, 2 bytes an element at
-    # worst (bf16 experts): 64-row tiles with block_k 128 in 4 stages asked 320 KiB, over what a block
-    # may have, and bf16 experts failed their check there while FP8 ones (half the bytes) passed.
-    stage_bytes = 2 * block_k * (block_m + 2 * block_n)
-    stages = min(3 if block_m == 16 else 4, SHARED_MEMORY_BYTES // stage_bytes)
-    return MoeGemmConfig(block_m, block_n, block_k, 4, stages)
+    return MoeGemmConfig(block_m, block_n, block_k, 4, 3 if block_m == 16 else 4)
 
 
 def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
