@@ -202,11 +202,14 @@ class ModelRunner:
                 raise
             raise error from exc
         self._previous_tokens = tokens
-        logprob_ks = [s.request.sampling.logprobs for s in step.sampling] if logprobs is not None else None
+        logprob_ks = [s.request.sampling.logprobs for s in sampled_rows(step)[0]] if logprobs is not None else None
         if self._tokens_ready is None:
             return LaunchedStep(tokens, None, None, logprobs, logprob_ks, prompt)
         # Two pinned buffers and events in turn: the host reads launch t while launch t+1 is queued.
         self._turn ^= 1
+        if tokens.shape[0] > self._host_tokens.shape[1]:  # verify rows: 1 + k tokens each (a launch in
+            # flight keeps its view of the old buffer alive)
+            self._host_tokens = torch.zeros((2, 2 * tokens.shape[0]), dtype=torch.long, pin_memory=True)
         host = self._host_tokens[self._turn, : tokens.shape[0]]
         host.copy_(tokens, non_blocking=True)
         if logprobs is not None:  # rare enough for a pinned buffer of its own per step
@@ -238,7 +241,7 @@ class ModelRunner:
         log-probabilities of those that asked for them (sampler.Sampled), and the prompt logprobs the
         chunks computed."""
         inputs = self.input_batch.build(step)
-        sampling = step.sampling
+        sampling, offsets = sampled_rows(step)
         prompt = None
         if inputs.logprob_targets is not None:
             prompt = PromptLogprobs([(c.seq.key, c.start, spec.logprob_rows, c.seq.request.sampling.prompt_logprobs)
@@ -248,7 +251,7 @@ class ModelRunner:
             prompt.packed = packed
         # Before before_sampling: reading the step in flight may finish some of these sequences
         # (their slots then go back), whose rows still sample here (the token is surplus).
-        rows = None if all(s.request.sampling.plain_greedy for s in sampling) else self._sample_rows(sampling)
+        rows = None if all(s.request.sampling.plain_greedy for s in sampling) else self._sample_rows(sampling, offsets)
         if before_sampling is not None:
             before_sampling()
         if not sampling:  # every chunk leaves part of its prompt for a later step
@@ -310,11 +313,14 @@ class ModelRunner:
                 packed.append(token_logprobs(logits, targets[start: start + _LOGPROB_SLICE], MAX_LOGPROBS))
         return torch.cat(packed) if packed else None
 
-    def _sample_rows(self, seqs: tuple[Sequence, ...]) -> list[SampleRow]:
+    def _sample_rows(self, seqs: tuple[Sequence, ...], offsets: tuple[int, ...] | None = None) -> list[SampleRow]:
+        """offsets: per row, how many tokens after the sequence's next one it samples (a verify row's
+        j-th row samples the token after its j-th draft token); None: all 0."""
         rows = []
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             request = seq.request
-            counter = seq.num_completion_tokens + seq.num_pending  # the index of the token sampled now
+            # The index of the token sampled now (a seeded row draws as it would without speculation).
+            counter = seq.num_completion_tokens + seq.num_pending + (offsets[i] if offsets else 0)
             banned = ()
             p = request.sampling
             if counter < p.min_tokens:
@@ -363,6 +369,21 @@ class ModelRunner:
         if self._history.owner[slot] != owner:
             assert not seq.num_pending, "a sequence's first sampling after admission has no token in flight"
             self._history.reset(slot, owner, seq.request.prompt_token_ids, seq.completion_token_ids)
+
+
+def sampled_rows(step: ScheduledStep) -> tuple[tuple[Sequence, ...], tuple[int, ...] | None]:
+    """The sequence of each sampled row of the step (a verify row's once per token) and, with verify
+    rows, each row's offset in its row (None without)."""
+    if not step.verifies:
+        return step.sampling, None
+    seqs: list[Sequence] = []
+    offsets: list[int] = []
+    widths = {v.seq: v.num_tokens for v in step.verifies}
+    for seq in step.sampling:
+        n = widths.get(seq, 1)
+        seqs += [seq] * n
+        offsets += range(n)
+    return tuple(seqs), tuple(offsets)
 
 
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,10 @@ class EngineMetricsView(Protocol):
     preemptions: MetricWrapperBase
     request_prompt_tokens: MetricWrapperBase
     request_generation_tokens: MetricWrapperBase
+    spec_drafts: MetricWrapperBase
+    spec_draft_tokens: MetricWrapperBase
+    spec_accepted_tokens: MetricWrapperBase
+    spec_accepted_per_pos: MetricWrapperBase
     kv_cache_usage: float
     cache_config: dict[str, str] | None
     lora_requests: tuple[tuple[str, ...], tuple[str, ...], int, float] | None
@@ -80,6 +84,11 @@ class VllmCollector:
             (m.request_prompt_tokens, "vllm:request_prompt_tokens", "Number of prefill tokens processed.", None),
             (m.request_generation_tokens, "vllm:request_generation_tokens", "Number of generation tokens processed.",
              None),
+            (m.spec_drafts, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", None),
+            (m.spec_draft_tokens, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", None),
+            (m.spec_accepted_tokens, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", None),
+            (m.spec_accepted_per_pos, "vllm:spec_decode_num_accepted_tokens_per_pos",
+             "Accepted tokens per draft position.", None),
         ]
 
     def collect(self) -> Iterator[Metric]:
