@@ -270,6 +270,9 @@ class ModelRunner:
             self.kv.set_blocks(slot, first, blocks)
         self.kv.sync_table()
         plan = self.role.plan(self.graphs, inputs)
+        # A uniform verify step gets a FULL family of its own once a verify step (multi-query
+        # decode attention) is registered in the cache; until then it runs as pieces, like a prefill.
+        assert plan.requested is None or plan.requested.query_tokens == 1, "no FULL verify step registered"
         if plan.kind is FULL:
             self.decode_step.write_rows(inputs.token_ids, inputs.positions, inputs.slots, inputs.pending_rows,
                                         previous_tokens, lora_slots=inputs.lora_slots)
