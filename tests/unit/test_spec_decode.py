@@ -14,12 +14,30 @@ import pytest
 from cache_manager import CudaGraphMode, GraphCacheConfig
 from service.config import SpeculativeConfig
 from service.engine.engine import Engine
-from service.engine.request import Finish, FinishReason, GenerationRequest, SamplingParams
+from service.engine.request import Finish, FinishReason, GenerationRequest, SamplingParams, TokenDelta
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
 from service.engine.spec.proposer import NgramProposer
 from service.model.loader import LoadedModel
-from tests.unit.test_overlap import Results
+from tests.unit.test_overlap import Results as TokenResults
+
+
+
+class Results(TokenResults):
+    """Tokens, text and finishes, and the log-probabilities the deltas carried."""
+
+    def sink(self, request_id: str):  # noqa: ANN201
+        put = super().sink(request_id)
+        self.logprobs = getattr(self, "logprobs", {})
+        self.logprobs[request_id] = []
+
+        def put_and_record(event) -> None:  # noqa: ANN001
+            for delta in (event, getattr(event, "final_delta", None)):
+                if isinstance(delta, TokenDelta) and delta.logprobs:
+                    self.logprobs[request_id] += delta.logprobs
+            put(event)
+        return put_and_record
+
 
 SLOTS = 4
 MAX_SEQ = 512
@@ -105,6 +123,15 @@ def assert_same(a: Results, b: Results, reqs: list[GenerationRequest]) -> None:
         assert a.summary(r.request_id) == b.summary(r.request_id), r.request_id
 
 
+def assert_same_logprobs(a: Results, b: Results, request_id: str, n: int) -> None:
+    """One per emitted token (accepted draft tokens included), equal within float32 noise (a verify
+    row's logits come from the prompt-chunk path, a decode's from the decode path)."""
+    assert len(a.logprobs[request_id]) == len(b.logprobs[request_id]) == n
+    for x, y in zip(a.logprobs[request_id], b.logprobs[request_id], strict=True):
+        assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+        assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
 def references(out: Results, reqs: list[GenerationRequest]) -> list[list[int]]:
     return [r.prompt_token_ids + out.tokens[r.request_id] for r in reqs]
 
@@ -118,16 +145,18 @@ def test_ngram_greedy_and_sampled_equal_off_and_some_drafts_accepted(loaded):  #
     on, counts, _ = run(loaded, reqs, NgramProposer(SpeculativeConfig(num_speculative_tokens=3)), k=3)
     assert_same(off, on, reqs)
     assert counts.drafts > 0 and counts.accepted > 0  # the test could fail: drafts were verified and kept
+    assert_same_logprobs(off, on, "logprobs", 40)
 
 
 def test_long_accepted_runs_with_rejections_chunked_prefill_equal_off(loaded):  # noqa: ANN001
     long_prompt = [(7 * i) % 700 + 3 for i in range(300)]
     reqs = [request(loaded, "long", long_prompt, max_tokens=40),
-            request(loaded, "short", "The service reads a request", max_tokens=60),
+            request(loaded, "short", "The service reads a request", max_tokens=60, logprobs=3),
             request(loaded, "sampled", "Tokens stream back", max_tokens=60, temperature=1.0, seed=11)]
     off, _, _ = run(loaded, reqs, budget=32)  # the long prompt in chunks of at most 32 tokens
     on, counts, _ = run(loaded, reqs, Oracle(references(off, reqs), corrupt=3), k=5, budget=32)
     assert_same(off, on, reqs)
+    assert_same_logprobs(off, on, "short", 60)
     # Two thirds of the drafts are right: most tokens came from accepted drafts, some were rejected.
     assert counts.accepted > 60 and counts.accepted < counts.draft_tokens
 
