@@ -153,8 +153,6 @@ class Scheduler:
             return
         assert seq.status is SequenceStatus.RUNNING and seq.slot is not None, seq
         assert self._running.get(seq.slot) is seq, f"slot {seq.slot} is not held by {seq.request_id}"
-        if self.proposer is not None:
-            self.proposer.finished(seq.token_ids(0, seq.num_tokens), seq.num_prompt_tokens)
         self._release(seq)
 
     def schedule(self) -> ScheduledStep:
@@ -271,7 +269,7 @@ class Scheduler:
             draft = None
             if (k > 0 and not seq.num_pending and seq.matcher is None and not p.penalized
                     and not seq.request.adapter):
-                draft = self.proposer.propose(seq.token_ids(0, seq.num_tokens), k)[:k]
+                draft = self.proposer.propose(seq, k)[:k]
             start = seq.next_position()
             if draft and self.kv.allocate(seq, start + 1 + len(draft)):
                 verifies.append(VerifyRow(seq, start, tuple(draft)))
@@ -341,6 +339,8 @@ class Scheduler:
         self._waiting_prompt_tokens -= seq.num_prompt_tokens
         del self._by_key[seq.key]
         seq.status = SequenceStatus.FINISHED
+        if self.proposer is not None:
+            self.proposer.finished(seq)
 
     def _release(self, seq: Sequence, preempted: bool = False) -> None:
         assert seq.slot is not None
@@ -356,6 +356,8 @@ class Scheduler:
         heapq.heappush(self._free_slots, seq.slot)
         if not preempted:
             del self._by_key[seq.key]
+            if self.proposer is not None:
+                self.proposer.finished(seq)
         seq.slot = None
         seq.status = SequenceStatus.FINISHED
 

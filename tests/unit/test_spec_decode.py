@@ -22,7 +22,6 @@ from service.model.loader import LoadedModel
 from tests.unit.test_overlap import Results as TokenResults
 
 
-
 class Results(TokenResults):
     """Tokens, text and finishes, and the log-probabilities the deltas carried."""
 
@@ -71,8 +70,9 @@ class Oracle:
         self.corrupt = corrupt
         self.calls = 0
 
-    def propose(self, tokens, k: int) -> list[int]:  # noqa: ANN001
+    def propose(self, seq, k: int) -> list[int]:  # noqa: ANN001
         self.calls += 1
+        tokens = seq.token_ids(0, seq.num_tokens)
         for ref in self.references:
             if len(ref) > len(tokens) and ref[: len(tokens)] == list(tokens):
                 draft = ref[len(tokens): len(tokens) + k]
@@ -81,7 +81,7 @@ class Oracle:
                 return draft
         return []
 
-    def finished(self, tokens, num_prompt_tokens: int) -> None:  # noqa: ANN001
+    def finished(self, seq) -> None:  # noqa: ANN001
         pass
 
 

@@ -8,8 +8,18 @@ import random
 import pytest
 
 from service.config import ConfigError, ServeConfig, SpeculativeConfig
-from service.engine.spec.proposer import NgramProposer, find_ngram, new_proposer
+from service.engine.request import GenerationRequest, SamplingParams
+from service.engine.sequence import Sequence
+from service.engine.spec.proposer import NgramProposer, TokenIndex, find_ngram, new_proposer
 from service.engine.spec.suffix import SuffixCorpus, SuffixProposer
+
+
+def seq_of(tokens: list[int], num_prompt: int | None = None) -> Sequence:
+    """A sequence whose prompt is tokens[:num_prompt] and whose output so far is the rest."""
+    num_prompt = len(tokens) if num_prompt is None else num_prompt
+    seq = Sequence(GenerationRequest("r", tokens[:num_prompt], SamplingParams(temperature=0.0, seed=0, max_tokens=8)))
+    seq.completion_token_ids = tokens[num_prompt:]
+    return seq
 
 
 def test_prompt_lookup_takes_the_longest_tail_and_its_newest_occurrence():
@@ -21,17 +31,36 @@ def test_prompt_lookup_takes_the_longest_tail_and_its_newest_occurrence():
     assert find_ngram([5, 5], 3, 2, 4) == []  # below prompt_lookup_min
     assert find_ngram([], 3, 1, 4) == [] and find_ngram([5], 3, 1, 4) == []
     proposer = NgramProposer(SpeculativeConfig(prompt_lookup_min=2, prompt_lookup_max=2))
-    assert proposer.propose([8, 1, 2, 6, 0, 1, 2], 3) == [6, 0, 1]
+    assert proposer.propose(seq_of([8, 1, 2, 6, 0, 1, 2]), 3) == [6, 0, 1]
+
+
+def test_the_token_index_answers_as_the_scan_does_as_a_row_grows():
+    """The proposer's incremental index against the reference scan, on rows of a small alphabet
+    (many repeats) growing a token at a time, as the scheduler asks between steps."""
+    rng = random.Random(1)
+    for trial in range(40):
+        min_n, max_n = rng.choice([(1, 1), (1, 3), (2, 4), (3, 5)])
+        tokens = [rng.randrange(4 if trial % 2 else 9) for _ in range(60)]
+        index = TokenIndex()
+        for size in range(1, len(tokens) + 1):
+            k = rng.randrange(1, 6)
+            assert index.lookup(tokens[:size], k, min_n, max_n) == find_ngram(tokens[:size], k, min_n, max_n), (
+                trial, size)
 
 
 def test_suffix_proposer_falls_back_to_earlier_outputs():
     proposer = new_proposer(SpeculativeConfig(method="suffix", prompt_lookup_min=2, prompt_lookup_max=3))
     assert isinstance(proposer, SuffixProposer)
-    assert proposer.propose([40, 41, 42], 3) == []
-    proposer.finished([100, 101, 40, 41, 42, 43, 44, 45], num_prompt_tokens=2)  # the output: 40..45
-    assert proposer.propose([7, 41, 42], 3) == [43, 44, 45]
-    assert proposer.propose([7, 8, 42], 3) == []  # a 1-token tail is below prompt_lookup_min
-    assert proposer.propose([42, 43, 1, 42, 43], 2) == [1, 42]  # its own tokens come first
+    assert proposer.propose(seq_of([40, 41, 42]), 3) == []
+    done = seq_of([100, 101, 40, 41, 42, 43, 44, 45], num_prompt=2)  # the output: 40..45
+    proposer.finished(done)
+    assert proposer.propose(seq_of([7, 41, 42]), 3) == [43, 44, 45]
+    assert proposer.propose(seq_of([7, 8, 42]), 3) == []  # a 1-token tail is below prompt_lookup_min
+    assert proposer.propose(seq_of([42, 43, 1, 42, 43]), 2) == [1, 42]  # its own tokens come first
+    aborted = seq_of([1, 2, 90, 91, 92, 93], num_prompt=2)
+    aborted.aborted = True
+    proposer.finished(aborted)  # an aborted request's output does not join the corpus
+    assert proposer.propose(seq_of([5, 90, 91]), 2) == []
 
 
 def test_suffix_corpus_memory_cap_evicts_oldest_outputs():

@@ -19,7 +19,8 @@ import itertools
 from collections.abc import Sequence as Tokens
 
 from service.config import SpeculativeConfig
-from service.engine.spec.proposer import find_ngram
+from service.engine.sequence import Sequence
+from service.engine.spec.proposer import NgramProposer
 
 
 class SuffixCorpus:
@@ -73,15 +74,18 @@ class SuffixCorpus:
                 del self._index[gram]
 
 
-class SuffixProposer:
-    """The request's own tokens first (prompt lookup), then the corpus of recent outputs."""
+class SuffixProposer(NgramProposer):
+    """The request's own tokens first (prompt lookup), then the corpus of recent outputs, which each
+    request that finishes (not aborted) joins."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
-        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        super().__init__(config)
         self.corpus = SuffixCorpus(config.suffix_corpus_tokens, self.min_n, self.max_n)
 
-    def propose(self, tokens: Tokens[int], k: int) -> list[int]:
-        return find_ngram(tokens, k, self.min_n, self.max_n) or self.corpus.lookup(tokens, k)
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        return super().propose(seq, k) or self.corpus.lookup(seq.token_ids(0, seq.num_tokens), k)
 
-    def finished(self, tokens: Tokens[int], num_prompt_tokens: int) -> None:
-        self.corpus.add(tokens[num_prompt_tokens:])
+    def finished(self, seq: Sequence) -> None:
+        super().finished(seq)
+        if not seq.aborted:
+            self.corpus.add(seq.completion_token_ids)
