@@ -38,6 +38,7 @@ from service.engine.request import (
 from service.engine.scheduled_step import ScheduledStep
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import Sequence, SequenceStatus
+from service.engine.spec.stats import SpecDecodeStats
 
 # A step whose host work (schedule, launch, reading the tokens) took longer than Engine.slow_step_s is
 # logged: the first at once, then at most one line per interval with the count and the slowest.
@@ -129,6 +130,7 @@ class Engine:
         # before must be read first.
         self.overlap = overlap and scheduler.proposer is None
         self.constraints = constraints
+        self.spec_stats = SpecDecodeStats()  # speculative decoding's totals since start
         self._in_flight: _InFlight | None = None  # launched, not yet collected (overlap only)
         self._stalled = False  # the last step ran nothing, had nothing in flight and ended nothing
         self._cond = threading.Condition()
@@ -456,9 +458,11 @@ class Engine:
                 if not self._read_token(seq, token, token_logprobs, now, events, read):
                     break
         assert at == len(token_ids), (at, len(token_ids))
-        if self.observer is not None and accepted_per_row:
-            self.observer.on_speculation(len(accepted_per_row), sum(map(len, launched.drafts.values())),
-                                         accepted_per_row)
+        if accepted_per_row:
+            num_draft_tokens = sum(map(len, launched.drafts.values()))
+            self.spec_stats.add(len(accepted_per_row), num_draft_tokens, accepted_per_row)
+            if self.observer is not None:
+                self.observer.on_speculation(len(accepted_per_row), num_draft_tokens, accepted_per_row)
 
     def _read_token(self, seq: Sequence, token: int, token_logprobs: Any, now: float,
                     events: list[tuple[Sink, RequestEvent]], read: list[Sequence]) -> bool:

@@ -24,6 +24,7 @@ def test_generate_with_speculation_equals_without(model_cache_dir, method: str) 
             assert (engine.scheduler.proposer is not None) == (spec is not None) and engine.overlap == (spec is None)
             results.append([[(o.token_ids, o.text, o.finish_reason) for o in llm.generate(PROMPTS, p)]
                             for p in params])
+            assert spec is None or engine.spec_stats.drafts > 0  # drafts were proposed and verified
     assert results[0] == results[1]
 
 

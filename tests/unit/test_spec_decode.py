@@ -18,6 +18,7 @@ from service.engine.request import Finish, FinishReason, GenerationRequest, Samp
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
 from service.engine.spec.proposer import NgramProposer
+from service.engine.spec.stats import SpecDecodeStats
 from service.model.loader import LoadedModel
 from tests.unit.test_overlap import Results as TokenResults
 
@@ -42,23 +43,6 @@ SLOTS = 4
 MAX_SEQ = 512
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-class Counts:
-    """The observer's view of speculation (the other observer calls are not needed here)."""
-
-    def __init__(self) -> None:
-        self.drafts = self.draft_tokens = self.accepted = 0
-
-    def on_step(self, *_: object) -> None: ...
-    def on_tokens(self, *_: object) -> None: ...
-    def on_finish(self, *_: object) -> None: ...
-    def on_step_gap(self, *_: object) -> None: ...
-
-    def on_speculation(self, num_drafts: int, num_draft_tokens: int, accepted: list[int]) -> None:
-        self.drafts += num_drafts
-        self.draft_tokens += num_draft_tokens
-        self.accepted += sum(accepted)
 
 
 class Oracle:
@@ -87,14 +71,13 @@ class Oracle:
 
 def run(loaded: LoadedModel, reqs: list[GenerationRequest], proposer=None, k: int = 4,  # noqa: ANN001
         budget: int = 64, num_blocks: int | None = None, eos: frozenset[int] | None = None,
-        sequential: bool = False) -> tuple[Results, Counts, Scheduler]:
+        sequential: bool = False) -> tuple[Results, SpecDecodeStats, Scheduler]:
     config = GraphCacheConfig(mode=CudaGraphMode.NONE, capture_sizes=None, max_batch=SLOTS)
     runner = ModelRunner(loaded, SLOTS, MAX_SEQ, config, num_blocks=num_blocks)
     scheduler = Scheduler(SLOTS, budget, blocks=runner.new_block_pool(), proposer=proposer,
                           num_speculative_tokens=k if proposer is not None else 0)
-    counts = Counts()
     engine = Engine(runner, scheduler, loaded.tokenizer,
-                    eos if eos is not None else frozenset(loaded.spec.eos_token_ids), observer=counts)
+                    eos if eos is not None else frozenset(loaded.spec.eos_token_ids))
     out = Results()
     if sequential:  # one after the other: a later request finds the earlier one's blocks cached
         engine.start()
@@ -108,7 +91,7 @@ def run(loaded: LoadedModel, reqs: list[GenerationRequest], proposer=None, k: in
         out.wait([r.request_id for r in reqs], timeout=300)
     engine.stop()
     scheduler.check()
-    return out, counts, scheduler
+    return out, engine.spec_stats, scheduler
 
 
 def request(loaded: LoadedModel, rid: str, prompt: list[int] | str, max_tokens: int = 48, **params: object
