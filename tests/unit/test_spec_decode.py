@@ -53,9 +53,11 @@ class Oracle:
         self.references = references
         self.corrupt = corrupt
         self.calls = 0
+        self.asked: set[str] = set()  # the requests it was asked to draft for
 
     def propose(self, seq, k: int) -> list[int]:  # noqa: ANN001
         self.calls += 1
+        self.asked.add(seq.request_id)
         tokens = seq.token_ids(0, seq.num_tokens)
         for ref in self.references:
             if len(ref) > len(tokens) and ref[: len(tokens)] == list(tokens):
