@@ -245,7 +245,8 @@ class ModelRunner:
         prompt = None
         if inputs.logprob_targets is not None:
             prompt = PromptLogprobs([(c.seq.key, c.start, spec.logprob_rows, c.seq.request.sampling.prompt_logprobs)
-                                     for c, spec in zip(step.prefills, inputs.chunks) if spec.logprob_rows])
+                                     for c, spec in zip(step.prefills, inputs.chunks[len(step.verifies):])
+                                     if spec.logprob_rows])
         logits, packed = self.forward(inputs, self._previous_tokens)
         if prompt is not None:
             prompt.packed = packed

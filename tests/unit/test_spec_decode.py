@@ -30,11 +30,14 @@ class Results(TokenResults):
         put = super().sink(request_id)
         self.logprobs = getattr(self, "logprobs", {})
         self.logprobs[request_id] = []
+        self.prompt_logprobs = getattr(self, "prompt_logprobs", {})
 
         def put_and_record(event) -> None:  # noqa: ANN001
             for delta in (event, getattr(event, "final_delta", None)):
                 if isinstance(delta, TokenDelta) and delta.logprobs:
                     self.logprobs[request_id] += delta.logprobs
+                if isinstance(delta, TokenDelta) and delta.prompt_logprobs:
+                    self.prompt_logprobs[request_id] = delta.prompt_logprobs
             put(event)
         return put_and_record
 
@@ -135,13 +138,17 @@ def test_ngram_greedy_and_sampled_equal_off_and_some_drafts_accepted(loaded):  #
 
 def test_long_accepted_runs_with_rejections_chunked_prefill_equal_off(loaded):  # noqa: ANN001
     long_prompt = [(7 * i) % 700 + 3 for i in range(300)]
-    reqs = [request(loaded, "long", long_prompt, max_tokens=40),
-            request(loaded, "short", "The service reads a request", max_tokens=60, logprobs=3),
-            request(loaded, "sampled", "Tokens stream back", max_tokens=60, temperature=1.0, seed=11)]
+    # The long prompt's chunks (with prompt logprobs) run in the steps of the others' verify rows.
+    reqs = [request(loaded, "short", "The service reads a request", max_tokens=60, logprobs=3),
+            request(loaded, "sampled", "Tokens stream back", max_tokens=60, temperature=1.0, seed=11),
+            request(loaded, "long", long_prompt, max_tokens=40, prompt_logprobs=1)]
     off, _, _ = run(loaded, reqs, budget=32)  # the long prompt in chunks of at most 32 tokens
     on, counts, _ = run(loaded, reqs, Oracle(references(off, reqs), corrupt=3), k=5, budget=32)
     assert_same(off, on, reqs)
     assert_same_logprobs(off, on, "short", 60)
+    prompt_off, prompt_on = off.prompt_logprobs["long"], on.prompt_logprobs["long"]
+    assert len(prompt_off) == len(prompt_on) == len(long_prompt) - 1
+    assert [x.logprob for x in prompt_on] == pytest.approx([x.logprob for x in prompt_off], abs=1e-4)
     # Two thirds of the drafts are right: most tokens came from accepted drafts, some were rejected.
     assert counts.accepted > 60 and counts.accepted < counts.draft_tokens
 
