@@ -1,5 +1,6 @@
-"""The Python API with speculative decoding: `LLM(speculative_config={...})` builds the engine with
-the proposer, and its outputs (tokens, text, finish reasons, usage) equal those without it."""
+"""Speculative decoding through the Python API (`LLM(speculative_config={...})`) and a gRPC server
+(`--speculative-config`): the engine is built with the proposer, outputs equal those without it,
+and /metrics exports vLLM's spec_decode series."""
 
 from __future__ import annotations
 
@@ -32,3 +33,25 @@ def test_a_bad_speculative_config_fails_at_start_naming_the_keyword_and_field(mo
     with pytest.raises(ConfigError, match="speculative_config.*prompt_lookup_max"):
         LLM(model="builtin:tiny", model_cache_dir=model_cache_dir,
             speculative_config={"method": "ngram", "prompt_lookup_max": 0})
+
+
+def test_a_server_with_speculative_config_streams_the_same_tokens_and_exports_spec_decode_metrics(
+        model_cache_dir) -> None:  # noqa: ANN001
+    from tests.integration.test_metrics_endpoint import scrape
+    from tests.support.server import generate, greedy, running_server
+
+    common = ["--model-cache-dir", str(model_cache_dir), "--max-seq-len", "256", "--max-running-seqs", "4"]
+    streams = []
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    for extra in ([], ["--speculative-config", spec]):
+        with running_server(common + extra) as server:
+            stub = server.stub()
+            streams.append([[t for c in generate(stub, **greedy(p, 48))[0] for t in c.token_ids] for p in PROMPTS])
+            samples = scrape(server.app.metrics_port)
+    assert streams[0] == streams[1]
+    labels = {(name, dict(lab).get("model_name") is not None) for name, lab in samples}
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total"):
+        assert (name, True) in labels, name
+    drafts = next(v for (name, _), v in samples.items() if name == "vllm:spec_decode_num_drafts_total")
+    assert drafts > 0
