@@ -63,8 +63,9 @@ class Runner(Protocol):
         ...
 
     def collect(self, launched: Any) -> StepTokens:
-        """The launched step's sampled tokens: one per decode, then one per chunk that completes its
-        prompt (ScheduledStep.sampling's order), with the log-probabilities rows asked for."""
+        """The launched step's sampled tokens: one per decode, 1 + k per verify row (the target's
+        token after each of its tokens), then one per chunk that completes its prompt
+        (ScheduledStep.sampling's order), with the log-probabilities rows asked for."""
         ...
 
     def take_failed_constraints(self) -> list[tuple[Sequence, str]]:
