@@ -201,6 +201,8 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
                           blocks=lr.runner.new_block_pool(c.prefix_caching), proposer=proposer,
                           num_speculative_tokens=speculation.num_speculative_tokens if speculation else 0)
     if speculation is not None:
+        if observer is not None:  # an empty report: the metrics show speculation's series from the start
+            observer.on_speculation(0, 0, [])
         log.info("speculative_decoding", method=speculation.method, k=speculation.num_speculative_tokens,
                  prompt_lookup_min=speculation.prompt_lookup_min, prompt_lookup_max=speculation.prompt_lookup_max)
     engine = Engine(lr.runner, scheduler, lr.loaded.tokenizer,

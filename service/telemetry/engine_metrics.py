@@ -146,6 +146,7 @@ class EngineMetrics:
         self.spec_acceptance_length = Histogram("graphserve_spec_decode_acceptance_length", "Tokens a verify row "
                                                 "emitted (accepted draft tokens + 1).",
                                                 buckets=tuple(range(1, 18)), registry=r)
+        self.speculating = False  # a server with speculative decoding (set by on_speculation)
         self._block_counts = (0, 0, 0)  # prefix queries, hits, preemptions as last exported
         self._adapter_labels: set[str] = set()  # engine thread only
         self._adapter_token_counters: dict[str, MetricWrapperBase] = {}  # label -> its child: one lookup per token batch
@@ -205,6 +206,8 @@ class EngineMetrics:
             maximum.set(seconds)
 
     def on_speculation(self, num_drafts: int, num_draft_tokens: int, accepted: list[int]) -> None:
+        """A step's verify rows (the engine builder reports an empty one at start when speculation is on)."""
+        self.speculating = True  # the vllm:spec_decode_* series are exported from now on
         self.spec_drafts.inc(num_drafts)
         self.spec_draft_tokens.inc(num_draft_tokens)
         self.spec_accepted_tokens.inc(sum(accepted))

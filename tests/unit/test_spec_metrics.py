@@ -10,6 +10,9 @@ from tests.unit.test_metrics import VLLM, families_of, scrape, server_metrics, v
 def test_drafts_draft_tokens_and_accepted_tokens_under_vllms_names() -> None:
     engine = EngineMetrics(model_name="builtin:tiny")
     m = server_metrics(engine)
+    assert not any(name.startswith("vllm:spec_decode") for name in families_of(m))  # as vLLM without speculation
+    engine.on_speculation(0, 0, [])  # the builder's report at start: the series are there, at 0
+    assert value(scrape(m), "vllm:spec_decode_num_drafts_total", **VLLM) == 0
     engine.on_speculation(3, 9, [3, 0, 1])  # three verify rows of 3 draft tokens
     engine.on_speculation(1, 2, [2])
     types = families_of(m)
