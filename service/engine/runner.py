@@ -3,7 +3,8 @@
 It owns the paged KV cache (and its block table, which each step's updates from the KV manager
 edit in place), the persistent input batch (service/engine/input_batch.py), the static decode
 inputs and the graph cache, and turns a scheduled step (service/engine/scheduled_step.py: decodes
-and prompt chunks) into one forward pass and one sampled token per sampling sequence. The graph
+and prompt chunks; speculative verify rows, which run as chunks whose every row is sampled) into one
+forward pass and the sampled tokens (one per sampling sequence, 1 + k per verify row). The graph
 cache's dispatcher decides how the step runs: a uniform-decode step (every row one decode token)
 replays a full decode graph; a step with any prompt chunk runs the forward split at attention
 (service.model.pieces), replayed from piecewise graphs; a step with adapter rows replays the LoRA
