@@ -66,12 +66,15 @@ class Dispatcher:
         """Whether steps of this kind (FULL: uniform decode; PIECEWISE: any step) can replay graphs."""
         return kind in self._kinds
 
-    def family(self, uniform_decode: bool, lora: bool) -> GraphFamily | None:
-        """A uniform decode runs as FULL (as PIECEWISE when the mode keeps only pieces); any other
-        step as PIECEWISE when the mode keeps pieces, else outside the graph cache (None)."""
+    def family(self, uniform_decode: bool, lora: bool, query_tokens: int = 1) -> GraphFamily | None:
+        """A uniform decode runs as FULL (as PIECEWISE when the mode keeps only pieces); a uniform
+        verify step (query_tokens > 1 in every row) as its own FULL family when a step for it is
+        registered, else like any other step: PIECEWISE when the mode keeps pieces, else outside
+        the graph cache (None)."""
         pieces_only = self.serves(PIECEWISE) and not self.serves(FULL)
-        if uniform_decode and not pieces_only:
-            family = GraphFamily(FULL, lora)
+        full = GraphFamily(FULL, lora, query_tokens)
+        if uniform_decode and not pieces_only and (query_tokens == 1 or full in self.steps):
+            family = full
         elif self.serves(PIECEWISE):
             family = GraphFamily(PIECEWISE, lora)
         else:
@@ -79,10 +82,12 @@ class Dispatcher:
         assert family in self.steps, f"a step of {family} on a cache without its step (no adapter slots?)"
         return family
 
-    def requested(self, num_tokens: int, num_decode_rows: int, lora: bool = False) -> BatchDescriptor | None:
-        """The family of a step of `num_tokens` tokens whose first `num_decode_rows` are one-token decode
-        rows, at its real size (rows for FULL, tokens for PIECEWISE); None: outside the graph cache."""
-        family = self.family(num_decode_rows == num_tokens, lora)
+    def requested(self, num_tokens: int, num_decode_rows: int, lora: bool = False,
+                  query_tokens: int = 1) -> BatchDescriptor | None:
+        """The family of a step of `num_tokens` tokens whose first `num_decode_rows` rows are decode
+        rows of `query_tokens` tokens each (1 + k for speculative verify rows), at its real size (rows
+        for FULL, tokens for PIECEWISE); None: outside the graph cache."""
+        family = self.family(num_decode_rows * query_tokens == num_tokens, lora, query_tokens)
         if family is None:
             return None
         return family.at(num_decode_rows if family.mode is FULL else num_tokens)

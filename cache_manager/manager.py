@@ -158,9 +158,10 @@ class GraphCache:
     def descriptor(self, n: int, kind: Kind = FULL) -> BatchDescriptor | None:
         return self.dispatcher.descriptor(n, GraphFamily.parse(kind))
 
-    def plan_step(self, num_tokens: int, num_decode_rows: int, lora: bool = False) -> StepPlan:
-        """The plan of a step of `num_tokens` tokens whose first `num_decode_rows` are decode rows."""
-        return self.dispatcher.plan(self.dispatcher.requested(num_tokens, num_decode_rows, lora))
+    def plan_step(self, num_tokens: int, num_decode_rows: int, lora: bool = False, query_tokens: int = 1) -> StepPlan:
+        """The plan of a step of `num_tokens` tokens whose first `num_decode_rows` are decode rows of
+        `query_tokens` tokens each (speculative verify rows: 1 + k)."""
+        return self.dispatcher.plan(self.dispatcher.requested(num_tokens, num_decode_rows, lora, query_tokens))
 
     def plan(self, n: int, kind: Kind = FULL) -> StepPlan:
         """The plan of a step of n rows (FULL) or tokens (PIECEWISE) of this family."""

@@ -6,11 +6,13 @@ Every flag `--some-flag` can also be set as `GRAPHSERVE_SOME_FLAG`; a flag on th
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 ENV_PREFIX = "GRAPHSERVE_"
 SECRET_FIELDS = ("admin_token",)
@@ -58,6 +60,65 @@ class ConstraintLimits:
 
 GRAPH_MODES = ("none", "full", "piecewise", "full_and_piecewise")
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype
+SPECULATIVE_METHODS = ("ngram", "suffix")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config`: the JSON object vLLM takes, checked once at start.
+
+    method "ngram": prompt lookup over the request's own prompt and output; "suffix": the same,
+    then a bounded corpus of recent outputs of this server. Each decode proposes at most
+    num_speculative_tokens tokens, from a match of the last n tokens, prompt_lookup_min <= n <=
+    prompt_lookup_max (the longest first)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    # suffix: the corpus's cap in tokens (oldest outputs evicted first).
+    suffix_corpus_tokens: int = 1 << 20
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """A JSON text or a dict (vLLM's keys); None or "" is off. ValueError naming the field."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(value) - known - {"model"})
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        if value.get("model") is not None:
+            raise ValueError("speculative_config.model: draft-model speculation is not served yet "
+                             "(methods: ngram, suffix)")
+        if "method" not in value:
+            raise ValueError("speculative_config.method is required (ngram or suffix)")
+        config = cls(**{k: v for k, v in value.items() if k != "model"})
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method {self.method!r} is not one of {list(SPECULATIVE_METHODS)}")
+        for name, low, high in (("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS),
+                                ("prompt_lookup_min", 1, 64), ("prompt_lookup_max", 1, 64),
+                                ("suffix_corpus_tokens", 1, 1 << 30)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+                raise ValueError(f"speculative_config.{name} must be an integer in [{low}, {high}], got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) is above "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
 
 
 @dataclass(frozen=True)
@@ -83,6 +144,9 @@ class ServeConfig:
     kv_cache_dtype: str = "auto"
     prefix_caching: bool = True
     overlap_steps: bool = True  # launch step t+1 before reading step t's tokens
+    # Speculative decoding: vLLM's JSON object (SpeculativeConfig above), e.g.
+    # {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}; None: off
+    speculative_config: str | None = None
     # Every request's tokens independent of the other requests in its step and of chunking
     # (batch-invariant matmul, attention and norms; service.model.kernels.invariant)
     batch_invariant: bool = False
@@ -157,6 +221,11 @@ class ServeConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
+
+    @property
+    def speculation(self) -> SpeculativeConfig | None:
+        """--speculative-config parsed (validate() has checked it)."""
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def max_prefill_tokens(self) -> int:
@@ -252,6 +321,12 @@ class ServeConfig:
              f"--kv-cache-dtype must be auto (the model's dtype) or fp8, not {self.kv_cache_dtype!r}")
         need(self.max_lora_rank >= 1, f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
         need(self.lora_kernel in ("stacked", "gather"), f"--lora-kernel must be stacked or gather, not {self.lora_kernel!r}")
+        try:
+            speculation = self.speculation
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"--speculative-config: {exc}") from None
+        need(speculation is None or self.tensor_parallel_size == 1,
+             "--speculative-config is not served with tensor parallelism yet: use --tensor-parallel-size 1")
         modules = self.lora_module_paths()
         need(self.max_cpu_loras >= max(1, len(modules)),
              f"--max-cpu-loras must be >= 1 and >= the {len(modules)} --lora-modules, got {self.max_cpu_loras}")
@@ -430,6 +505,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
                    help="completion tokens of a request that sets no max_tokens")
     _switch(g, "--overlap-steps", d.overlap_steps, "launch step t+1 on the device before the host reads step t's tokens")
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding, a JSON object as vLLM\'s: {"method": "ngram" | "suffix", '
+                        '"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4} (suffix also '
+                        'takes "suffix_corpus_tokens"); turns --overlap-steps off; see README')
     _switch(g, "--batch-invariant", d.batch_invariant,
             "every request's results independent of the other requests in its batch and of chunked prefill "
             "(batch-invariant matmul, attention and norms); slower, see README")

@@ -7,6 +7,7 @@ checked by ServeConfig.validate, the server's own checks, whose messages then na
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -97,6 +98,10 @@ KEYWORDS: dict[str, Keyword] = {
     "max_num_batched_tokens": Keyword("max_num_batched_tokens", _int, "an int"),
     "default_max_tokens": Keyword("default_max_tokens", _int, "an int"),
     "overlap_steps": Keyword("overlap_steps", _bool, "True or False"),
+    # vLLM's: {"method": "ngram" | "suffix", "num_speculative_tokens": k, "prompt_lookup_min/max": n}
+    "speculative_config": Keyword("speculative_config", lambda v: v is None or isinstance(v, dict | str),
+                                  "None, a dict or its JSON text",
+                                  lambda v: v if v is None or isinstance(v, str) else json.dumps(v)),
     # Each prompt's tokens independent of the other prompts and of chunking
     "batch_invariant": Keyword("batch_invariant", _bool, "True or False"),
     "block_size": Keyword("block_size", _int, "an int"),

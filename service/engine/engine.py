@@ -39,6 +39,7 @@ from service.engine.request import (
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import Sequence, SequenceStatus
 from service.engine.slow_steps import SlowSteps
+from service.engine.spec.stats import SpecDecodeStats
 
 log = structlog.get_logger("graphserve.engine")
 
@@ -46,6 +47,8 @@ log = structlog.get_logger("graphserve.engine")
 class _InFlight:
     seqs: tuple[Sequence, ...]  # the sequences that sample, in the order of the launch's tokens
     launched: Any  # the runner's handle
+    # Speculative decoding: the draft of each verify row (its 1 + k tokens follow each other).
+    drafts: dict[Sequence, tuple[int, ...]] | None = None
 
 
 class Engine:
@@ -75,8 +78,11 @@ class Engine:
         self.between_steps = between_steps  # graph commits, warm start and stats saving, on the engine thread
         # Overlap: launch step t+1 before reading step t's tokens, so that the host's work on step t
         # (stop checks, detokenizing, publishing) runs while the device computes step t+1.
-        self.overlap = overlap
+        # Not with speculative decoding: a draft is proposed from every token before it, so the step
+        # before must be read first.
+        self.overlap = overlap and scheduler.proposer is None
         self.constraints = constraints
+        self.spec_stats = SpecDecodeStats()  # speculative decoding's totals since start
         self._in_flight: _InFlight | None = None  # launched, not yet collected (overlap only)
         self._stalled = False  # the last step ran nothing, had nothing in flight and ended nothing
         self._cond = threading.Condition()
@@ -314,7 +320,7 @@ class Engine:
                 handle = self.runner.launch(scheduled, before_sampling=read_in_flight)
             else:
                 handle = self.runner.launch(scheduled)
-            launched = _InFlight(seqs, handle)
+            launched = _InFlight(seqs, handle, {v.seq: v.draft for v in scheduled.verifies} or None)
             self._fail_constraints(self.runner.take_failed_constraints(), now, events)
             for seq in seqs:
                 seq.num_pending += 1
@@ -334,7 +340,8 @@ class Engine:
             self.last_progress = time.monotonic()
         self._stalled = scheduled.empty and not events and self._in_flight is None
         if self.observer is not None and (not scheduled.empty or events):
-            self.observer.on_step(self.scheduler.num_running, self.num_waiting, len(scheduled.decodes),
+            self.observer.on_step(self.scheduler.num_running, self.num_waiting,
+                                  len(scheduled.decodes) + len(scheduled.verifies),
                                   len(scheduled.prefills))
 
     def _tokens_read(self, now: float) -> None:
@@ -363,29 +370,69 @@ class Engine:
             if key in self._outputs:  # not finished or aborted since
                 self._outputs[key][0].on_prompt_logprobs(start, prompt_logprobs)
         logprobs = step.logprobs if step.logprobs is not None else [None] * len(step.token_ids)
-        read = []
-        outputs = self._outputs
-        for seq, token, token_logprobs in zip(launched.seqs, step.token_ids, logprobs, strict=True):
-            seq.num_pending -= 1
-            if seq.status is SequenceStatus.FINISHED or seq.aborted:
-                continue  # finished or aborted after this step was launched: the token is surplus
-            # (A preempted sequence, waiting again, keeps its token: its recompute starts from it.)
-            seq.completion_token_ids.append(token)
-            read.append(seq)
-            output, sink = outputs[seq.key]
-            event = output.on_token(token, now, token_logprobs)
-            if event is None:
-                continue
-            if isinstance(event, Finish):
-                self.scheduler.finish(seq)
-                events.append(self._finish(seq, event, now))
-            elif isinstance(event, EngineError):  # its grammar gave up on this token
-                self.scheduler.finish(seq)
-                events.append(self._fail(seq, event, now))
-            else:
-                events.append((sink, event))
+        read: list[Sequence] = []
+        if launched.drafts is None:
+            for seq, token, token_logprobs in zip(launched.seqs, step.token_ids, logprobs, strict=True):
+                seq.num_pending -= 1
+                self._read_token(seq, token, token_logprobs, now, events, read)
+        else:
+            self._read_verified(launched, step.token_ids, logprobs, now, events, read)
         if self.observer is not None and read:
             self.observer.on_tokens(read, now)
+
+    def _read_verified(self, launched: _InFlight, token_ids: list[int], logprobs: list[Any], now: float,
+                       events: list[tuple[Sink, RequestEvent]], read: list[Sequence]) -> None:
+        """A step with verify rows: each one's tokens are the target's after each of its tokens; the
+        draft's longest prefix that they repeat is accepted, then the target's token after it (the
+        correction, or a bonus when all were accepted); each goes out as a decode's would, until one
+        ends the request. The rejected positions' KV is rolled back."""
+        assert launched.drafts is not None
+        at = 0
+        accepted_per_row = []
+        for seq in launched.seqs:
+            draft = launched.drafts.get(seq, ())
+            targets = token_ids[at: at + 1 + len(draft)]
+            rows = logprobs[at: at + 1 + len(draft)]
+            at += 1 + len(draft)
+            seq.num_pending -= 1
+            if draft:
+                accepted = accepted_length(draft, targets)
+                accepted_per_row.append(accepted)
+                if seq.status is SequenceStatus.RUNNING:
+                    self.scheduler.rejected(seq, len(draft) - accepted)
+                targets = targets[: accepted + 1]
+            for token, token_logprobs in zip(targets, rows):
+                if not self._read_token(seq, token, token_logprobs, now, events, read):
+                    break
+        assert at == len(token_ids), (at, len(token_ids))
+        if accepted_per_row:
+            num_draft_tokens = sum(map(len, launched.drafts.values()))
+            self.spec_stats.add(len(accepted_per_row), num_draft_tokens, accepted_per_row)
+            if self.observer is not None:
+                self.observer.on_speculation(len(accepted_per_row), num_draft_tokens, accepted_per_row)
+
+    def _read_token(self, seq: Sequence, token: int, token_logprobs: Any, now: float,
+                    events: list[tuple[Sink, RequestEvent]], read: list[Sequence]) -> bool:
+        """One completion token of seq; False when seq no longer takes tokens (it ended)."""
+        if seq.status is SequenceStatus.FINISHED or seq.aborted:
+            return False  # finished or aborted after this step was launched: the token is surplus
+        # (A preempted sequence, waiting again, keeps its token: its recompute starts from it.)
+        seq.completion_token_ids.append(token)
+        read.append(seq)
+        output, sink = self._outputs[seq.key]
+        event = output.on_token(token, now, token_logprobs)
+        if event is None:
+            return True
+        if isinstance(event, Finish):
+            self.scheduler.finish(seq)
+            events.append(self._finish(seq, event, now))
+            return False
+        if isinstance(event, EngineError):  # its grammar gave up on this token
+            self.scheduler.finish(seq)
+            events.append(self._fail(seq, event, now))
+            return False
+        events.append((sink, event))
+        return True
 
     def _hold_adapter(self, name: str, sink: Sink) -> bool:
         """Count a new stream of adapter `name` (unload waits for it); an unknown one ends the stream."""
@@ -456,6 +503,24 @@ class Engine:
 
 
 _ABORTED = object()  # in the inbox: the request was aborted while its constraint was prepared
+
+
+def accepted_length(draft: tuple[int, ...], targets: list[int]) -> int:
+    """How many of the draft's tokens the target's tokens repeat from the start (targets[j] is the
+    target's token after the row's j-th token, so draft[j] stands while it equals targets[j]).
+
+    Greedy rows: the longest prefix matching the target's argmax. Sampled rows: the target's token
+    at each position is drawn with the sampler's noise of that token's index, as without
+    speculation, so a draft token d stands with probability p(d), and the token emitted in its place
+    is a draw from p conditioned on not being d: the speculative sampling rule for a draft that is
+    a point mass (min(1, p/q) with q(d) = 1; on rejection, norm(max(0, p - q))). The output has the
+    target's distribution, token for token the one the same seed gives without speculation."""
+    n = 0
+    for d, t in zip(draft, targets):
+        if d != t:
+            break
+        n += 1
+    return n
 
 
 def _refusal(request: GenerationRequest, why: Any) -> RequestEvent:

@@ -4,7 +4,8 @@
 graph kind runs it and on every tensor-parallel rank. The rows are the decodes first, each (token
 id, position, KV slot, pending row): the token to feed, where its KV entry goes and, for a token
 still in flight, the previous launch's sampling row whose token the device feeds back instead;
-then each prompt chunk's tokens. Beside them: each row's adapter slot, the prompt tokens whose
+then each verify row's tokens (speculative decoding: a decode's token and its draft), then each
+prompt chunk's tokens. Beside them: each row's adapter slot, the prompt tokens whose
 log-probabilities the chunks give, and the block-table entries the KV manager changed, which every
 rank writes into its table in place before the forward (service/model/kv_cache.py).
 
@@ -48,8 +49,11 @@ class InputBatch:
         """The step's inputs; from now on the step is the last launch (reset() if it was not launched)."""
         d = self._decode_rows(step.decodes)
         chunks = step.prefills
-        token_ids = d.token_ids.copy() if chunks else d.token_ids
+        token_ids = d.token_ids.copy() if chunks or step.verifies else d.token_ids
         specs = []
+        for v in step.verifies:  # a decode and its draft: a chunk whose every row is sampled
+            specs.append(ChunkSpec(slot_of(v.seq), v.start, v.num_tokens, verify=True))
+            token_ids += v.token_ids()
         targets: list[int] | None = None
         for c in chunks:
             n = prompt_logprob_rows(c)
@@ -59,10 +63,12 @@ class InputBatch:
                 targets = (targets or []) + c.seq.request.prompt_token_ids[c.start + 1: c.start + 1 + n]
         lora_slots = None
         if self._adapters and (any(s.lora_slot for s in step.decodes) or any(c.seq.lora_slot for c in chunks)):
-            lora_slots = [s.lora_slot for s in step.decodes] + [c.seq.lora_slot for c in chunks for _ in range(c.num_tokens)]
+            lora_slots = ([s.lora_slot for s in step.decodes]
+                          + [v.seq.lora_slot for v in step.verifies for _ in range(v.num_tokens)]
+                          + [c.seq.lora_slot for c in chunks for _ in range(c.num_tokens)])
         self._sampled = step.sampling
         pending = d.pending_rows if max(d.pending_rows, default=-1) >= 0 else None
-        return StepInputs(token_ids, d.positions, d.slots, specs, pending, len(step.sampling), lora_slots, targets,
+        return StepInputs(token_ids, d.positions, d.slots, specs, pending, step.num_sampled_rows, lora_slots, targets,
                           table_updates=step.table_updates)
 
     def reset(self) -> None:

@@ -30,8 +30,9 @@ class Runner(Protocol):
         ...
 
     def collect(self, launched: Any) -> StepTokens:
-        """The launched step's sampled tokens: one per decode, then one per chunk that completes its
-        prompt (ScheduledStep.sampling's order), with the log-probabilities rows asked for."""
+        """The launched step's sampled tokens: one per decode, 1 + k per verify row (the target's
+        token after each of its tokens), then one per chunk that completes its prompt
+        (ScheduledStep.sampling's order), with the log-probabilities rows asked for."""
         ...
 
     def take_failed_constraints(self) -> list[tuple[Sequence, str]]:
@@ -50,6 +51,8 @@ class EngineObserver(Protocol):
     def on_step_gap(self, seconds: float) -> None:
         """Time since the previous step that delivered tokens, while streams were running: the gap
         every running stream saw (a stall of any cause, e.g. a capture beside the step, shows here)."""
+    def on_speculation(self, num_drafts: int, num_draft_tokens: int, accepted: list[int]) -> None:
+        """A step's verify rows: how many, their draft tokens, and per row the draft tokens accepted."""
 
 
 def deliver(pairs: list[tuple[Sink, RequestEvent]]) -> None:

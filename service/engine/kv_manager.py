@@ -31,7 +31,7 @@ from typing import Protocol
 
 from service.engine.block_pool import NULL_BLOCK, ROOT, BlockPool, PoolStats, chain_hashes
 from service.engine.kv_events import BlockStored, KvEventBatch, KvEventLog
-from service.engine.scheduled_step import PrefillChunk, TableUpdate
+from service.engine.scheduled_step import PrefillChunk, TableUpdate, VerifyRow
 from service.engine.sequence import Sequence
 
 
@@ -125,10 +125,13 @@ class KVManager:
         self._unwritten.setdefault(seq, have)
         return True
 
-    def scheduled(self, decodes: Iterable[Sequence], chunks: Iterable[PrefillChunk]) -> None:
+    def scheduled(self, decodes: Iterable[Sequence], chunks: Iterable[PrefillChunk],
+                  verifies: Iterable[VerifyRow] = ()) -> None:
         """A step computes each decode's next position and each chunk's tokens: their computed
         positions advance, and the full blocks whose tokens are known go to the prefix cache (a
-        decode completes one every block_size steps: the cheap test first)."""
+        decode completes one every block_size steps: the cheap test first). A verify row computes
+        its draft's positions too, but only known tokens' blocks are registered (a draft's tokens
+        are not known until the target accepts them; roll_back then drops the rejected ones)."""
         bs = self.block_size
         caching = self.pool.prefix_caching
         for seq in decodes:
@@ -138,6 +141,15 @@ class KVManager:
         for chunk in chunks:
             chunk.seq.num_computed_tokens = chunk.end
             self._register_full_blocks(chunk.seq)
+        for row in verifies:
+            row.seq.num_computed_tokens = row.start + row.num_tokens
+            self._register_full_blocks(row.seq)
+
+    def roll_back(self, seq: Sequence, num_positions: int) -> None:
+        """seq's last num_positions computed positions hold rejected draft tokens: they no longer
+        count as computed (the next steps overwrite them; the blocks stay held, no copy)."""
+        assert 0 <= num_positions <= seq.num_computed_tokens, (seq.request_id, num_positions)
+        seq.num_computed_tokens -= num_positions
 
     def take_table_updates(self) -> tuple[TableUpdate, ...]:
         """The block-table entries that admissions and allocations changed since the last call, per

@@ -99,6 +99,11 @@ class Follower(OneDevice):
         return self.mirror.run(plan.requested, plan.target)
 
 
-def _shape(inputs: StepInputs) -> tuple[int, int, bool]:
-    """What the dispatcher decides by: the step's tokens, its decode rows (one token each, first), adapter rows."""
-    return len(inputs.token_ids), len(inputs.positions), inputs.lora_slots is not None
+def _shape(inputs: StepInputs) -> tuple[int, int, bool, int]:
+    """What the dispatcher decides by: the step's tokens, its decode rows (first) and their tokens
+    each (1; 1 + k when every row is a speculative verify row of k draft tokens), adapter rows."""
+    lora = inputs.lora_slots is not None
+    chunks = inputs.chunks
+    if chunks and not inputs.positions and all(c.verify and c.length == chunks[0].length for c in chunks):
+        return len(inputs.token_ids), len(chunks), lora, chunks[0].length
+    return len(inputs.token_ids), len(inputs.positions), lora, 1

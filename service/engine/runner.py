@@ -3,7 +3,8 @@
 It owns the paged KV cache (and its block table, which each step's updates from the KV manager
 edit in place), the persistent input batch (service/engine/input_batch.py), the static decode
 inputs and the graph cache, and turns a scheduled step (service/engine/scheduled_step.py: decodes
-and prompt chunks) into one forward pass and one sampled token per sampling sequence. The graph
+and prompt chunks; speculative verify rows, which run as chunks whose every row is sampled) into one
+forward pass and the sampled tokens (one per sampling sequence, 1 + k per verify row). The graph
 cache's dispatcher decides how the step runs: a uniform-decode step (every row one decode token)
 replays a full decode graph; a step with any prompt chunk runs the forward split at attention
 (service.model.pieces), replayed from piecewise graphs; a step with adapter rows replays the LoRA
@@ -202,11 +203,14 @@ class ModelRunner:
                 raise
             raise error from exc
         self._previous_tokens = tokens
-        logprob_ks = [s.request.sampling.logprobs for s in step.sampling] if logprobs is not None else None
+        logprob_ks = [s.request.sampling.logprobs for s in sampled_rows(step)[0]] if logprobs is not None else None
         if self._tokens_ready is None:
             return LaunchedStep(tokens, None, None, logprobs, logprob_ks, prompt)
         # Two pinned buffers and events in turn: the host reads launch t while launch t+1 is queued.
         self._turn ^= 1
+        if tokens.shape[0] > self._host_tokens.shape[1]:  # verify rows: 1 + k tokens each (a launch in
+            # flight keeps its view of the old buffer alive)
+            self._host_tokens = torch.zeros((2, 2 * tokens.shape[0]), dtype=torch.long, pin_memory=True)
         host = self._host_tokens[self._turn, : tokens.shape[0]]
         host.copy_(tokens, non_blocking=True)
         if logprobs is not None:  # rare enough for a pinned buffer of its own per step
@@ -238,17 +242,18 @@ class ModelRunner:
         log-probabilities of those that asked for them (sampler.Sampled), and the prompt logprobs the
         chunks computed."""
         inputs = self.input_batch.build(step)
-        sampling = step.sampling
+        sampling, offsets = sampled_rows(step)
         prompt = None
         if inputs.logprob_targets is not None:
             prompt = PromptLogprobs([(c.seq.key, c.start, spec.logprob_rows, c.seq.request.sampling.prompt_logprobs)
-                                     for c, spec in zip(step.prefills, inputs.chunks) if spec.logprob_rows])
+                                     for c, spec in zip(step.prefills, inputs.chunks[len(step.verifies):])
+                                     if spec.logprob_rows])
         logits, packed = self.forward(inputs, self._previous_tokens)
         if prompt is not None:
             prompt.packed = packed
         # Before before_sampling: reading the step in flight may finish some of these sequences
         # (their slots then go back), whose rows still sample here (the token is surplus).
-        rows = None if all(s.request.sampling.plain_greedy for s in sampling) else self._sample_rows(sampling)
+        rows = None if all(s.request.sampling.plain_greedy for s in sampling) else self._sample_rows(sampling, offsets)
         if before_sampling is not None:
             before_sampling()
         if not sampling:  # every chunk leaves part of its prompt for a later step
@@ -267,6 +272,9 @@ class ModelRunner:
             self.kv.set_blocks(slot, first, blocks)
         self.kv.sync_table()
         plan = self.role.plan(self.graphs, inputs)
+        # A uniform verify step gets a FULL family of its own once a verify step (multi-query
+        # decode attention) is registered in the cache; until then it runs as pieces, like a prefill.
+        assert plan.requested is None or plan.requested.query_tokens == 1, "no FULL verify step registered"
         if plan.kind is FULL:
             self.decode_step.write_rows(inputs.token_ids, inputs.positions, inputs.slots, inputs.pending_rows,
                                         previous_tokens, lora_slots=inputs.lora_slots)
@@ -310,11 +318,14 @@ class ModelRunner:
                 packed.append(token_logprobs(logits, targets[start: start + _LOGPROB_SLICE], MAX_LOGPROBS))
         return torch.cat(packed) if packed else None
 
-    def _sample_rows(self, seqs: tuple[Sequence, ...]) -> list[SampleRow]:
+    def _sample_rows(self, seqs: tuple[Sequence, ...], offsets: tuple[int, ...] | None = None) -> list[SampleRow]:
+        """offsets: per row, how many tokens after the sequence's next one it samples (a verify row's
+        j-th row samples the token after its j-th draft token); None: all 0."""
         rows = []
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             request = seq.request
-            counter = seq.num_completion_tokens + seq.num_pending  # the index of the token sampled now
+            # The index of the token sampled now (a seeded row draws as it would without speculation).
+            counter = seq.num_completion_tokens + seq.num_pending + (offsets[i] if offsets else 0)
             banned = ()
             p = request.sampling
             if counter < p.min_tokens:
@@ -363,6 +374,21 @@ class ModelRunner:
         if self._history.owner[slot] != owner:
             assert not seq.num_pending, "a sequence's first sampling after admission has no token in flight"
             self._history.reset(slot, owner, seq.request.prompt_token_ids, seq.completion_token_ids)
+
+
+def sampled_rows(step: ScheduledStep) -> tuple[tuple[Sequence, ...], tuple[int, ...] | None]:
+    """The sequence of each sampled row of the step (a verify row's once per token) and, with verify
+    rows, each row's offset in its row (None without)."""
+    if not step.verifies:
+        return step.sampling, None
+    seqs: list[Sequence] = []
+    offsets: list[int] = []
+    widths = {v.seq: v.num_tokens for v in step.verifies}
+    for seq in step.sampling:
+        n = widths.get(seq, 1)
+        seqs += [seq] * n
+        offsets += range(n)
+    return tuple(seqs), tuple(offsets)
 
 
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """One step as the scheduler decided it: an immutable value that the engine launches, the runner
 turns into its inputs and, through step_channel.StepInputs, every tensor-parallel rank runs.
 
-Pure data (no torch). Rows are the decodes first (one token each, in slot order), then the prompt
-chunks (oldest prompt first); the sequences that sample a token are the decodes, then those whose
-prompt a chunk completes. The block-table updates are the KV manager's (service/engine/kv_manager.py):
+Pure data (no torch). Rows are the decodes first (one token each, in slot order), then the verify
+rows of speculative decoding (a decode's token and its draft: 1 + k tokens), then the prompt
+chunks (oldest prompt first); the sequences that sample are the decodes, the verify rows (1 + k
+tokens each: the target's token after each of the row's tokens), then those whose prompt a chunk
+completes. The block-table updates are the KV manager's (service/engine/kv_manager.py):
 the rows' entries that the blocks allocated for this step changed.
 """
 
@@ -39,22 +41,49 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class VerifyRow:
+    """A decode with a draft: its newest token and the draft's tokens at KV positions [start, start
+    + 1 + len(draft)) of its row, scored in one forward."""
+
+    seq: Sequence
+    start: int  # the position of its newest token (Sequence.next_position when scheduled)
+    draft: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return 1 + len(self.draft)
+
+    def token_ids(self) -> list[int]:
+        return [self.seq.last_token_id(), *self.draft]
+
+
+@dataclass(frozen=True)
 class ScheduledStep:
     decodes: tuple[Sequence, ...] = ()  # running, with >= 1 completion token (seen or in flight)
     prefills: tuple[PrefillChunk, ...] = ()  # prompt chunks, oldest prompt first
     table_updates: tuple[TableUpdate, ...] = ()
-    # The sequences that get a token from this step, in the order of its tokens: the decodes, then
-    # those whose prompt this step completes (a chunk that leaves part of it for later samples nothing).
+    verifies: tuple[VerifyRow, ...] = ()  # decodes with a draft (speculative decoding), slot order
+    # The sequences that get tokens from this step, in the order of its tokens: the decodes, the
+    # verify rows (1 + k tokens each), then those whose prompt this step completes (a chunk that
+    # leaves part of it for later samples nothing).
     sampling: tuple[Sequence, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         completed = tuple(c.seq for c in self.prefills if c.completes_prompt)
-        object.__setattr__(self, "sampling", self.decodes + completed if completed else self.decodes)
+        verified = tuple(v.seq for v in self.verifies)
+        object.__setattr__(self, "sampling", self.decodes + verified + completed if completed or verified
+                           else self.decodes)
 
     @property
     def empty(self) -> bool:
-        return not self.prefills and not self.decodes
+        return not self.prefills and not self.decodes and not self.verifies
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+        return (len(self.decodes) + sum(v.num_tokens for v in self.verifies)
+                + sum(c.num_tokens for c in self.prefills))
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows whose logits are sampled: one per decode and completed prompt, 1 + k per verify row."""
+        return len(self.sampling) + sum(len(v.draft) for v in self.verifies)

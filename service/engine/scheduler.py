@@ -13,7 +13,13 @@ blocks for the positions it has scheduled and takes one more whenever a step cro
 block; at admission it starts after the longest cached prefix of its prompt. When a running
 sequence needs a block and none is free, the most recently admitted running sequence (a paused one
 first) is preempted: it gives its blocks back and waits at the front of the queue to recompute its
-KV, prompt and completion so far, then continues; its client sees only latency. Each step is one
+KV, prompt and completion so far, then continues; its client sees only latency.
+
+Speculative decoding (a proposer given): a decode whose proposer finds a draft becomes a verify row
+of 1 + k tokens (service/engine/spec/), within the token budget and the blocks that are free (a
+draft never preempts anyone); rows with a grammar, penalties or an adapter decode without drafts.
+The engine tells `rejected` how many draft positions the target refused: their KV is dropped by
+not counting it (the blocks stay with the row for its next steps). Each step is one
 immutable ScheduledStep (service/engine/scheduled_step.py). Not thread-safe: only the engine thread
 calls it (the engine forwards aborts to its thread).
 """
@@ -28,15 +34,18 @@ import time
 from service.engine.adapters import AdapterRegistry
 from service.engine.block_pool import BlockPool, PoolStats
 from service.engine.kv_manager import KVManager
-from service.engine.scheduled_step import PrefillChunk, ScheduledStep
+from service.engine.scheduled_step import PrefillChunk, ScheduledStep, VerifyRow
 from service.engine.sequence import Sequence, SequenceStatus
+from service.engine.spec.proposer import Proposer
 
 
 class Scheduler:
     def __init__(self, max_running: int, max_num_batched_tokens: int, adapters: AdapterRegistry | None = None,
-                 blocks: BlockPool | None = None) -> None:
+                 blocks: BlockPool | None = None, proposer: Proposer | None = None,
+                 num_speculative_tokens: int = 0) -> None:
         """blocks: the KV block pool matching the runner's KV cache (ModelRunner.new_block_pool);
-        None: an ample pool (8,192 tokens per row), for runners that hold no KV (tests)."""
+        None: an ample pool (8,192 tokens per row), for runners that hold no KV (tests).
+        proposer: drafts of at most num_speculative_tokens tokens for decodes (None: no speculation)."""
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
         # Every running sequence may decode in the same step, and decodes are never held back: a
@@ -60,6 +69,8 @@ class Scheduler:
         self._waiting_prompt_tokens = 0
         self._num_paused = 0  # running sequences paused for back-pressure
         self._admissions = itertools.count(1)
+        self.proposer = proposer if num_speculative_tokens > 0 else None
+        self.num_speculative_tokens = num_speculative_tokens
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -178,8 +189,12 @@ class Scheduler:
                 self._reserve(seq, seq.next_position() + 1)
         if kv.num_preemptions != preempted_before:
             decodes = [s for s in decodes if s.status is SequenceStatus.RUNNING]
-        prefills: list[PrefillChunk] = []
+        verifies: list[VerifyRow] = []
         budget = self.max_num_batched_tokens - len(decodes)  # >= 1 whenever a prompt is unfinished
+        if self.proposer is not None and decodes:
+            decodes, verifies = self._speculate(decodes, budget - 1 if self._prefilling or self._waiting else budget)
+            budget -= sum(len(v.draft) for v in verifies)
+        prefills: list[PrefillChunk] = []
 
         # Prompts already started go on first, oldest first; FIFO admission after them: a long prompt
         # is not skipped over, it takes what the budget leaves and continues next step. A sequence
@@ -230,12 +245,38 @@ class Scheduler:
         self._prefilling = [seq for seq in self._prefilling if seq.num_unprefilled_tokens]
         if kv.num_preemptions != preempted_before:  # one preempted after its chunk or decode was added leaves
             decodes = [s for s in decodes if s.status is SequenceStatus.RUNNING]
+            verifies = [v for v in verifies if v.seq.status is SequenceStatus.RUNNING]
             prefills = [c for c in prefills if c.seq.status is SequenceStatus.RUNNING]
-        kv.scheduled(decodes, prefills)
+        kv.scheduled(decodes, prefills, verifies)
         assert len(self._free_slots) + len(running) == self.max_running
-        return ScheduledStep(tuple(decodes), tuple(prefills), kv.take_table_updates())
+        return ScheduledStep(tuple(decodes), tuple(prefills), kv.take_table_updates(), tuple(verifies))
+
+    def rejected(self, seq: Sequence, num_rejected: int) -> None:
+        """The engine read seq's verify row: the last num_rejected draft positions' KV is not seq's."""
+        self.kv.roll_back(seq, num_rejected)
 
     # ---- internals -----------------------------------------------------------------------
+
+    def _speculate(self, decodes: list[Sequence], budget: int) -> tuple[list[Sequence], list[VerifyRow]]:
+        """Split decodes into plain ones and verify rows (those whose proposer found a draft that the
+        budget, tokens beyond the decodes' own, and the free blocks hold), both in slot order."""
+        assert self.proposer is not None
+        plain: list[Sequence] = []
+        verifies: list[VerifyRow] = []
+        for seq in decodes:
+            p = seq.request.sampling
+            k = min(self.num_speculative_tokens, budget, p.max_tokens - seq.num_completion_tokens - 1)
+            draft = None
+            if (k > 0 and not seq.num_pending and seq.matcher is None and not p.penalized
+                    and not seq.request.adapter):
+                draft = self.proposer.propose(seq, k)[:k]
+            start = seq.next_position()
+            if draft and self.kv.allocate(seq, start + 1 + len(draft)):
+                verifies.append(VerifyRow(seq, start, tuple(draft)))
+                budget -= len(draft)
+            else:
+                plain.append(seq)
+        return plain, verifies
 
     def _add_chunk(self, prefills: list[PrefillChunk], seq: Sequence, budget: int) -> int:
         """Schedule the next chunk of seq's prompt within budget and the blocks it needs; returns its
@@ -298,6 +339,8 @@ class Scheduler:
         self._waiting_prompt_tokens -= seq.num_prompt_tokens
         del self._by_key[seq.key]
         seq.status = SequenceStatus.FINISHED
+        if self.proposer is not None:
+            self.proposer.finished(seq)
 
     def _release(self, seq: Sequence, preempted: bool = False) -> None:
         assert seq.slot is not None
@@ -313,6 +356,8 @@ class Scheduler:
         heapq.heappush(self._free_slots, seq.slot)
         if not preempted:
             del self._by_key[seq.key]
+            if self.proposer is not None:
+                self.proposer.finished(seq)
         seq.slot = None
         seq.status = SequenceStatus.FINISHED
 

@@ -31,7 +31,7 @@ class SlowSteps:
             self._slowest = dict(
                 ms=round((done - started) * 1000, 1), schedule_ms=round((scheduled_at - started) * 1000, 1),
                 launch_ms=round((launched_at - scheduled_at) * 1000, 1), read_ms=round((done - launched_at) * 1000, 1),
-                decodes=len(scheduled.decodes), prompt_chunks=len(scheduled.prefills),
+                decodes=len(scheduled.decodes) + len(scheduled.verifies), prompt_chunks=len(scheduled.prefills),
                 prompt_tokens=sum(c.num_tokens for c in scheduled.prefills))
         self._count += 1
         if done - self._logged_at >= SLOW_STEP_LOG_INTERVAL_S:

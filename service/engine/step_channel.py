@@ -79,7 +79,8 @@ class StepInputs:
         replay = self.replay
         table = [v for slot, first, blocks in self.table_updates for v in (slot, first, len(blocks), *blocks)]
         body = [*_op_words(ops), *self.positions, *self.slots, *(self.pending_rows or ()),
-                *(v for ch in self.chunks for v in (ch.slot, ch.start, ch.length, int(ch.sample), ch.logprob_rows)),
+                *(v for ch in self.chunks
+                   for v in (ch.slot, ch.start, ch.length, int(ch.sample) | int(ch.verify) << 1, ch.logprob_rows)),
                 *self.token_ids, *table]
         extra = max(0, _HEADER + len(body) - buf.numel())
         words = [STEP, d, c, len(self.token_ids), int(self.pending_rows is not None), self.num_sampling, len(ops),
@@ -99,7 +100,8 @@ class StepInputs:
         pending_rows = None
         if pending:
             pending_rows, at = words[at : at + d], at + d
-        chunks = [ChunkSpec(*words[at + 5 * i : at + 5 * i + 3], bool(words[at + 5 * i + 3]), words[at + 5 * i + 4])
+        chunks = [ChunkSpec(*words[at + 5 * i : at + 5 * i + 3], bool(words[at + 5 * i + 3] & 1), words[at + 5 * i + 4],
+                            verify=bool(words[at + 5 * i + 3] & 2))
                   for i in range(c)]
         at += 5 * c
         replay = BatchDescriptor(_KINDS[replay_kind], replay_size) if replay_kind else None

@@ -31,6 +31,8 @@ class ChunkSpec:
     # Prompt logprobs: the chunk's first `logprob_rows` rows' hidden states come back too
     # (StepBatch.logprob_rows), for the log-probability of the token after each.
     logprob_rows: int = 0
+    # A speculative verify row (a decode's token and its draft): every row's logits come back.
+    verify: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class StepBatch:
     positions: torch.Tensor  # [S] int64, KV position of each token
     slot_ids: torch.Tensor  # [S] int64, KV slot of each token (scratch for padding)
     sample_rows: torch.Tensor  # [R] rows whose logits come back: decodes, then sampling chunks' last rows
+    # (every row of a verify chunk)
     attention: AttentionMetadata
     pending_rows: torch.Tensor | None = None  # [num_decodes] see build_step_batch
     logprob_rows: torch.Tensor | None = None  # [P] rows whose next-token logprobs are asked (ChunkSpec)
@@ -99,7 +102,8 @@ def build_step_batch(
     first_rows = list(itertools.accumulate((c.length for c in chunks), initial=num_decodes))[:-1]
     positions = [*decode_positions, *(p for c in chunks for p in range(c.start, c.start + c.length)), *[0] * pad]
     slots = [*decode_slots, *(c.slot for c in chunks for _ in range(c.length)), *[scratch_slot] * pad]
-    sample_rows = [*range(num_decodes), *(r + c.length - 1 for r, c in zip(first_rows, chunks) if c.sample)]
+    sample_rows = [*range(num_decodes), *(i for r, c in zip(first_rows, chunks) if c.sample
+                                           for i in range(r if c.verify else r + c.length - 1, r + c.length))]
     prompt_chunks = [PromptChunk(r, c.length, c.slot, c.start) for r, c in zip(first_rows, chunks)]
 
     logprob_rows = [r + i for r, c in zip(first_rows, chunks) for i in range(c.logprob_rows)]

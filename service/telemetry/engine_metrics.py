@@ -134,6 +134,20 @@ class EngineMetrics:
                                    "computed again).", registry=r)
         self.preemptions = Counter("graphserve_preemptions", "Running requests that gave their KV blocks back (the "
                                    "pool was full) and recomputed them later.", registry=r)
+        self.spec_drafts = Counter("graphserve_spec_decode_num_drafts", "Verify rows of speculative decoding "
+                                   "(decodes that had a draft).", registry=r)
+        self.spec_draft_tokens = Counter("graphserve_spec_decode_num_draft_tokens", "Draft tokens proposed and "
+                                         "verified.", registry=r)
+        self.spec_accepted_tokens = Counter("graphserve_spec_decode_num_accepted_tokens", "Draft tokens the target "
+                                            "accepted (each verify row also emits one token of the target's).",
+                                            registry=r)
+        self.spec_accepted_per_pos = Counter("graphserve_spec_decode_num_accepted_tokens_per_pos", "Accepted draft "
+                                             "tokens by their position in the draft (0: the first).", ["position"],
+                                             registry=r)
+        self.spec_acceptance_length = Histogram("graphserve_spec_decode_acceptance_length", "Tokens a verify row "
+                                                "emitted (accepted draft tokens + 1).",
+                                                buckets=tuple(range(1, 18)), registry=r)
+        self.speculating = False  # a server with speculative decoding (set by on_speculation)
         self._block_counts = (0, 0, 0)  # prefix queries, hits, preemptions as last exported
         self._adapter_labels: set[str] = set()  # engine thread only
         self._adapter_token_counters: dict[str, MetricWrapperBase] = {}  # label -> its child: one lookup per token batch
@@ -191,6 +205,17 @@ class EngineMetrics:
         if seconds > self._gap_max[capturing]:
             self._gap_max[capturing] = seconds
             maximum.set(seconds)
+
+    def on_speculation(self, num_drafts: int, num_draft_tokens: int, accepted: list[int]) -> None:
+        """A step's verify rows (the engine builder reports an empty one at start when speculation is on)."""
+        self.speculating = True  # the vllm:spec_decode_* series are exported from now on
+        self.spec_drafts.inc(num_drafts)
+        self.spec_draft_tokens.inc(num_draft_tokens)
+        self.spec_accepted_tokens.inc(sum(accepted))
+        for n in accepted:
+            self.spec_acceptance_length.observe(n + 1)
+            for position in range(n):
+                self.spec_accepted_per_pos.labels(str(position)).inc()
 
     def on_tokens(self, seqs: list[Sequence], now: float) -> None:
         """One new completion token of each of `seqs` (already appended), read at `now`: one step's.

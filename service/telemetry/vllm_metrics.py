@@ -39,6 +39,11 @@ class EngineMetricsView(Protocol):
     preemptions: MetricWrapperBase
     request_prompt_tokens: MetricWrapperBase
     request_generation_tokens: MetricWrapperBase
+    spec_drafts: MetricWrapperBase
+    spec_draft_tokens: MetricWrapperBase
+    spec_accepted_tokens: MetricWrapperBase
+    spec_accepted_per_pos: MetricWrapperBase
+    speculating: bool
     kv_cache_usage: float
     cache_config: dict[str, str] | None
     lora_requests: tuple[tuple[str, ...], tuple[str, ...], int, float] | None
@@ -81,9 +86,17 @@ class VllmCollector:
             (m.request_generation_tokens, "vllm:request_generation_tokens", "Number of generation tokens processed.",
              None),
         ]
+        # As in vLLM: only on a server with speculative decoding (EngineMetrics.speculating).
+        self.spec_views: list[tuple[MetricWrapperBase, str, str, Relabel | None]] = [
+            (m.spec_drafts, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", None),
+            (m.spec_draft_tokens, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", None),
+            (m.spec_accepted_tokens, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", None),
+            (m.spec_accepted_per_pos, "vllm:spec_decode_num_accepted_tokens_per_pos",
+             "Accepted tokens per draft position.", None),
+        ]
 
     def collect(self) -> Iterator[Metric]:
-        for metric, name, documentation, relabel in self.views:
+        for metric, name, documentation, relabel in self.views + (self.spec_views if self.engine.speculating else []):
             for family in metric.collect():
                 yield self._renamed(family, name, documentation, relabel)
         kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",

@@ -837,3 +837,27 @@ def test_the_separate_lora_stats_file_of_earlier_versions_is_merged_and_moved_as
     again = new_cache()  # the counters are in the one file now, and counted once
     assert again.snapshot().requested_persisted == {BatchDescriptor(FULL, 2, lora=True): 5}
     again.close()
+
+
+def test_verify_steps_are_graph_entries_of_their_own_keyed_by_query_tokens():
+    """A uniform step of 1 + k tokens a row (speculative verify) is keyed FULL+q(1+k) by the one
+    dispatcher, captured lazily beside the decode graph of the same row count; a mixed step, or a
+    verify width without a registered step, runs as pieces (or outside the cache)."""
+    from cache_manager import GraphFamily
+
+    steps = {GraphFamily(FULL): CountingStep(8), GraphFamily(FULL, query_tokens=4): CountingStep(8, name="q4"),
+             GraphFamily(PIECEWISE): CountingStep(64, name="pieces")}
+    fake = FakeGraphBackend()
+    cfg = GraphCacheConfig("full_and_piecewise", SIZES, 8, memory_budget=10**9, max_tokens=64)
+    cache = GraphCache(steps, cfg, torch.device("cpu"), FP, fake, clock=Clock())
+    for plan_args in [(3, 3), (12, 3, False, 4)]:  # a decode of 3 rows, then a verify step of 3 rows x 4
+        cache.execute(cache.plan_step(*plan_args))
+        cache.wait_idle()
+    assert fake.captured == [4, "q4:4"]
+    keys = {str(k) for k in cache.residency.buckets if cache.residency.buckets[k].graph is not None}
+    assert keys == {"full:4", "full+q4:4"}
+    plan = cache.plan_step(12, 3, False, 4)
+    assert str(plan.target) == "full+q4:4" and plan.requested.query_tokens == 4
+    assert cache.plan_step(9, 3, False, 3).requested.mode is PIECEWISE  # no q3 step: pieces, by tokens
+    assert cache.plan_step(13, 3, False, 4).requested.mode is PIECEWISE  # not uniform (a prompt beside)
+    cache.close()
