@@ -21,7 +21,7 @@ def test_generate_with_speculation_equals_without(model_cache_dir, method: str) 
     for spec in (None, {"method": method, "num_speculative_tokens": 4, "prompt_lookup_max": 3}):
         with LLM(model="builtin:tiny", model_cache_dir=model_cache_dir, max_running_seqs=4, max_seq_len=256,
                  device="cpu", dtype="float32", speculative_config=spec) as llm:
-            engine = llm._held["engine"]  # the engine the config built: with the proposer, no overlap
+            engine = llm._engine.engine  # the engine the config built: with the proposer, no overlap
             assert (engine.scheduler.proposer is not None) == (spec is not None) and engine.overlap == (spec is None)
             results.append([[(o.token_ids, o.text, o.finish_reason) for o in llm.generate(PROMPTS, p)]
                             for p in params])
