@@ -208,7 +208,10 @@ class LLM:
             _need(not unknown, f"prompt {index}: {', '.join(map(repr, unknown))} not supported (graphserve serves "
                                "text-only models); give 'prompt' (text) or 'prompt_token_ids'")
             _need(len(prompt) == 1, f"prompt {index}: give one of 'prompt' (text) or 'prompt_token_ids'")
-            [prompt] = prompt.values()
+            [(key, prompt)] = prompt.items()
+            _need(isinstance(prompt, str) == (key == "prompt"),
+                  f"prompt {index}: 'prompt' takes text and 'prompt_token_ids' a list of token ids, "
+                  f"not {type(prompt).__name__}")
         _check_not_bytes(prompt, f"prompt {index}")
         if isinstance(prompt, str):
             _need(prompt != "", f"prompt {index} is empty")

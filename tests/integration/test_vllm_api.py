@@ -156,6 +156,8 @@ def test_token_id_prompts_and_get_tokenizer(llm: LLM) -> None:
         llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {}}])
     with pytest.raises(ValueError, match="prompt 1: give one of 'prompt' \\(text\\) or 'prompt_token_ids'"):
         llm.generate([text, {"prompt": text, "prompt_token_ids": ids}])
+    with pytest.raises(ValueError, match="prompt 0: 'prompt' takes text and 'prompt_token_ids' a list of token ids, not str"):
+        llm.generate({"prompt_token_ids": text})
 
 
 def test_vllm_sampling_fields_graphserve_honours(llm: LLM) -> None:
