@@ -20,7 +20,7 @@ with LLM(model="builtin:llama-1b", model_cache_dir=".cache/models", device="cuda
     for _ in range(int(sys.argv[2])):
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
-        print(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0), flush=True)
+        print(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0), flush=True)
 """
 
 

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
             prompts = [torch.randint(3, llm.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
                        for _ in range(args.prompts)]
             llm.generate(prompts[:1], params)  # the first sizes captured before the compared runs
-            runs[mode] = [llm.generate([prompt], params)[0].token_ids for prompt in prompts]
+            runs[mode] = [llm.generate([prompt], params)[0].outputs[0].token_ids for prompt in prompts]
     rows = []
     for i, (graphed, eager) in enumerate(zip(runs["full_and_piecewise"], runs["none"])):
         first = next((j for j, (a, b) in enumerate(zip(graphed, eager)) if a != b), None)

@@ -170,7 +170,7 @@ def e2e_rows(args: argparse.Namespace) -> list[dict]:
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, [params] * len(prompts))
                 seconds = time.perf_counter() - t0
-                tokens = sum(len(o.token_ids) for o in outs)
+                tokens = sum(len(o.outputs[0].token_ids) for o in outs)
                 if best is None or tokens / seconds > best[0]:
                     best = (tokens / seconds, tokens, seconds, outs, timers.snapshot())
             tps, tokens, seconds, outs, spent = best
@@ -180,7 +180,7 @@ def e2e_rows(args: argparse.Namespace) -> list[dict]:
             for key, (total, _) in spent.items():  # host milliseconds per step, by part
                 row[f"{key}_ms"] = round(total * 1000 / max(1, spent["launch"][1]), 3)
             if params.constraint is not None:
-                row["valid_json"] = sum(_valid(o.text) for o in outs)
+                row["valid_json"] = sum(_valid(o.outputs[0].text) for o in outs)
             rows.append(row)
     for row in rows:
         row["x_plain"] = round(row["tokens_per_s"] / rows[0]["tokens_per_s"], 3)

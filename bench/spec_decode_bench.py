@@ -72,12 +72,12 @@ def main() -> None:
         with LLM(model=args.model, device=args.device, dtype=args.dtype, max_running_seqs=1, max_seq_len=2048,
                  speculative_config=spec) as llm:
             llm.chat(WORKLOADS["open_chat"], SamplingParams(temperature=0, max_tokens=4))  # warm-up
-            engine = llm._held["engine"]
+            engine = llm._engine.engine
             for round_ in range(1, args.rounds + 1):
                 for name, messages in WORKLOADS.items():
                     before = dataclasses.replace(engine.spec_stats)
                     started = time.perf_counter()
-                    out = llm.chat(messages, params)[0]
+                    out = llm.chat(messages, params)[0].outputs[0]
                     seconds = time.perf_counter() - started
                     after = engine.spec_stats
                     counts = SpecDecodeStats(after.drafts - before.drafts, after.draft_tokens - before.draft_tokens,

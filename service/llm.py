@@ -4,14 +4,14 @@
 
     with LLM(model="builtin:tiny") as llm:
         out = llm.generate(["Explain CUDA graphs"], SamplingParams(temperature=0, max_tokens=20))
-        print(out[0].text)
+        print(out[0].outputs[0].text)
 
 The keywords are checked by the server's config validation (service/config.py); the model, runner,
 graph cache and engine are built by the same builder as the server's engine process
 (service/engine/builder.py), and the engine runs on its own thread. The LLM reaches it only as an
 `EngineClient` (service/engine_client/), as the server's streams do. `generate` hands every prompt
 (each of its n samples) to the engine at once (continuous batching) and returns when all are done,
-in prompt order.
+in prompt order, as vLLM's RequestOutputs (service/outputs.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -46,10 +45,13 @@ from service.engine.validation import (
 from service.engine_client.calls import CheckConstraint, ReadSnapshot
 from service.engine_client.client import EngineClient
 from service.llm_config import config_of
+from service.outputs import CompletionOutput, RequestOutput, Timings, finish_reason, logprob_dicts
 
 log = structlog.get_logger("graphserve.llm")
 
-PromptInput = str | Sequence[int]
+# A prompt: text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}.
+PromptInput = str | Sequence[int] | Mapping[str, Any]
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 # How the Python API's messages name what they check.
 LLM_FIELDS = PYTHON_FIELDS
 # generate() shows a progress bar from this many prompts on (use_tqdm=None).
@@ -70,49 +72,6 @@ def _check_not_bytes(prompt: object, name: str) -> None:
     if isinstance(prompt, bytes | bytearray | memoryview):
         raise TypeError(f"{name} is {type(prompt).__name__}: give text (decode it first, e.g. "
                         ".decode('utf-8')) or a list of token ids")
-
-
-@dataclass(frozen=True)
-class Timings:
-    queue_seconds: float  # from submit to the first scheduling step
-    time_to_first_token_seconds: float
-    total_seconds: float
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One of a prompt's n completions (SamplingParams.n)."""
-
-    index: int  # 0 to n - 1
-    text: str
-    token_ids: list[int]  # the completion's tokens; a stop token or EOS that ended it is not included
-    finish_reason: str  # "length", "eos", "stop" or "abort"
-    stop_reason: str | int | None  # the stop string or stop token id that ended it
-    seed: int  # the seed that drove sampling: the first completion's + index
-    timings: Timings
-    # Per completion token, when SamplingParams.logprobs asked: its log-probability and the top ones.
-    logprobs: list[engine_request.TokenLogprobs] | None = None
-
-
-@dataclass(frozen=True)
-class GenerationOutput:
-    """One prompt's completions. text, token_ids, finish_reason, stop_reason, seed, timings and
-    logprobs are those of completions[0] (the only one when n is 1)."""
-
-    prompt: str | None  # the text (for chat: as the template rendered it); None for token ids
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    stop_reason: str | int | None
-    seed: int
-    timings: Timings
-    logprobs: list[engine_request.TokenLogprobs] | None = None
-    cached_tokens: int = 0  # prompt tokens found in the prefix cache (by the first completion)
-    completions: list[Completion] = dataclasses.field(default_factory=list)  # all n, in index order
-    # Per prompt token, when SamplingParams.prompt_logprobs asked: None for the first, then its
-    # log-probability given the tokens before it and the top ones there (as vLLM returns them).
-    prompt_logprobs: list[engine_request.TokenLogprobs | None] | None = None
 
 
 class _Collector:
@@ -230,28 +189,42 @@ class LLM:
         *,
         use_tqdm: bool | None = None,
         lora_adapter_names: Sequence[str] | None = None,
-    ) -> list[GenerationOutput]:
-        """Complete a prompt or each of a list of prompts (text, or token-id lists). One output per
-        prompt, in order. A progress bar shows from TQDM_MIN_PROMPTS prompts on (use_tqdm=None).
-        lora_adapter_names: one adapter name (of lora_weights) for every prompt, or one per prompt;
-        "" is the base model."""
+    ) -> list[RequestOutput]:
+        """Complete a prompt or each of a list of prompts: text, token-id lists, or vLLM's
+        {"prompt": text} and {"prompt_token_ids": ids}. One RequestOutput per prompt, in order. A
+        progress bar shows from TQDM_MIN_PROMPTS prompts on (use_tqdm=None). lora_adapter_names: one
+        adapter name (of lora_weights) for every prompt, or one per prompt; "" is the base model."""
         _check_not_bytes(prompts, "prompts")
-        if not isinstance(prompts, Sequence):
-            raise TypeError(f"prompts must be a string, a list of token ids or a list of those, "
-                            f"not {type(prompts).__name__}")
-        items = [prompts] if isinstance(prompts, str) or (
+        if not isinstance(prompts, Sequence | Mapping):
+            raise TypeError(f"prompts must be a string, a list of token ids, a {{'prompt_token_ids': ids}} dict "
+                            f"or a list of those, not {type(prompts).__name__}")
+        items = [prompts] if isinstance(prompts, str | Mapping) or (
             prompts and all(_is_int(t) for t in prompts)) else list(prompts)
-        encoded = []
-        for i, p in enumerate(items):
-            _check_not_bytes(p, f"prompt {i}")
-            if isinstance(p, str):
-                _need(p != "", f"prompt {i} is empty")
-                encoded.append((p, self.tokenizer.encode(p, add_special_tokens=True)))
-            else:
-                _need(isinstance(p, Sequence) and all(_is_int(t) for t in p),
-                      f"prompt {i} must be a string or a list of token ids, not {type(p).__name__}")
-                encoded.append((None, list(p)))
+        encoded = [self._encode(i, p) for i, p in enumerate(items)]
         return self._run(encoded, sampling_params, use_tqdm, self._adapter_names(lora_adapter_names, len(encoded)))
+
+    def _encode(self, index: int, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of one prompt."""
+        if isinstance(prompt, Mapping):
+            unknown = sorted(set(prompt) - set(PROMPT_KEYS))
+            _need(not unknown, f"prompt {index}: {', '.join(map(repr, unknown))} not supported (graphserve serves "
+                               "text-only models); give 'prompt' (text) or 'prompt_token_ids'")
+            _need(len(prompt) == 1, f"prompt {index}: give one of 'prompt' (text) or 'prompt_token_ids'")
+            [(key, prompt)] = prompt.items()
+            _need(isinstance(prompt, str) == (key == "prompt"),
+                  f"prompt {index}: 'prompt' takes text and 'prompt_token_ids' a list of token ids, "
+                  f"not {type(prompt).__name__}")
+        _check_not_bytes(prompt, f"prompt {index}")
+        if isinstance(prompt, str):
+            _need(prompt != "", f"prompt {index} is empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        _need(isinstance(prompt, Sequence) and all(_is_int(t) for t in prompt),
+              f"prompt {index} must be a string or a list of token ids, not {type(prompt).__name__}")
+        return None, list(prompt)
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (a transformers tokenizer), the one generate() encodes text with."""
+        return self.tokenizer
 
     def _adapter_names(self, names: str | Sequence[str] | None, count: int) -> list[str]:
         if names is None:
@@ -269,7 +242,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | None = None,
-    ) -> list[GenerationOutput]:
+    ) -> list[RequestOutput]:
         """Answer a conversation (a list of {"role", "content"} messages) or each of a list of them,
         rendered with the model's chat template and its generation prompt."""
         many = isinstance(messages, Sequence) and bool(messages) and not isinstance(messages[0], Mapping | ChatMessage)
@@ -280,7 +253,7 @@ class LLM:
 
     def _run(self, encoded: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             use_tqdm: bool | None, adapters: list[str] | None = None) -> list[GenerationOutput]:
+             use_tqdm: bool | None, adapters: list[str] | None = None) -> list[RequestOutput]:
         self._check_open()
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(encoded)
@@ -307,7 +280,8 @@ class LLM:
                 if collector.finish is None:
                     engine.abort(key)
             raise
-        return [self._output(prompt, ids, cs, p) for (prompt, ids), cs, p in zip(encoded, collectors, params)]
+        return [self._output(rs[0].request_id, prompt, rs[0].prompt_token_ids, cs, p)
+                for (prompt, _), rs, cs, p in zip(encoded, requests, collectors, params)]
 
     def _samples(self, index: int, ids: list[int], p: SamplingParams,
                  adapter: str) -> list[engine_request.GenerationRequest]:
@@ -316,6 +290,8 @@ class LLM:
         fields = dataclasses.replace(LLM_FIELDS, prompt_ids=f"prompt {index}")
         if p.seed is None and self._seeds is not None:
             p = dataclasses.replace(p, seed=self._seeds.getrandbits(63))
+        if p.truncate_prompt_tokens is not None:  # vLLM's: the last k tokens (-1: as many as the context holds)
+            ids = ids[-(self.max_seq_len if p.truncate_prompt_tokens == -1 else p.truncate_prompt_tokens):]
         request = generation_request(f"llm-{next(self._ids)}", check_prompt_ids(ids, self._limits, fields), p,
                                      self._limits, fields, adapter=adapter)
         if p.constraint is not None:  # compiled now (bounded, cached): a bad one fails before any submit
@@ -346,18 +322,17 @@ class LLM:
                 if not left[index]:
                     bar.update(1)
 
-    def _output(self, prompt: str | None, ids: list[int], collectors: list[_Collector],
-                params: SamplingParams) -> GenerationOutput:
-        completions = [self._completion(i, c, params) for i, c in enumerate(collectors)]
-        first = completions[0]
-        return GenerationOutput(
-            prompt=prompt, prompt_token_ids=ids, text=first.text, token_ids=first.token_ids,
-            finish_reason=first.finish_reason, stop_reason=first.stop_reason, seed=first.seed, timings=first.timings,
-            logprobs=first.logprobs, cached_tokens=collectors[0].finish.cached_tokens, completions=completions,
-            prompt_logprobs=collectors[0].prompt_logprobs,
-        )
+    def _output(self, request_id: str, prompt: str | None, ids: list[int], collectors: list[_Collector],
+                params: SamplingParams) -> RequestOutput:
+        outputs = [self._completion(i, c, params) for i, c in enumerate(collectors)]
+        prompt_logprobs = collectors[0].prompt_logprobs
+        if prompt_logprobs is not None:
+            prompt_logprobs = [None, *logprob_dicts(ids[1:], prompt_logprobs[1:], self._decode_token)]
+        return RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=ids,
+                             prompt_logprobs=prompt_logprobs, outputs=outputs, finished=True,
+                             num_cached_tokens=collectors[0].finish.cached_tokens)
 
-    def _completion(self, index: int, c: _Collector, params: SamplingParams) -> Completion:
+    def _completion(self, index: int, c: _Collector, params: SamplingParams) -> CompletionOutput:
         if c.finish is None and not self._finalizer.alive:
             raise RuntimeError("this LLM was closed (close(), or the interpreter exiting) while generate() ran")
         if isinstance(c.error, engine_request.ConstraintFailed):  # the request's fault, as a bad argument is
@@ -365,11 +340,23 @@ class LLM:
         if c.finish is None:
             raise RuntimeError(c.error.message if c.error else "the engine ended the request without a result")
         f = c.finish
-        return Completion(
-            index=index, text=c.text, token_ids=c.token_ids, finish_reason=f.reason.value, stop_reason=f.matched_stop,
-            seed=f.seed, timings=Timings(f.queue_seconds, f.time_to_first_token_seconds, f.total_seconds),
-            logprobs=c.logprobs if c.logprobs is not None or params.logprobs is None else [],
+        text = c.text if params.detokenize else ""
+        if params.include_stop_str_in_output and isinstance(f.matched_stop, str):
+            text += f.matched_stop
+        logprobs = cumulative = None
+        if params.logprobs is not None:
+            decode = self._decode_token if params.detokenize else lambda _: None
+            logprobs = logprob_dicts(c.token_ids, c.logprobs or [], decode)
+            cumulative = sum(lp.logprob for lp in c.logprobs or [])
+        return CompletionOutput(
+            index=index, text=text, token_ids=c.token_ids, cumulative_logprob=cumulative, logprobs=logprobs,
+            finish_reason=finish_reason(f.reason), stop_reason=f.matched_stop, seed=f.seed,
+            timings=Timings(f.queue_seconds, f.time_to_first_token_seconds, f.total_seconds),
         )
+
+    def _decode_token(self, token_id: int) -> str:
+        """A token's text alone, as vLLM's Logprob.decoded_token."""
+        return self.tokenizer.decode([token_id])
 
     # ---- graph cache and lifetime -------------------------------------------------------------
 

@@ -1,6 +1,8 @@
 """The Python API's keywords as the server's configuration: one table from each `LLM(...)` keyword to
 the ServeConfig field it sets. vLLM's names stand beside ours where the meaning is the same
-(`max_model_len`, `max_num_seqs`, `enforce_eager`). Types are checked here (the server's flags are
+(`max_model_len`, `max_num_seqs`, `enforce_eager`, `kv_cache_memory_bytes`); vLLM's keywords with no
+equal here are refused with what to use instead (VLLM_REFUSED), never taken for something else.
+Types are checked here (the server's flags are
 parsed as their type, so neither takes "8" for 8 nor "no", a true string, for False); values are
 checked by ServeConfig.validate, the server's own checks, whose messages then name the keyword.
 """
@@ -107,6 +109,7 @@ KEYWORDS: dict[str, Keyword] = {
     "block_size": Keyword("block_size", _int, "an int"),
     "kv_cache_memory": Keyword("kv_cache_memory", _memory,
                                "'auto', bytes ('8GiB', 8 << 30) or a fraction of device memory (0.5)", str),
+    "kv_cache_memory_bytes": Keyword("kv_cache_memory", _int, "an int (bytes)", lambda v: f"{v}B"),  # vLLM's name
     "kv_cache_dtype": Keyword("kv_cache_dtype", _str, "a string"),  # "auto" (the model's) or "fp8", as vLLM's
     "enable_prefix_caching": Keyword("prefix_caching", _bool, "True or False"),  # vLLM's name
     "graph_memory_budget": Keyword("graph_memory_budget", lambda v: v is None or _memory(v),
@@ -117,6 +120,15 @@ KEYWORDS: dict[str, Keyword] = {
     "model_cache_dir": Keyword("model_cache_dir", _path_or_none, "None or a path", _as_path),
     "log_level": Keyword("log_level", _str, "a string"),  # used only when the program has not configured structlog
     "seed": Keyword(None, _int_or_none, "an int or None"),  # seeds the seeds of requests that give none
+    # vLLM's: the model's own tokenizer is the only one (None or the model's path says so)
+    "tokenizer": Keyword(None, lambda v: v is None or isinstance(v, str | os.PathLike), "None or a path"),
+}
+# vLLM's keywords with no equal here -> what to do instead; None or False passes (it asks nothing).
+VLLM_REFUSED = {
+    "gpu_memory_utilization": "graphserve sizes the KV cache alone, after the weights and the graph budget: "
+                              "kv_cache_memory='auto' (the default) takes what is free less 5% of the device; give a "
+                              "fraction of device memory (kv_cache_memory=0.4) or bytes (kv_cache_memory_bytes=20 << 30)",
+    "trust_remote_code": "graphserve runs its own model code and never a checkpoint's: drop the keyword",
 }
 VALID_KEYWORDS = ("model", *KEYWORDS)
 
@@ -124,6 +136,10 @@ VALID_KEYWORDS = ("model", *KEYWORDS)
 def config_of(model: str, options: dict[str, Any]) -> ServeConfig:
     """The server's config for `LLM(model, **options)`: TypeError for an unknown keyword, one of the
     wrong type, or two that set one field; the server's ConfigError (naming keywords) for values."""
+    refused = sorted(k for k in set(options) & set(VLLM_REFUSED) if options[k] not in (None, False))
+    if refused:
+        raise TypeError(f"LLM() keyword {refused[0]!r} (vLLM's) has no equal in graphserve: {VLLM_REFUSED[refused[0]]}")
+    options = {k: v for k, v in options.items() if k not in VLLM_REFUSED}
     unknown = sorted(set(options) - set(KEYWORDS))
     if unknown:
         raise TypeError(f"LLM() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
@@ -139,6 +155,10 @@ def config_of(model: str, options: dict[str, Any]) -> ServeConfig:
         if key.field in named:
             raise TypeError(f"{named[key.field]} and {name} set the same thing: give one of them")
         values[key.field], named[key.field] = key.convert(value), name
+    tokenizer = options.get("tokenizer")
+    if tokenizer is not None and os.fspath(tokenizer) != str(model):
+        raise TypeError(f"LLM() keyword 'tokenizer' is {tokenizer!r}: graphserve uses the model's own tokenizer; "
+                        "give None or the model's path")
     for _, path in lora_entries(options.get("lora_weights")):
         if not Path(path).is_dir():
             raise ConfigError(f"lora_weights: {path!r} is not a directory; give PEFT adapter directories "

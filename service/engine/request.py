@@ -41,6 +41,7 @@ class TokenLogprobs:
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability)
+    rank: int = 1  # the token's rank in the vocabulary by log-probability (1: the most likely)
 
 
 @dataclass(slots=True)  # not frozen: one is made per token of every stream, and a frozen one costs 4x to make

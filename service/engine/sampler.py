@@ -153,8 +153,8 @@ class TokenHistory:
 @dataclass
 class Sampled:
     tokens: Tensor  # [B] int64
-    # [L, 1 + 2k] float32 for the rows with logprobs: the sampled token's log-probability, then the
-    # top k log-probabilities, then their ids (exact in float32 below 2**24): one copy to the host.
+    # [L, 2 + 2k] float32 for the rows with logprobs: the sampled token's log-probability and its rank,
+    # then the top k log-probabilities, then their ids (exact in float32 below 2**24): one copy to the host.
     logprobs: Tensor | None = None
 
 
@@ -228,24 +228,27 @@ def _logprobs(raw: Tensor, tokens: Tensor, spec: tuple[Tensor, int, list[int]]) 
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor, k: int) -> Tensor:
-    """logits [L, V] float32, tokens [L] -> packed [L, 1 + 2k]: each token's log-probability, then the
-    top k log-probabilities and their token ids (unpack_logprobs reads it)."""
+    """logits [L, V] float32, tokens [L] -> packed [L, 2 + 2k]: each token's log-probability and its rank
+    in the vocabulary (1 is the most likely; vLLM's: tokens at least as likely, itself included), then
+    the top k log-probabilities and their token ids (unpack_logprobs reads it)."""
     # log_softmax at a few tokens only: logit - logsumexp, without a [L, V] log-probability tensor.
     lse = logits.logsumexp(dim=-1, keepdim=True)  # [L, 1]
-    chosen = logits.gather(1, tokens.unsqueeze(1)) - lse  # [L, 1]
-    if k == 0:
-        return chosen
-    top = logits.topk(k, dim=-1)
-    return torch.cat([chosen, top.values - lse, top.indices.to(torch.float32)], dim=1)
+    chosen_logit = logits.gather(1, tokens.unsqueeze(1))  # [L, 1]
+    rank = (logits >= chosen_logit).sum(dim=-1, keepdim=True).to(torch.float32)  # [L, 1]
+    parts = [chosen_logit - lse, rank]
+    if k:
+        top = logits.topk(k, dim=-1)
+        parts += [top.values - lse, top.indices.to(torch.float32)]
+    return torch.cat(parts, dim=1)
 
 
 def unpack_logprobs(packed: list[list[float]], ks: list[int]) -> list[TokenLogprobs]:
     """The host side of Sampled.logprobs: one TokenLogprobs per row with logprobs."""
     out = []
     for row, k in zip(packed, ks, strict=True):
-        width = (len(row) - 1) // 2
-        top = tuple((int(row[1 + width + i]), row[1 + i]) for i in range(k))
-        out.append(TokenLogprobs(row[0], top))
+        width = (len(row) - 2) // 2
+        top = tuple((int(row[2 + width + i]), row[2 + i]) for i in range(k))
+        out.append(TokenLogprobs(row[0], top, int(row[1])))
     return out
 
 

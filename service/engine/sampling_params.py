@@ -33,6 +33,46 @@ class Constraint:
             object.__setattr__(self, "value", tuple(self.value))
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's spelling of a Constraint (SamplingParams.structured_outputs): exactly one of json (a
+    schema, as text or a dict), regex, choice, grammar, or json_object=True."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def constraint(self, name: str) -> Constraint:
+        given = {k: v for k, v in (("json_schema", self.json), ("regex", self.regex), ("choice", self.choice),
+                                   ("grammar", self.grammar), ("json_object", self.json_object or None))
+                 if v is not None}
+        need(len(given) == 1, f"{name} needs exactly one of json, regex, choice, grammar, json_object=True; "
+                              f"got {', '.join(given) or 'none'}")
+        [(kind, value)] = given.items()
+        if kind == "json_schema" and not isinstance(value, str):
+            import json
+
+            value = json.dumps(value)
+        return Constraint(kind, "" if kind == "json_object" else value)
+
+
+# vLLM's SamplingParams fields that graphserve cannot honour: taken at their default, else refused
+# naming the field. field -> (default, why).
+VLLM_REFUSED: dict[str, tuple[Any, str]] = {
+    "skip_special_tokens": (True, "graphserve's text always skips special tokens (token_ids hold them)"),
+    "bad_words": (None, "banning words is not supported; logit_bias bans single tokens (-100)"),
+    "allowed_token_ids": (None, "restricting the vocabulary is not supported; use constraint/structured_outputs "
+                                "(choice or regex) or logit_bias"),
+    "logits_processors": (None, "graphserve samples on the device without per-request Python callbacks"),
+    "extra_args": (None, "graphserve has no custom sampler plug-ins to pass them to"),
+    "flat_logprobs": (False, "logprobs come as vLLM's list of {token id: Logprob} dicts"),
+    "output_kind": (None, "generate() returns each prompt's output once, finished"),
+    "skip_reading_prefix_cache": (None, "the prefix cache is skipped only by prompt_logprobs requests"),
+}
+
+
 MAX_SAMPLES = 16  # n: completions of one prompt per request
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias per request
 MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| at most, as in the OpenAI API
@@ -89,6 +129,10 @@ class SamplingParams:
     n: independent completions of the prompt (1 to 16), completion i sampled with seed + i; they share
     the prompt's prefill through the prefix cache.
 
+    vLLM's own fields: those the Python API honours (include_stop_str_in_output, detokenize,
+    truncate_prompt_tokens, structured_outputs, spaces_between_special_tokens) and those refused unless
+    at their default (VLLM_REFUSED: skip_special_tokens=False, bad_words, ...), naming the field.
+
     `fields` (not kept) names the values in error messages: the Python API's names by default.
     """
 
@@ -110,10 +154,26 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     constraint: Constraint | None = None
+    # vLLM's names, honoured by the Python API's output (the engine never reads them):
+    include_stop_str_in_output: bool = False  # the stop string that ended a completion ends its text
+    detokenize: bool = True  # False: text "" (token ids only); no stop strings then
+    spaces_between_special_tokens: bool = True  # no effect: special tokens are never in the text
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
+    structured_outputs: StructuredOutputsParams | None = None  # vLLM's spelling of constraint
+    # vLLM's, refused unless at their default (VLLM_REFUSED):
+    skip_special_tokens: bool = True
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logits_processors: list[Any] | None = None
+    extra_args: dict[str, Any] | None = None
+    flat_logprobs: bool = False
+    output_kind: Any = None
+    skip_reading_prefix_cache: bool | None = None
     fields: InitVar[Fields | None] = None
 
     def __post_init__(self, fields: Fields | None) -> None:
         f = fields or PYTHON_FIELDS
+        _refuse_vllm_only(self, f)
         _normalise(self, f)
         _check(self, f)
 
@@ -139,6 +199,29 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _refuse_vllm_only(p: SamplingParams, f: Fields) -> None:
+    """vLLM's fields: the refused ones at their default, the rest of the right type, structured_outputs
+    made the constraint."""
+    s = f.sampling
+    for name, (default, why) in VLLM_REFUSED.items():
+        value = getattr(p, name)
+        need(value == default or (default is None and not value),
+             f"{s}{name}={value!r} is not supported by graphserve: {why}")
+    for name in ("include_stop_str_in_output", "detokenize", "spaces_between_special_tokens"):
+        need(isinstance(getattr(p, name), bool), f"{s}{name} must be True or False, got {getattr(p, name)!r}")
+    k = p.truncate_prompt_tokens
+    need(k is None or (_is_int(k) and (k >= 1 or k == -1)),
+         f"{s}truncate_prompt_tokens must be None, an int >= 1 or -1 (max_model_len), got {k!r}")
+    need(p.detokenize or not p.stop, f"{f.stopping}stop needs detokenize=True (stop strings are matched in the text)")
+    if p.structured_outputs is not None:
+        need(isinstance(p.structured_outputs, StructuredOutputsParams),
+             f"{s}structured_outputs must be None or a StructuredOutputsParams, got {p.structured_outputs!r}")
+        constraint = p.structured_outputs.constraint(f"{s}structured_outputs")
+        need(p.constraint in (None, constraint),  # equal: a copy (dataclasses.replace) of one made so
+             f"{s}structured_outputs and {s}constraint say the same thing: give one of them")
+        object.__setattr__(p, "constraint", constraint)
 
 
 def _normalise(p: SamplingParams, f: Fields) -> None:

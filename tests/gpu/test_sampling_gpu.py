@@ -45,12 +45,14 @@ def test_logprobs_and_penalties_with_graphs_equal_eager(llms: tuple[LLM, LLM]) -
     before = replays(graphed)
     got, want = graphed.generate(PROMPTS, params), eager.generate(PROMPTS, params)
     assert replays(graphed) > before
+    got, want = [o.outputs[0] for o in got], [o.outputs[0] for o in want]
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
         if w.logprobs is not None:
-            assert [lp.logprob for lp in g.logprobs] == pytest.approx([lp.logprob for lp in w.logprobs], abs=1e-4)
-            assert [t for lp in g.logprobs for t, _ in lp.top] == [t for lp in w.logprobs for t, _ in lp.top]
-    assert len(got[2].token_ids) == 6 and got[2].finish_reason == "eos"
+            assert [lp.logprob for d in g.logprobs for lp in d.values()] == pytest.approx(
+                [lp.logprob for d in w.logprobs for lp in d.values()], abs=1e-4)
+            assert [list(d) for d in g.logprobs] == [list(d) for d in w.logprobs]
+    assert len(got[2].token_ids) == 6 and got[2].finish_reason == "stop" and got[2].stop_reason is None  # EOS
 
 
 def test_prompt_logprobs_with_graphs_equal_eager(llms: tuple[LLM, LLM]) -> None:
@@ -64,10 +66,10 @@ def test_prompt_logprobs_with_graphs_equal_eager(llms: tuple[LLM, LLM]) -> None:
     assert replays(graphed) > before
     for g, w, prompt in zip(got, want, prompts):
         assert len(g.prompt_logprobs) == len(prompt) and g.prompt_logprobs[0] is None
-        assert [lp.logprob for lp in g.prompt_logprobs[1:]] == pytest.approx([lp.logprob for lp in w.prompt_logprobs[1:]],
-                                                                             abs=1e-4)
-        assert [lp.top[0][0] for lp in g.prompt_logprobs[1:]] == [lp.top[0][0] for lp in w.prompt_logprobs[1:]]
-        assert g.token_ids == w.token_ids
+        assert [lp.logprob for d in g.prompt_logprobs[1:] for lp in d.values()] == pytest.approx(
+            [lp.logprob for d in w.prompt_logprobs[1:] for lp in d.values()], abs=1e-4)
+        assert [list(d) for d in g.prompt_logprobs[1:]] == [list(d) for d in w.prompt_logprobs[1:]]
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
 
 
 def test_structured_outputs_with_graphs_are_valid_and_replay(llms: tuple[LLM, LLM]) -> None:
@@ -77,10 +79,11 @@ def test_structured_outputs_with_graphs_are_valid_and_replay(llms: tuple[LLM, LL
     before = replays(graphed)
     got = graphed.generate(["Describe a user as JSON"] * 8, params)
     assert replays(graphed) > before  # constrained steps replay their graphs
-    for out in got:
+    for [out] in (o.outputs for o in got):
         assert out.finish_reason == "stop"
         jsonschema.validate(json.loads(out.text), SCHEMA)
-    assert [o.token_ids for o in got] == [o.token_ids for o in eager.generate(["Describe a user as JSON"] * 8, params)]
+    assert [o.outputs[0].token_ids for o in got] == [
+        o.outputs[0].token_ids for o in eager.generate(["Describe a user as JSON"] * 8, params)]
 
 
 def test_the_samplers_cuda_path_equals_its_cpu_path(llms: tuple[LLM, LLM]) -> None:

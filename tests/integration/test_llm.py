@@ -44,10 +44,12 @@ def test_generate_greedy_equals_grpc_generate(llm: LLM, server: ServerThread) ->
     assert [o.prompt for o in outputs] == PROMPTS
     for prompt, out in zip(PROMPTS, outputs):
         chunks, finished = generate(stub, **greedy(prompt, 16))
+        assert out.finished and out.request_id
+        assert len(out.prompt_token_ids) == finished.usage.prompt_tokens
+        [out] = out.outputs
         assert out.token_ids == [t for c in chunks for t in c.token_ids]
         assert out.text == "".join(c.text for c in chunks)
-        assert len(out.prompt_token_ids) == finished.usage.prompt_tokens
-        assert out.finish_reason == "length" and len(out.token_ids) == 16
+        assert out.finish_reason == "length" and out.stop_reason is None and len(out.token_ids) == 16
         assert out.timings.total_seconds >= out.timings.time_to_first_token_seconds > 0
 
 
@@ -57,18 +59,18 @@ def test_chat_over_grpc_equals_llm_chat(llm: LLM, server: ServerThread) -> None:
     chunks, finished = generate(server.stub(), messages=chat_request(CONVERSATION),
                                 sampling=inference_pb2.SamplingParams(temperature=0.0),
                                 stopping=inference_pb2.StoppingCriteria(max_tokens=12, ignore_eos=True))
-    assert [t for c in chunks for t in c.token_ids] == out.token_ids
+    assert [t for c in chunks for t in c.token_ids] == out.outputs[0].token_ids
     assert finished.usage.prompt_tokens == len(out.prompt_token_ids)
 
 
 def test_sampling_with_a_seed_reproduces_whatever_shares_the_batch(llm: LLM, server: ServerThread) -> None:
     seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=20, ignore_eos=True)
-    alone = llm.generate("Explain CUDA graphs", seeded)[0]
+    alone = llm.generate("Explain CUDA graphs", seeded)[0].outputs[0]
     others = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
-    batched = llm.generate(PROMPTS, [seeded, others, others, others])[0]
+    batched = llm.generate(PROMPTS, [seeded, others, others, others])[0].outputs[0]
     assert batched.token_ids == alone.token_ids and alone.seed == 7
     other_seed = llm.generate("Explain CUDA graphs", SamplingParams(temperature=0.8, top_p=0.95, seed=8, max_tokens=20,
-                                                                     ignore_eos=True))[0]
+                                                                     ignore_eos=True))[0].outputs[0]
     assert other_seed.token_ids != alone.token_ids
     chunks, _ = generate(server.stub(), text="Explain CUDA graphs",
                          sampling=inference_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=7),
@@ -80,17 +82,18 @@ def test_token_id_prompts_and_one_sampling_params_per_prompt(llm: LLM) -> None:
     ids = llm.tokenizer.encode("The quick brown fox")
     outputs = llm.generate([ids, "Once upon a time"], [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
                                                       SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)])
-    assert [len(o.token_ids) for o in outputs] == [3, 5]
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 5]
     assert outputs[0].prompt is None and outputs[0].prompt_token_ids == ids
     by_text = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
-    assert by_text.token_ids == outputs[0].token_ids
+    assert by_text.outputs[0].token_ids == outputs[0].outputs[0].token_ids
     assert llm.generate([]) == []
 
 
 def test_stop_string_ends_the_text_before_it(llm: LLM) -> None:
-    full = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    full = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
     stop = full.text[5:8]
-    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop))[0]
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                          stop=stop))[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == full.text[: full.text.index(stop)]
 
@@ -98,41 +101,33 @@ def test_stop_string_ends_the_text_before_it(llm: LLM) -> None:
 def test_n_samples_are_the_generations_with_seeds_seed_plus_i(llm: LLM) -> None:
     params = SamplingParams(temperature=0.9, seed=11, max_tokens=6, ignore_eos=True, n=3)
     outputs = llm.generate(["Once upon a time", "The quick brown fox"], params)
-    assert len(outputs) == 2  # one output per prompt, its samples in completions
+    assert len(outputs) == 2  # one output per prompt, its samples in outputs
     for prompt, out in zip(["Once upon a time", "The quick brown fox"], outputs):
-        assert [c.index for c in out.completions] == [0, 1, 2] and [c.seed for c in out.completions] == [11, 12, 13]
-        for c in out.completions:
-            [alone] = llm.generate(prompt, dataclasses.replace(params, seed=c.seed, n=1))
+        assert [c.index for c in out.outputs] == [0, 1, 2] and [c.seed for c in out.outputs] == [11, 12, 13]
+        for c in out.outputs:
+            [alone] = llm.generate(prompt, dataclasses.replace(params, seed=c.seed, n=1))[0].outputs
             assert (c.token_ids, c.text, c.finish_reason) == (alone.token_ids, alone.text, alone.finish_reason)
-        assert len({tuple(c.token_ids) for c in out.completions}) == 3
-        assert (out.text, out.token_ids, out.seed) == (out.completions[0].text, out.completions[0].token_ids, 11)
+        assert len({tuple(c.token_ids) for c in out.outputs}) == 3
     again = llm.generate("Once upon a time", params)[0]
-    assert [c.token_ids for c in again.completions] == [c.token_ids for c in outputs[0].completions]
-
-
-def test_one_sample_is_the_output_itself(llm: LLM) -> None:
-    [out] = llm.chat(CONVERSATION, SamplingParams(temperature=0.7, seed=4, max_tokens=5, stop_token_ids=[3]))
-    [only] = out.completions
-    assert only.index == 0
-    assert (only.text, only.token_ids, only.finish_reason, only.stop_reason, only.seed, only.timings, only.logprobs) == (
-        out.text, out.token_ids, out.finish_reason, out.stop_reason, out.seed, out.timings, out.logprobs)
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in outputs[0].outputs]
 
 
 def test_greedy_samples_are_identical_and_each_has_its_own_logprobs(llm: LLM) -> None:
     [greedy_out] = llm.generate("graphs replay kernels", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
                                                                          n=2))
-    first, second = greedy_out.completions
+    first, second = greedy_out.outputs
     assert first.token_ids == second.token_ids and first.text == second.text and len(first.token_ids) == 4
     [out] = llm.generate("graphs replay kernels", SamplingParams(temperature=1.0, seed=21, max_tokens=4,
                                                                  ignore_eos=True, logprobs=2, n=2))
-    for c in out.completions:
+    for c in out.outputs:
         [alone] = llm.generate("graphs replay kernels", SamplingParams(temperature=1.0, seed=c.seed, max_tokens=4,
-                                                                       ignore_eos=True, logprobs=2))
+                                                                       ignore_eos=True, logprobs=2))[0].outputs
         assert c.token_ids == alone.token_ids  # logprobs to float32 rounding: the batch of two rows sums otherwise
-        assert [lp.logprob for lp in c.logprobs] == pytest.approx([lp.logprob for lp in alone.logprobs], abs=1e-4)
-        assert [[t for t, _ in lp.top] for lp in c.logprobs] == [[t for t, _ in lp.top] for lp in alone.logprobs]
-        assert len(c.logprobs) == 4 and all(len(lp.top) == 2 for lp in c.logprobs)
-    assert out.logprobs == out.completions[0].logprobs != out.completions[1].logprobs
+        assert [lp.logprob for d in c.logprobs for lp in d.values()] == pytest.approx(
+            [lp.logprob for d in alone.logprobs for lp in d.values()], abs=1e-4)
+        assert [list(d) for d in c.logprobs] == [list(d) for d in alone.logprobs]
+        assert len(c.logprobs) == 4 and all(len(d) in (2, 3) for d in c.logprobs)
+    assert out.outputs[0].logprobs != out.outputs[1].logprobs
 
 
 @pytest.mark.parametrize(("n", "shown"), [(17, "17"), (0, "0"), ("2", "'2'"), (2.0, "2.0"), (True, "True")])
@@ -143,7 +138,7 @@ def test_n_outside_one_to_sixteen_is_refused(llm: LLM, n: object, shown: str) ->
 
 def test_many_prompts_show_a_progress_bar(llm: LLM, capsys) -> None:
     outputs = llm.generate(["a b c"] * 10, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-    assert len(outputs) == 10 and len({tuple(o.token_ids) for o in outputs}) == 1
+    assert len(outputs) == 10 and len({tuple(o.outputs[0].token_ids) for o in outputs}) == 1
     assert "Generating" in capsys.readouterr().err
     llm.generate(["a b c"] * 10, SamplingParams(max_tokens=2), use_tqdm=False)
     assert "Generating" not in capsys.readouterr().err
@@ -152,8 +147,9 @@ def test_many_prompts_show_a_progress_bar(llm: LLM, capsys) -> None:
 def test_chat_takes_a_list_of_conversations(llm: LLM) -> None:
     second = [{"role": "user", "content": "And a kernel?"}]
     both = llm.chat([CONVERSATION, second], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    assert [o.token_ids for o in both] == [llm.chat(c, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids
-                                           for c in (CONVERSATION, second)]
+    assert [o.outputs[0].token_ids for o in both] == [
+        llm.chat(c, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids
+        for c in (CONVERSATION, second)]
     with pytest.raises(ChatError, match=r"messages\[0\].role is 'robot'"):
         llm.chat([{"role": "robot", "content": "beep"}])
 
@@ -183,7 +179,8 @@ def test_bytes_are_not_taken_for_token_ids(llm: LLM) -> None:
                           (["ok", bytearray(b"hi")], "prompt 1 is bytearray")):
         with pytest.raises(TypeError, match=rf"{name}: give text \(decode it first"):
             llm.generate(prompts, SamplingParams(max_tokens=1))
-    with pytest.raises(TypeError, match="prompts must be a string, a list of token ids or a list of those, not int"):
+    with pytest.raises(TypeError, match="prompts must be a string, a list of token ids, a {'prompt_token_ids': ids} dict or a list of "
+                                        "those, not int"):
         llm.generate(5)
 
 
@@ -205,7 +202,7 @@ def test_the_seeds_snippets_run_as_written(model_cache_dir, monkeypatch) -> None
     sampling_params = SamplingParams(temperature=0.8, max_tokens=50)
     output = llm.generate("Explain CUDA graphs", sampling_params)
     assert len(output) == 1 and output[0].prompt == "Explain CUDA graphs"
-    assert output[0].finish_reason in ("length", "eos") and 1 <= len(output[0].token_ids) <= 50
+    assert output[0].outputs[0].finish_reason in ("length", "stop") and 1 <= len(output[0].outputs[0].token_ids) <= 50
     assert list(llm.graph_cache_state().capture_sizes) == [64, 128, 256]
     llm.close()
     with pytest.raises(RuntimeError, match="this LLM is closed"):
@@ -237,7 +234,7 @@ def test_lora_weights_match_peft(model_cache_dir, tmp_path) -> None:  # noqa: AN
         with pytest.raises(ValueError, match="2 lora_adapter_names for 3 prompts"):
             llm.generate(prompts, params, lora_adapter_names=["short", ""])
     for prompt, adapter, out in zip(prompts, [first, None, second], outs):
-        assert out.token_ids == peft_greedy(model_dir, adapter, prompt, 8)
+        assert out.outputs[0].token_ids == peft_greedy(model_dir, adapter, prompt, 8)
 
 
 def test_keywords_are_checked_before_loading() -> None:

@@ -52,7 +52,7 @@ def test_close_releases_the_model_and_the_kv_cache(model_cache_dir: Path) -> Non
             assert runner() is None and model() is None, gc.get_referrers(runner())
             sizes.append(rss_mb())
         assert gc.get_freeze_count() > 0  # the open LLM's
-        assert other.generate("hello", SamplingParams(max_tokens=2))[0].token_ids
+        assert other.generate("hello", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
         other.close()
         assert gc.get_freeze_count() == 0
         print("rss", *sizes)
@@ -100,7 +100,7 @@ def test_ctrl_c_aborts_generate_and_raises_keyboard_interrupt(model_cache_dir: P
             llm.generate(["a", "b"], SamplingParams(max_tokens=2000, ignore_eos=True, n=3))  # 6 sequences, 4 running
         except KeyboardInterrupt:
             print("interrupted", flush=True)
-        out = llm.generate("c", SamplingParams(max_tokens=3, ignore_eos=True))[0]
+        out = llm.generate("c", SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0]
         print("after", len(out.token_ids), llm._engine.num_running, llm._engine.num_waiting, flush=True)
         ready_when_running()
         llm.generate(["d", "e"], {LONG})  # not caught: the traceback and exit of a Ctrl-C

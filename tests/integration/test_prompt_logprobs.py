@@ -135,6 +135,11 @@ def test_the_python_api_returns_prompt_logprobs_as_vllm_does(model_cache_dir, re
             llm.generate(prompts[:1], SamplingParams(prompt_logprobs=21))
     for prompt, out, ref in zip(prompts, outs, plain):
         assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
-        check_against_reference(reference, prompt, [(lp.logprob, list(lp.top)) for lp in out.prompt_logprobs[1:]])
-        assert out.token_ids == ref.token_ids and ref.prompt_logprobs is None
+        # vLLM's dicts: the prompt token (its own rank), then the top tokens by rank
+        got = [(d[token].logprob, [(t, lp.logprob) for t, lp in sorted(d.items(), key=lambda e: e[1].rank)
+                                   if lp.rank <= TOP])
+               for token, d in zip(prompt[1:], out.prompt_logprobs[1:])]
+        check_against_reference(reference, prompt, got)
+        assert all(next(iter(d)) == token for token, d in zip(prompt[1:], out.prompt_logprobs[1:]))
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids and ref.prompt_logprobs is None
 

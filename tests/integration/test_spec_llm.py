@@ -23,7 +23,8 @@ def test_generate_with_speculation_equals_without(model_cache_dir, method: str) 
                  device="cpu", dtype="float32", speculative_config=spec) as llm:
             engine = llm._engine.engine  # the engine the config built: with the proposer, no overlap
             assert (engine.scheduler.proposer is not None) == (spec is not None) and engine.overlap == (spec is None)
-            results.append([[(o.token_ids, o.text, o.finish_reason) for o in llm.generate(PROMPTS, p)]
+            results.append([[(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+                             for o in llm.generate(PROMPTS, p)]
                             for p in params])
             assert spec is None or engine.spec_stats.drafts > 0  # drafts were proposed and verified
     assert results[0] == results[1]

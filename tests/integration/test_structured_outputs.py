@@ -48,7 +48,7 @@ def sampled(constraint: Constraint, count: int, **extra) -> list[SamplingParams]
 
 def test_every_json_schema_completion_parses_and_validates(llm: LLM) -> None:
     outs = llm.generate(["Describe a user as JSON"] * 8, sampled(Constraint("json_schema", json.dumps(SCHEMA)), 8))
-    for out in outs:
+    for [out] in (o.outputs for o in outs):
         assert out.finish_reason == "stop", out.text  # ended by the grammar, not by max_tokens
         jsonschema.validate(json.loads(out.text), SCHEMA)
 
@@ -56,16 +56,17 @@ def test_every_json_schema_completion_parses_and_validates(llm: LLM) -> None:
 def test_json_object_regex_choice_and_grammar(llm: LLM) -> None:
     # Random weights nest objects without end; a small bias toward "}" lets them close.
     close = llm.tokenizer.encode("}", add_special_tokens=False)[0]
-    objects = llm.generate(["{"] * 8, sampled(Constraint("json_object"), 8, max_tokens=400, logit_bias={close: 1.0}))
+    objects = [o.outputs[0] for o in llm.generate(["{"] * 8, sampled(Constraint("json_object"), 8, max_tokens=400,
+                                                                      logit_bias={close: 1.0}))]
     assert all(o.finish_reason == "stop" and isinstance(json.loads(o.text), dict) for o in objects)
     assert max(len(o.token_ids) for o in objects) > 3  # not only "{}"
     pattern = r"[A-Z][a-z]{2,5}-[0-9]{3}"
-    assert all(re.fullmatch(pattern, o.text) for o in llm.generate(["id:"] * 6, sampled(Constraint("regex", pattern), 6)))
+    assert all(re.fullmatch(pattern, o.outputs[0].text) for o in llm.generate(["id:"] * 6, sampled(Constraint("regex", pattern), 6)))
     choices = ("positive", "negative", "neutral")
-    picked = {o.text for o in llm.generate(["sentiment:"] * 12, sampled(Constraint("choice", choices), 12))}
+    picked = {o.outputs[0].text for o in llm.generate(["sentiment:"] * 12, sampled(Constraint("choice", choices), 12))}
     assert picked <= set(choices) and len(picked) >= 2
     sql = llm.generate(["query:"] * 6, sampled(Constraint("grammar", GRAMMAR), 6))
-    assert all(re.fullmatch(r"SELECT (id|name) FROM (users|orders)", o.text) for o in sql)
+    assert all(re.fullmatch(r"SELECT (id|name) FROM (users|orders)", o.outputs[0].text) for o in sql)
 
 
 def test_constrained_rows_leave_the_free_rows_of_their_steps_unchanged(llm: LLM) -> None:
@@ -74,7 +75,8 @@ def test_constrained_rows_leave_the_free_rows_of_their_steps_unchanged(llm: LLM)
     mixed = llm.generate(["Once upon a time", "json please", "The quick brown fox", "pick"],
                          [free, sampled(Constraint("json_schema", json.dumps(SCHEMA)), 1)[0], free,
                           SamplingParams(temperature=0.0, constraint=Constraint("choice", ("a", "b")))])
-    assert [mixed[0].token_ids, mixed[2].token_ids] == [a.token_ids for a in alone]
+    mixed = [o.outputs[0] for o in mixed]
+    assert [mixed[0].token_ids, mixed[2].token_ids] == [a.outputs[0].token_ids for a in alone]
     jsonschema.validate(json.loads(mixed[1].text), SCHEMA)
     assert mixed[3].text in ("a", "b")
 
@@ -82,7 +84,7 @@ def test_constrained_rows_leave_the_free_rows_of_their_steps_unchanged(llm: LLM)
 def test_constraints_combine_with_logprobs_penalties_and_seeds(llm: LLM) -> None:
     params = SamplingParams(temperature=0.9, seed=5, max_tokens=300, logprobs=2, repetition_penalty=1.2,
                             constraint=Constraint("json_schema", json.dumps(SCHEMA)))
-    first, again = llm.generate(["a", "a"], [params, params])
+    first, again = (o.outputs[0] for o in llm.generate(["a", "a"], [params, params]))
     assert first.token_ids == again.token_ids and len(first.logprobs) == len(first.token_ids)
     jsonschema.validate(json.loads(first.text), SCHEMA)
 
@@ -132,5 +134,5 @@ def test_constrained_requests_give_the_same_tokens_with_and_without_overlapped_s
     prompts = ["Describe a user as JSON"] * 6 + ["free text"]
     with LLM(model="builtin:tiny", model_cache_dir=model_cache_dir, max_running_seqs=16, max_seq_len=512, device="cpu",
              dtype="float32", overlap_steps=False) as stepwise:
-        want = [o.token_ids for o in stepwise.generate(prompts, params)]
-    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        want = [o.outputs[0].token_ids for o in stepwise.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want

@@ -49,21 +49,21 @@ def test_llm_greedy_with_two_ranks_equals_one_rank(model_cache_dir) -> None:  # 
     scored = [params, dataclasses.replace(params, prompt_logprobs=2)] * 2 + [dataclasses.replace(params, prompt_logprobs=2)]
     options = dict(model_cache_dir=model_cache_dir, max_running_seqs=8, max_num_batched_tokens=24, max_seq_len=256)
     with LLM("builtin:tiny", **options) as llm:
-        one = [o.token_ids for o in llm.generate(prompts, params)]
+        one = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         one_scored = llm.generate(prompts, scored)
     with LLM("builtin:tiny", tensor_parallel_size=2, **options) as llm:
-        two = [o.token_ids for o in llm.generate(prompts, params)]
-        again = [o.token_ids for o in llm.generate(prompts[::-1], params)][::-1]  # the KV slots reused
+        two = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], params)][::-1]  # the KV slots reused
         two_scored = llm.generate(prompts, scored)
     assert two == one
     assert again == one
     for a, b in zip(one_scored, two_scored):
-        assert b.token_ids == a.token_ids
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
         assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
         if a.prompt_logprobs is not None:
-            assert [lp.logprob for lp in b.prompt_logprobs[1:]] == pytest.approx([lp.logprob for lp in a.prompt_logprobs[1:]],
-                                                                                 abs=1e-4)
-            assert [lp.top[0][0] for lp in b.prompt_logprobs[1:]] == [lp.top[0][0] for lp in a.prompt_logprobs[1:]]
+            assert [lp.logprob for d in b.prompt_logprobs[1:] for lp in d.values()] == pytest.approx(
+                [lp.logprob for d in a.prompt_logprobs[1:] for lp in d.values()], abs=1e-4)
+            assert [list(d) for d in b.prompt_logprobs[1:]] == [list(d) for d in a.prompt_logprobs[1:]]
 
 
 @needs_float32

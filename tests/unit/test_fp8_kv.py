@@ -236,7 +236,7 @@ def test_the_engine_generates_with_fp8_kv_mostly_the_tokens_it_gives_with_auto(m
     for kv_dtype in ("auto", "fp8"):
         with LLM("builtin:tiny", device="cpu", dtype="float32", kv_cache_dtype=kv_dtype, max_seq_len=256,
                  model_cache_dir=model_cache_dir) as llm:
-            outputs[kv_dtype] = [o.completions[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            outputs[kv_dtype] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     assert all(len(ids) == 16 for ids in outputs["fp8"])
     first = sum(a[0] == b[0] for a, b in zip(outputs["auto"], outputs["fp8"]))
     assert first >= 10, (first, outputs)

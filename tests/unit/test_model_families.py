@@ -191,8 +191,8 @@ def test_the_engine_serves_the_family_greedily_as_transformers(pair):
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     with LLM(str(path), device="cpu", dtype="float32", max_seq_len=128, max_num_batched_tokens=8, max_running_seqs=4,
              block_size=4, enable_prefix_caching=True) as llm:
-        outputs = [o.completions[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        again = llm.generate([prompts[1]], greedy, use_tqdm=False)[0].completions[0].token_ids  # a prefix-cache hit
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        again = llm.generate([prompts[1]], greedy, use_tqdm=False)[0].outputs[0].token_ids  # a prefix-cache hit
     for p, got in zip(prompts, outputs):
         assert list(got) == reference_greedy(ref, p, steps=6)[0]
     assert list(again) == list(outputs[1])

@@ -256,6 +256,7 @@ def test_logprobs_are_the_models_log_softmax_before_processing() -> None:
     reference = logits.log_softmax(dim=-1)
     first, third = unpack_logprobs(out.logprobs.tolist(), batch.logprobs[2])
     assert out.tokens[0].item() == 9
+    assert first.rank == int((reference[0] >= reference[0, 9]).sum())  # vLLM's rank: 1 is the most likely
     assert first.logprob == pytest.approx(reference[0, 9].item(), abs=1e-6)
     top = reference[0].topk(5)
     assert [t for t, _ in first.top] == top.indices.tolist()
