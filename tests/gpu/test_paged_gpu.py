@@ -127,7 +127,7 @@ def test_prefix_hits_under_graphs_give_the_tokens_of_a_miss():
         llm = LLM("builtin:tiny", device="cuda", dtype="float32", enable_prefix_caching=caching)
         try:
             results[caching] = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]  # one at a time: hits
-            stats = llm._engine.scheduler.block_stats()
+            stats = llm._engine.engine.scheduler.block_stats()
             replays = sum(b.since_start.replays for b in llm.graph_cache_state().buckets)
         finally:
             llm.close()
@@ -146,7 +146,7 @@ def test_batch_invariant_mode_is_identical_with_and_without_a_prefix_hit():
     try:
         miss = llm.generate(prompt, params)[0].outputs[0].token_ids
         hit = llm.generate(prompt, params)[0].outputs[0].token_ids
-        stats = llm._engine.scheduler.block_stats()
+        stats = llm._engine.engine.scheduler.block_stats()
     finally:
         llm.close()
     assert stats.prefix_hits >= 192

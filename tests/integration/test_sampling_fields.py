@@ -177,6 +177,6 @@ def test_penalized_requests_survive_preemption_with_their_tokens(model_cache_dir
         with LLM(model="builtin:tiny", model_cache_dir=model_cache_dir, max_running_seqs=10, max_seq_len=256,
                  device="cpu", dtype="float32", kv_cache_memory=memory, enable_prefix_caching=False) as small:
             results[memory] = [o.outputs[0].token_ids for o in small.generate(prompts, params)]
-            preemptions = small._engine.scheduler.block_stats().preemptions
+            preemptions = small._engine.engine.scheduler.block_stats().preemptions
         assert (preemptions > 0) == (memory == "1966080")
     assert results["1966080"] == results["64MiB"]

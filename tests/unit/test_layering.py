@@ -34,6 +34,7 @@ LAYERS = {
     "service.server": 7,
     "service.llm": 7,
     "service.llm_config": 7,
+    "service.outputs": 7,
     "service": 8,
     "service.engine.rank_main": 8,
 }
@@ -43,7 +44,7 @@ NAMES = {0: "cache_manager", 1: "config and logs", 2: "model", 3: "engine", 4: "
 
 
 # Packages of one layer that are one part (may import each other).
-PARTS = {"service.llm_config": "service.llm"}
+PARTS = {"service.llm_config": "service.llm", "service.outputs": "service.llm"}
 
 
 def part(module: str) -> str:
