@@ -1,7 +1,22 @@
+import logging
+
 import pytest
+import structlog
 
 from tests.support.process import ServerProcess
 from tests.support.server import ServerThread
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_before():  # noqa: ANN202
+    """Each test leaves logging as it found it: an LLM made in a test configures structlog (level,
+    stream) for its process, and the tests after it capture logs under their own configuration."""
+    saved, root = structlog.get_config(), logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    structlog.configure(**saved)
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")

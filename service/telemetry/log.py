@@ -41,9 +41,12 @@ class LineWriter:
                 self._lock_fd, self._pid = _stream_lock(self.file), os.getpid()
             if self._lock_fd is not None:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            # A stream closed under us (a test's captured stderr, gone with its test) is no reason
+            # for a log call to raise into the caller: the process's stderr of now takes the line.
+            file = sys.stderr if self.file.closed else self.file
             try:
-                self.file.write(message + "\n")
-                self.file.flush()
+                file.write(message + "\n")
+                file.flush()
             finally:
                 if self._lock_fd is not None:
                     fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
@@ -84,10 +87,13 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
         logger_factory=lambda *_: _LINE_WRITER,
-        cache_logger_on_first_use=True,
+        # Not cached: configure_logging runs again where a process makes another LLM (and in tests), and
+        # a cached logger would keep the stream and processors of its first use. Costs ~µs a log call.
+        cache_logger_on_first_use=False,
     )
     # Libraries log through the standard library (and `warnings`): into the same structured stream.
-    logging.captureWarnings(True)
+    logging.captureWarnings(False)  # re-hook: warnings.showwarning may have been replaced since (a test harness
+    logging.captureWarnings(True)  # restores its own after each test while logging thinks it still holds it)
     root = logging.getLogger()
     root.handlers = [_ToStructlog()]
     root.setLevel(logging.WARNING)
