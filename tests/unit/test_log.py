@@ -13,7 +13,6 @@ import time
 import warnings
 
 import pytest
-import structlog
 from transformers.utils import logging as hf_logging
 
 from service.telemetry.log import LogThrottle, configure_logging, route_library_logs
@@ -21,12 +20,9 @@ from service.telemetry.log import LogThrottle, configure_logging, route_library_
 
 @pytest.fixture
 def json_logging():  # noqa: ANN201
-    saved, root = structlog.get_config(), logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+    """What configure_logging and route_library_logs change beyond structlog and the root logger
+    (tests/conftest.py restores those after every test)."""
     yield
-    structlog.configure(**saved)
-    root.handlers[:] = handlers
-    root.setLevel(level)
     logging.captureWarnings(False)
     hf_logging.disable_propagation()
     hf_logging.enable_default_handler()
