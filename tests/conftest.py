@@ -7,16 +7,24 @@ from tests.support.process import ServerProcess
 from tests.support.server import ServerThread
 
 
-@pytest.fixture(autouse=True)
-def _logging_as_before():  # noqa: ANN202
-    """Each test leaves logging as it found it: an LLM made in a test configures structlog (level,
-    stream) for its process, and the tests after it capture logs under their own configuration."""
-    saved, root = structlog.get_config(), logging.getLogger()
+def _logging_restored():  # noqa: ANN202
+    """Leaves structlog and the root logger as they were: an LLM or an in-process server configures
+    logging (level, stream) for its process, and what runs after it captures logs
+    (structlog.testing.capture_logs keeps the configured level) or prints under its own."""
+    configured, saved, root = structlog.is_configured(), structlog.get_config(), logging.getLogger()
     handlers, level = root.handlers[:], root.level
     yield
-    structlog.configure(**saved)
+    if configured:
+        structlog.configure(**saved)
+    else:  # unconfigured, as LLM checks (it configures logging only where nothing did)
+        structlog.reset_defaults()
     root.handlers[:] = handlers
     root.setLevel(level)
+
+
+# Per module (its module-scoped servers and LLMs configure logging) and per test.
+_logging_as_before_the_module = pytest.fixture(autouse=True, scope="module")(_logging_restored)
+_logging_as_before_the_test = pytest.fixture(autouse=True)(_logging_restored)
 
 
 @pytest.fixture(scope="session")
