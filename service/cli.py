@@ -9,6 +9,7 @@ import sys
 import structlog
 
 from service.config import ConfigError, load_config, version
+from service.telemetry import startup
 from service.telemetry.log import configure_logging
 
 COMMANDS = {
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         from service.gateway import main as gateway_main
 
         return gateway_main(rest)
+    startup.record()
+    startup.mark("imports")
     try:
         config = load_config(rest)
     except ConfigError as exc:
@@ -58,8 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(config.log_format, config.log_level)
     structlog.get_logger("graphserve").info("config", **config.redacted())
+    startup.mark("config")
     from service.engine_client.gil import shorten_switch_interval
     from service.server.app import App  # heavy imports (torch) after the flags are known good
 
+    startup.mark("server_imports")
     shorten_switch_interval()
     return asyncio.run(App(config).run())

@@ -170,6 +170,9 @@ class ServeConfig:
     # Before SERVING: every allowed size run once eagerly, then the warm-start graphs captured, for at
     # most this long (seconds); what is left is captured in the background. 0: all in the background.
     startup_graph_timeout: float = 60.0
+    # The kernels' self-check results and Triton's compiled kernels, kept across starts (None:
+    # <model cache dir>/compile; service.model.kernels.compile_cache)
+    compile_cache_dir: Path | None = None
     # Admin, metrics, operations
     admin_host: str = "127.0.0.1"
     admin_port: int = 50052
@@ -562,6 +565,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="capture-size statistics, kept across restarts (default: none, every start is cold)")
     _switch(g, "--warm-start", d.warm_start,
             "pre-capture the hot sizes of the last run (--stats-file), else the largest size of each kind")
+    g.add_argument("--compile-cache-dir", type=Path, default=None,
+                   help="the kernels' self-check results and Triton's compiled kernels, kept across starts and "
+                        "reused while the GPU, driver, versions and model shape are the same (default: "
+                        "<--model-cache-dir>/compile; TRITON_CACHE_DIR, when set, keeps Triton's elsewhere)")
     g.add_argument("--startup-graph-timeout", type=float, default=d.startup_graph_timeout,
                    help="seconds before SERVING for the kernel warm-up and the warm-start graphs "
                         "(the largest sizes on a cold start); 0: everything in the background")

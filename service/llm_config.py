@@ -118,6 +118,7 @@ KEYWORDS: dict[str, Keyword] = {
     "stats_file": Keyword("stats_file", _path_or_none, "None or a path", _as_path),
     "warm_start": Keyword("warm_start", _bool, "True or False"),
     "model_cache_dir": Keyword("model_cache_dir", _path_or_none, "None or a path", _as_path),
+    "compile_cache_dir": Keyword("compile_cache_dir", _path_or_none, "None or a path", _as_path),
     "log_level": Keyword("log_level", _str, "a string"),  # used only when the program has not configured structlog
     "seed": Keyword(None, _int_or_none, "an int or None"),  # seeds the seeds of requests that give none
     # vLLM's: the model's own tokenizer is the only one (None or the model's path says so)

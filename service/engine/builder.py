@@ -25,10 +25,12 @@ from service.engine.ranks import Ranks, start_ranks
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
 from service.engine.spec.proposer import new_proposer
-from service.model.loader import LoadedModel, load_model, read_model_spec
+from service.model.kernels.compile_cache import CompileCache
+from service.model.loader import LoadedModel, default_cache_dir, load_model, read_model_spec
 from service.model.lora import LoraAdapter, LoraError, read_adapter
 from service.model.parallel import TensorParallel, shard_spec
 from service.model.spec import ModelLoadError
+from service.telemetry import startup
 
 log = structlog.get_logger("graphserve.builder")
 
@@ -87,6 +89,7 @@ def load_runner(c: ServeConfig, hooks: EngineHooks | None = None,
     hooks = hooks if hooks is not None else EngineHooks()
     lr = _load_runner(c, hooks, on_rank_death or hooks.wake)
     prepare_graphs(lr, c.startup_graph_timeout)
+    startup.mark("startup_graphs")
     return lr
 
 
@@ -128,8 +131,9 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
     (`ranks`) sends every step and its graph operations to the other ranks; a follower rank (rank
     > 0) keeps no stats and decides nothing: its graphs mirror rank 0's."""
     dtype = resolve_dtype(c.dtype, device)
+    compile_cache = CompileCache.open(c.compile_cache_dir or (c.model_cache_dir or default_cache_dir()) / "compile")
     loaded = load_model(c.model, device, dtype, c.model_cache_dir, tp=tp, batch_invariant=c.batch_invariant,
-                        quantization=c.quantization, kv_cache_dtype=c.kv_cache_dtype)
+                        quantization=c.quantization, kv_cache_dtype=c.kv_cache_dtype, compile_cache=compile_cache)
     if c.batch_invariant:
         log.info("batch_invariant_mode", device=str(device), dtype=str(dtype).removeprefix("torch."),
                  backend=loaded.model.invariant.backend)
@@ -169,7 +173,9 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
                          max_loras=c.lora_slots, max_lora_rank=c.max_lora_rank, lora_kernel=c.lora_kernel,
                          block_size=kv.block_size, num_blocks=kv.num_blocks,
                          masks=None if constraints is None else constraints.masks, ranks=ranks, hooks=hooks)
-    runner.warmup()
+    startup.mark("kv_pool")
+    runner.warmup()  # a prompt chunk and a decode, eagerly: every step kind has a path before SERVING
+    startup.mark("warmup")
     if follower:
         runner.follow()
     adapters = AdapterRegistry(c.lora_slots, runner.lora, c.max_cpu_loras) if runner.lora is not None else None

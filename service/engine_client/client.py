@@ -41,6 +41,8 @@ class EngineFacts:
     max_loras: int = 0  # adapter slots; 0: adapters are off, and no LoRA graphs
     max_lora_rank: int = 0
     kv_cache_dtype: str = ""  # what the KV cache stores, e.g. bfloat16 or float8_e4m3fn ("": dtype)
+    # The engine process's start-up phases: (name, time.monotonic() at its end), service.telemetry.startup
+    startup: tuple[tuple[str, float], ...] = ()
 
     @property
     def architecture(self) -> str:

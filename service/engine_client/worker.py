@@ -19,6 +19,7 @@ sending to it, and neither side would read again.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import pickle
 import signal
@@ -47,6 +48,7 @@ from service.engine_client.messages import (
     WorkerSpec,
     WorkerStatus,
 )
+from service.telemetry import startup
 from service.telemetry.engine_metrics import EngineMetrics
 from service.telemetry.gc_pauses import freeze_startup_heap, watch_gc_pauses
 
@@ -120,6 +122,7 @@ class _Worker:
         from service.engine_client.faults import wrap_decode
         from service.telemetry.log import route_library_logs
 
+        startup.mark("imports")  # torch and the engine's modules
         c, faults = self.spec.config, self.spec.faults
         if faults.load_delay_s:  # a slow load, as a big checkpoint would be (tests only)
             time.sleep(faults.load_delay_s)
@@ -240,6 +243,7 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 
 def worker_main(conn: Any, spec: WorkerSpec) -> None:
     """The engine process's entry point (multiprocessing, spawn)."""
+    startup.record()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     shorten_switch_interval()  # the pipe reader must not wait 5 ms behind the engine thread per request
@@ -269,7 +273,8 @@ def worker_main(conn: Any, spec: WorkerSpec) -> None:
     freeze_startup_heap()
     watch_gc_pauses("engine")
     worker.engine.start()
-    worker.send(ready)
+    startup.mark("engine_started")
+    worker.send(dataclasses.replace(ready, startup=startup.phases()))
     stop = threading.Event()
     threading.Thread(target=worker.report_status, args=(stop,), name="graphserve-status", daemon=True).start()
     try:

@@ -41,6 +41,7 @@ from service.model.attention import (
 )
 from service.model.kernels import FastPath
 from service.model.kernels.activation import act_mul_torch, act_mul_triton
+from service.model.kernels.compile_cache import CompileCache
 from service.model.kernels.decode_attention import decode_attention_torch, decode_attention_triton
 from service.model.kernels.fast_path import check_moe
 from service.model.kernels.gemv import linear as gemv_linear
@@ -59,6 +60,7 @@ from service.model.moe import SparseMoe, checkpoint_name
 from service.model.parallel import TensorParallel, VocabParallelEmbedding, shard_spec
 from service.model.spec import ModelLoadError, ModelSpec
 from service.model.step_batch import ChunkSpec, StepBatch, build_step_batch
+from service.telemetry import startup
 
 # attend(layer_idx, qkv [N, (H + 2 KVH) * D], cos, sin [kinds, N, 1, D]) -> [N, H * D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -352,6 +354,8 @@ class LlamaForCausalLM(nn.Module):
     every linear layer and the LM head get its matmul, attention runs every row through the
     per-row decode kernel, so a row's logits do not depend on the other rows of its step.
 
+    `compile_cache` keeps the fast path's self-check results across starts (kernels.compile_cache).
+
     `kv_dtype` is what its KV caches store (None: the model's dtype; FP8: service.model.kv_quant):
     the fast path's attention and KV-write kernels are checked on such a cache. Raises
     ModelLoadError on a device that cannot serve it.
@@ -360,6 +364,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(
         self, spec: ModelSpec, device: torch.device | str, dtype: torch.dtype, fast_path: bool = True,
         tp: TensorParallel | None = None, batch_invariant: bool = False, kv_dtype: torch.dtype | None = None,
+        compile_cache: CompileCache | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp = tp or TensorParallel()
@@ -402,10 +407,13 @@ class LlamaForCausalLM(nn.Module):
                 spec.intermediate_size,
                 self.kv_dtype,
                 spec,
+                compile_cache,
             )
             if fast_path
             else FastPath()
         )
+        if torch.device(device).type != "meta":  # a meta model only names the parameters (builtin.py)
+            startup.mark("kernel_self_checks")
         self.invariant: InvariantKernels | None = None
         self.fp8 = False  # use_fp8
         self.fp8_kernels: fp8.Fp8Kernels | None = None  # use_fp8's self-check

@@ -18,9 +18,11 @@ from safetensors import safe_open
 
 from service.model import fp8, kv_quant
 from service.model.builtin import _SEED, BUILTIN_PREFIX, BUILTIN_SHAPES, ensure_builtin, random_init
+from service.model.kernels.compile_cache import CompileCache
 from service.model.llama import LlamaForCausalLM
 from service.model.parallel import TensorParallel, read_shard
 from service.model.spec import ModelLoadError, ModelSpec
+from service.telemetry import startup
 
 if TYPE_CHECKING:
     import transformers
@@ -154,7 +156,7 @@ def read_model_spec(model: str, cache_dir: pathlib.Path | None = None) -> ModelS
 def load_model(
     model: str, device: torch.device, dtype: torch.dtype, cache_dir: pathlib.Path | None = None,
     tp: TensorParallel | None = None, batch_invariant: bool = False, quantization: str = "none",
-    kv_cache_dtype: str = "auto",
+    kv_cache_dtype: str = "auto", compile_cache: CompileCache | None = None,
 ) -> LoadedModel:
     """ "builtin:<name>" (generated once into cache_dir) or a local HF directory -> LoadedModel.
     With `tp` of world size N this rank's model holds (and reads) only its 1/N shards; the
@@ -162,17 +164,22 @@ def load_model(
     `batch_invariant`: the model's batch-invariant mode (LlamaForCausalLM). `quantization` "fp8":
     the decoder's projections in FP8 (service.model.fp8); a checkpoint in FP8 is read either way.
     `kv_cache_dtype` "fp8": the KV cache in E4M3 (service.model.kv_quant), read with the checkpoint's
-    KV scales when it has them (they are read, and unused, either way)."""
+    KV scales when it has them (they are read, and unused, either way). `compile_cache`: the kernels'
+    self-check results kept across starts (kernels.compile_cache)."""
     device = torch.device(device)
     path = _model_dir(model, cache_dir)
     spec = _read_spec(path)
+    startup.mark("model_config")
     # a built-in shape too large to write: its weights are made on the device (builtin.random_init)
     shape = BUILTIN_SHAPES[model[len(BUILTIN_PREFIX):]] if model.startswith(BUILTIN_PREFIX) else {}
     files = [] if shape.get("on_device") else _weight_files(path)
     tokenizer = read_tokenizer(path)
+    startup.mark("tokenizer")
     sharded = tp is not None and tp.world_size > 1
     kv_dtype = kv_quant.cache_dtype(kv_cache_dtype, dtype)
-    net = LlamaForCausalLM(spec, device, dtype, tp=tp, batch_invariant=batch_invariant, kv_dtype=kv_dtype)
+    net = LlamaForCausalLM(spec, device, dtype, tp=tp, batch_invariant=batch_invariant, kv_dtype=kv_dtype,
+                           compile_cache=compile_cache)
+    startup.mark("model_build")
     block = _block_size(path)
     kv_scales = None
     if files:
@@ -182,11 +189,14 @@ def load_model(
             state = fp8.dequantize_checkpoint(state, block)
         except ValueError as e:
             raise ModelLoadError(f"{path}: {e}") from None
+        startup.mark("weights_read")  # safetensors reads straight onto the device: the copy included
         net.load_weights(state)
+        startup.mark("weights_loaded")
     else:
         random_init(net, shape["layer_std"], torch.Generator(device).manual_seed(_SEED + (tp.rank if tp else 0)))
         log.info("builtin_weights_on_device", model=model, gib=round(sum(
             p.numel() * p.element_size() for p in net.parameters()) / 2**30, 2))
+        startup.mark("weights_random_init")
     net.eval()
     if quantization == "fp8":
         saved = net.use_fp8(expert_block=block)

@@ -43,6 +43,7 @@ from service.server.streams import AdmissionLimits, Streams
 from service.server.transport import add_port
 from service.server.vllm_servicer import SERVICE_NAME as VLLM_SERVICE
 from service.server.vllm_servicer import ModelFacts, VllmEngineServicer
+from service.telemetry import startup
 from service.telemetry.gc_pauses import freeze_startup_heap, watch_gc_pauses
 from service.telemetry.metrics import Metrics
 
@@ -110,6 +111,9 @@ class App:
         self.stopping = asyncio.Event()
         self.exit_code = 0
         self._gc_watch: Any = None
+        # This process's start-up phases (the entry point's so far), then the engine process's
+        process = startup.record()
+        self.timeline = startup.Timeline(process.origin, list(process.phases))
 
     # ---- start --------------------------------------------------------------------------------
 
@@ -137,6 +141,7 @@ class App:
         if c.metrics_port:
             self.metrics_port = self.metrics.serve(c.host, c.metrics_port)
         log.info("grpc_listening", address=f"{c.host}:{self.port}", tls=c.tls_cert is not None)
+        self.timeline.mark("grpc_listening")
 
     async def load(self) -> None:
         """Start the engine process (it loads the model and runs one eager step), then SERVING."""
@@ -144,7 +149,10 @@ class App:
         t0 = time.monotonic()
         self.engine = EngineProcess(WorkerSpec(c, self.faults), asyncio.get_running_loop(), self.kv_events.publish)
         self.model = ready = await _in_daemon_thread(self.engine.start)
+        self.timeline.merge(ready.startup, prefix="engine.")
+        self.timeline.mark("engine_ready")
         self.tokenizer = await _in_daemon_thread(read_tokenizer, ready.model_path)
+        self.timeline.mark("tokenizer")
         spec = ready.spec
         log.info("model_loaded", model=c.model, architecture=spec.architecture, device=ready.device,
                  dtype=ready.dtype, seconds=round(time.monotonic() - t0, 2), engine_pid=self.engine.process.pid)
@@ -166,8 +174,12 @@ class App:
         # Watched from here: a start-up collection (that one included) pauses no stream.
         self._gc_watch = watch_gc_pauses("grpc")
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self.timeline.mark("serving")
         self.ready.set()
         log.info("serving", model=c.model, port=self.port, graph_mode=ready.graph_mode, gc_frozen_objects=frozen)
+        # One event for the whole start: the phases' ends and lengths, seconds since this process started.
+        log.info("startup_timeline", seconds=self.timeline.seconds(), durations=self.timeline.durations(),
+                 serving_s=self.timeline.seconds()["serving"])
 
     def _model_info(self, ready: EngineFacts) -> inference_pb2.ModelInfo:
         c, spec = self.config, ready.spec

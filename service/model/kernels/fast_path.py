@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 import structlog
 import torch
 
 from service.model.fp8 import FP8
 from service.model.kernels import _triton
+from service.model.kernels.compile_cache import CompileCache, environment_key
 from service.model.kv_quant import load_kv, store_kv
 from service.model.spec import ModelSpec
 
@@ -34,13 +35,35 @@ class FastPath:
     def build(
         cls, device: torch.device | str, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
         head_dim: int, hidden_size: int, intermediate_size: int, kv_dtype: torch.dtype | None = None,
-        spec: ModelSpec | None = None,
+        spec: ModelSpec | None = None, cache: CompileCache | None = None,
     ) -> FastPath:
         """Self-checks each Triton kernel on small random inputs of the model's head shape; the ones
         that read or write the KV cache on a cache of `kv_dtype` (None: the model's dtype). `spec`
         (None: a Llama) says which variants the family runs: Gemma's norms and GELU, the q/k head
-        norm, sliding windows and the score scale, the MoE kernels for its experts and top-k."""
+        norm, sliding windows and the score scale, the MoE kernels for its experts and top-k.
+        With a `cache`, the results of an earlier start with the same device, versions and shape
+        are reused and no check runs; new results are stored there."""
         device = torch.device(device)
+        args = (device, dtype, num_heads, num_kv_heads, head_dim, hidden_size, intermediate_size, kv_dtype, spec)
+        if cache is None:
+            return cls._self_check(*args)
+        key = {**environment_key(device), "dtype": str(dtype), "kv_dtype": str(kv_dtype), "num_heads": num_heads,
+               "num_kv_heads": num_kv_heads, "head_dim": head_dim, "hidden_size": hidden_size,
+               "intermediate_size": intermediate_size, "spec": None if spec is None else repr(spec)}
+        cached = cache.lookup("fast_path", key)
+        if cached is not None and set(cached) == {f.name for f in fields(cls)}:
+            fast = cls(**cached)
+            log.info("fast_path", **cached, source="compile_cache")
+            return fast
+        fast = cls._self_check(*args)
+        cache.store("fast_path", key, asdict(fast))
+        return fast
+
+    @classmethod
+    def _self_check(
+        cls, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+        hidden_size: int, intermediate_size: int, kv_dtype: torch.dtype | None, spec: ModelSpec | None,
+    ) -> FastPath:
         if device.type != "cuda":
             return cls()
         if dtype not in FAST_DTYPES:
