@@ -55,14 +55,18 @@ class Server:
             self.proc.close()
 
     def events(self, name: str) -> list[dict]:
-        out = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            if line.startswith("{") and f'"{name}"' in line:
-                event = json.loads(line)
-                if event.get("event") == name:
-                    out.append(event)
-        return out
+        return log_events(self.log_path, name)
 
+
+def log_events(log_path: pathlib.Path, name: str) -> list[dict]:
+    """The events called `name` in a server's JSON log, in order."""
+    out = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        if line.startswith("{") and f'"{name}"' in line:
+            event = json.loads(line)
+            if event.get("event") == name:
+                out.append(event)
+    return out
 
 
 def lone_row_eager_steps(stats: pathlib.Path) -> int:

@@ -173,3 +173,16 @@ def test_tp_decode_bench(tmp_path: pathlib.Path) -> None:
     assert [(r["tp"], r["batch"]) for r in rows] == [(1, 1), (1, 2), (2, 1), (2, 2)]
     assert all(r["eager_ms"] > 0 for r in rows)
     assert rows[2]["eager_vs_tp1"] > 0
+
+
+def test_startup_bench(tmp_path: pathlib.Path) -> None:
+    record = _run("startup_bench.py", ["--cache-dir", str(tmp_path / "models"), "--repeat", "2"], tmp_path,
+                  timeout=300)
+    runs = record["runs"]
+    # run 1 starts with an empty compile cache and leaves it to run 2
+    assert [(r["run"], r["compile_cache"]) for r in runs] == [(1, "miss"), (2, "hit")]
+    for r in runs:
+        assert 0 < r["server_serving_s"] and 0 < r["start_to_serving_s"] <= r["start_to_first_token_s"]
+        assert list(r["phases_s"])[-1] == "serving" and "engine.weights_loaded" in r["phases_s"]
+    assert [p["phase"] for p in record["phases"]] == list(runs[0]["durations_s"])
+    assert record["summary_median"]["start_to_first_token_s"] > 0
