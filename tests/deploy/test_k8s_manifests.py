@@ -196,6 +196,16 @@ def test_stats_file_lies_on_a_persistent_volume(rendered, name):
 
 
 @all_kustomizations
+def test_compile_cache_lies_on_a_persistent_volume_of_its_own(rendered, name):
+    """A pod that starts again (a reschedule, a scale-up from zero) finds its compiled kernels."""
+    docs = rendered[name]
+    mount = mount_for(docs, flags(docs)["--compile-cache-dir"])
+    assert not mount.get("readOnly", False) and "subPath" not in mount
+    assert "persistentVolumeClaim" in volume(docs, mount["name"]), f"{mount['name']} is not a PVC"
+    assert mount["name"] != mount_for(docs, flags(docs)["--stats-file"])["name"], "its own size and lifetime"
+
+
+@all_kustomizations
 def test_persistent_state_is_per_replica(rendered, name):
     """A ReadWriteOnce claim shared by several replicas would not attach: one claim per pod."""
     docs = rendered[name]
