@@ -4,10 +4,11 @@ Each run starts a fresh server process (as a new pod would), polls gRPC health u
 one greedy Generate (a short prompt, one token) and records, from the moment the process was
 started: SERVING and the first token (the client's clock), then stops it and reads the server's
 `startup_timeline` log event: the end of each phase of its start (this process's and the engine
-process's) in seconds since the process started. Runs share one `--compile-cache-dir`, empty before
-the first run unless given: run 1 starts with an empty compile cache, the next ones with the one it
-left (`compile_cache` says which, from the server's log). `--stats-file` gives every run the same
-graph statistics file (a warm start on a GPU).
+process's) in seconds since the process started, and `startup_first_token`: when it wrote that
+token. Runs share one `--compile-cache-dir`, empty before the first run unless given: run 1 starts
+with an empty compile cache, the next ones with the one it left (`compile_cache` says which, from
+the server's log). `--stats-file` gives every run the same graph statistics file (a warm start on a
+GPU).
 
     python bench/startup_bench.py                                        # the built-in model on the CPU
     python bench/startup_bench.py --model /models/Llama-3.2-1B-Instruct --device cuda --repeat 5
@@ -82,10 +83,12 @@ def one_start(args: argparse.Namespace, compile_cache: pathlib.Path, log_path: p
     finally:
         proc.close()
     [timeline] = log_events(log_path, "startup_timeline")
+    first_written = log_events(log_path, "startup_first_token")
     hits, misses = log_events(log_path, "compile_cache_hit"), log_events(log_path, "compile_cache_miss")
     return {"start_to_serving_s": round(serving, 3),
             "start_to_first_token_s": None if first_token is None else round(first_token, 3),
             "server_serving_s": timeline["serving_s"],
+            "server_first_token_s": first_written[0]["seconds"] if first_written else None,
             "compile_cache": "hit" if hits and not misses else "miss" if misses else "none",
             "phases_s": timeline["seconds"], "durations_s": timeline["durations"], "server_command": command}
 
@@ -113,14 +116,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"{run['start_to_first_token_s']} s (compile cache {run['compile_cache']})", flush=True)
     phases = phase_rows(runs)
     summary = {k: statistics.median(r[k] for r in runs)
-               for k in ("start_to_serving_s", "start_to_first_token_s", "server_serving_s")}
+               for k in ("start_to_serving_s", "start_to_first_token_s", "server_serving_s", "server_first_token_s")}
     path = write_result("startup", {
         "workload": {"model": args.model, "device": args.device, "dtype": args.dtype, "repeat": args.repeat,
                      "prompt": PROMPT, "max_tokens": 1, "stats_file": args.stats_file is not None,
                      "server_args": args.server_args},
         "summary_median": summary, "runs": runs, "phases": phases,
     }, device=args.device, results_dir=args.out_dir)
-    print_table(runs, ["run", "compile_cache", "start_to_serving_s", "start_to_first_token_s", "server_serving_s"],
+    print_table(runs, ["run", "compile_cache", "start_to_serving_s", "start_to_first_token_s", "server_serving_s",
+                       "server_first_token_s"],
                 title=f"\n{args.model} on {args.device}: a fresh process per run (seconds from its start)")
     print_table(phases, ["phase", "median_s", "min_s", "max_s", "ends_at_median_s"],
                 title="\nwhere the time goes: each phase's length, median [min, max] over the runs")

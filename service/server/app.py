@@ -111,9 +111,8 @@ class App:
         self.stopping = asyncio.Event()
         self.exit_code = 0
         self._gc_watch: Any = None
-        # This process's start-up phases (the entry point's so far), then the engine process's
-        process = startup.record()
-        self.timeline = startup.Timeline(process.origin, list(process.phases))
+        # The entry point's start-up phases so far (none in-process), then this server's and the engine's
+        self.timeline = startup.Timeline(phases=list(startup.phases()))
 
     # ---- start --------------------------------------------------------------------------------
 
@@ -173,6 +172,7 @@ class App:
         frozen = freeze_startup_heap()
         # Watched from here: a start-up collection (that one included) pauses no stream.
         self._gc_watch = watch_gc_pauses("grpc")
+        self.streams.on_first_token = self._first_token
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.timeline.mark("serving")
         self.ready.set()
@@ -180,6 +180,13 @@ class App:
         # One event for the whole start: the phases' ends and lengths, seconds since this process started.
         log.info("startup_timeline", seconds=self.timeline.seconds(), durations=self.timeline.durations(),
                  serving_s=self.timeline.seconds()["serving"])
+
+    def _first_token(self) -> None:
+        """The start's last mark: the first token this server wrote to a client (a cold pod's first user)."""
+        self.timeline.mark("first_token")
+        seconds = self.timeline.seconds()
+        log.info("startup_first_token", seconds=seconds["first_token"],
+                 after_serving_s=round(seconds["first_token"] - seconds["serving"], 3))
 
     def _model_info(self, ready: EngineFacts) -> inference_pb2.ModelInfo:
         c, spec = self.config, ready.spec

@@ -207,6 +207,7 @@ class Streams:
         self.idle = asyncio.Event()
         self.idle.set()
         self.last_received = 0.0  # time.time() of the latest Generate
+        self.on_first_token: Callable[[], None] | None = None  # once, when the server's first token is written
 
     def attach(self, engine: EngineClient) -> None:
         self.engine = engine
@@ -337,10 +338,13 @@ class Streams:
                         await self._write(context, message)
                         if stream.first_written is None:
                             stream.first_written = time.monotonic()
+                            self._tokens_written()
                 elif isinstance(event, Finish):
                     stream.ended.add(index)
                     for message in writer.finished(event, index):
                         await self._write(context, message)
+                    if event.completion_tokens:  # a finish can carry the only tokens (max_tokens 1)
+                        self._tokens_written()
                     log.info("request_finished", request_id=request_id, reason=event.reason.value,
                              prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                              queue_s=round(event.queue_seconds, 4), ttft_s=round(event.time_to_first_token_seconds, 4),
@@ -370,6 +374,12 @@ class Streams:
             await self.reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "stream_stalled",
                               f"the client accepted no data for {self.admission.stream_stall_timeout:g} s "
                               "(--stream-stall-timeout): the stream was aborted")
+
+    def _tokens_written(self) -> None:
+        """A message with tokens went out: the server's first one calls on_first_token."""
+        if self.on_first_token is not None:
+            first, self.on_first_token = self.on_first_token, None
+            first()
 
     async def _pace(self, stream: Stream, index: int) -> None:
         """Hold a sample's next chunk until its share of the message rate allows it (its tokens that

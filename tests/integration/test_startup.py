@@ -26,11 +26,12 @@ def events(proc, name: str) -> list[dict]:  # noqa: ANN001
 
 
 def started(process_factory, *argv: str):  # noqa: ANN001, ANN201
-    """A server that reached SERVING and answered a first request, then stopped (its log complete)."""
+    """A server that reached SERVING and answered two requests, then stopped (its log complete)."""
     proc = process_factory("--admin-port", "0", *argv)
     proc.wait_for_health(SERVING, timeout=180)
-    chunks, finished = generate(inference_pb2_grpc.InferenceStub(proc.channel), **greedy("Hello there", 4))
-    assert finished.usage.completion_tokens == 4 and chunks
+    for _ in range(2):
+        chunks, finished = generate(inference_pb2_grpc.InferenceStub(proc.channel), **greedy("Hello there", 4))
+        assert finished.usage.completion_tokens == 4 and chunks
     proc.terminate()
     assert proc.wait(60) == 0
     return proc
@@ -53,6 +54,9 @@ def test_the_start_up_timeline_is_logged_once_with_every_phase_in_order(process_
     assert abs(sum(timeline["durations"].values()) - seconds["serving"]) < 0.01
     assert seconds["engine.warmup"] <= seconds["engine.startup_graphs"] < seconds["serving"]
     assert list(seconds)[-1] == "serving"
+    # The first token written to a client closes the start, logged once (two requests were served)
+    [first] = events(proc, "startup_first_token")
+    assert first["seconds"] >= seconds["serving"] and first["after_serving_s"] >= 0
 
 
 def test_the_compile_cache_is_reused_on_the_next_start_and_ignored_when_its_key_changes(

@@ -183,6 +183,7 @@ def test_startup_bench(tmp_path: pathlib.Path) -> None:
     assert [(r["run"], r["compile_cache"]) for r in runs] == [(1, "miss"), (2, "hit")]
     for r in runs:
         assert 0 < r["server_serving_s"] and 0 < r["start_to_serving_s"] <= r["start_to_first_token_s"]
+        assert r["server_serving_s"] <= r["server_first_token_s"]
         assert list(r["phases_s"])[-1] == "serving" and "engine.weights_loaded" in r["phases_s"]
     assert [p["phase"] for p in record["phases"]] == list(runs[0]["durations_s"])
     assert record["summary_median"]["start_to_first_token_s"] > 0
