@@ -131,7 +131,7 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
     (`ranks`) sends every step and its graph operations to the other ranks; a follower rank (rank
     > 0) keeps no stats and decides nothing: its graphs mirror rank 0's."""
     dtype = resolve_dtype(c.dtype, device)
-    compile_cache = CompileCache.open(c.compile_cache_dir or (c.model_cache_dir or default_cache_dir()) / "compile")
+    compile_cache = CompileCache.open(Path(c.compile_cache_dir or Path(c.model_cache_dir or default_cache_dir()) / "compile"))
     loaded = load_model(c.model, device, dtype, c.model_cache_dir, tp=tp, batch_invariant=c.batch_invariant,
                         quantization=c.quantization, kv_cache_dtype=c.kv_cache_dtype, compile_cache=compile_cache)
     if c.batch_invariant:
