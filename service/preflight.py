@@ -67,9 +67,11 @@ def model_file_problem(model: str) -> str | None:
     """A local model directory that cannot be one: seen without importing the model code."""
     if model.startswith("builtin:"):
         return None
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        return f"--model {model}: no such directory (a local Hugging Face directory, or builtin:<name>)"
+    from service.model_dirs import MISSING_MODEL, model_dir
+
+    path = model_dir(model)
+    if path is None:
+        return f"--model {model}: {MISSING_MODEL}"
     config = path / "config.json"
     if not config.is_file():
         return f"--model {model}: no config.json in it (is it a Hugging Face model directory?)"

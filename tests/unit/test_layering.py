@@ -26,6 +26,7 @@ LAYERS = {
     "service.proto": 1,
     "service.telemetry.log": 1,
     "service.telemetry.gc_pauses": 1,
+    "service.model_dirs": 1,
     "service.model": 2,
     "service.engine": 3,
     "service.telemetry": 4,
