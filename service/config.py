@@ -143,6 +143,9 @@ class ServeConfig:
     # auto (the model's dtype) | fp8: keys and values in FP8 E4M3 with per-layer scales (service.model.kv_quant)
     kv_cache_dtype: str = "auto"
     prefix_caching: bool = True
+    # Host memory under the prefix cache (bytes such as 16GiB; 0: off): cached blocks the device pool
+    # evicts are kept there and copied back on a hit (service/engine/host_tier.py)
+    kv_host_cache_memory: str = "0"
     overlap_steps: bool = True  # launch step t+1 before reading step t's tokens
     # Speculative decoding: vLLM's JSON object (SpeculativeConfig above), e.g.
     # {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}; None: off
@@ -246,6 +249,18 @@ class ServeConfig:
     @property
     def constraint_limits(self) -> ConstraintLimits:
         return ConstraintLimits(**{f.name: getattr(self, f.name) for f in fields(ConstraintLimits)})
+
+    @property
+    def kv_host_cache_bytes(self) -> int:
+        """--kv-host-cache-memory in bytes (0: off); ValueError for a value that is not bytes."""
+        if str(self.kv_host_cache_memory).strip() in ("0", ""):
+            return 0
+        from cache_manager.budget import parse_memory_budget
+
+        value = parse_memory_budget(self.kv_host_cache_memory)
+        if isinstance(value, float):
+            raise ValueError(f"{self.kv_host_cache_memory!r} is a fraction: give bytes such as 16GiB")
+        return value
 
     @property
     def lora_slots(self) -> int:
@@ -372,6 +387,14 @@ class ServeConfig:
                 parse_memory_budget(self.kv_cache_memory)
             except ValueError as exc:
                 raise ConfigError(f"--kv-cache-memory: {exc} (or auto)") from None
+        try:
+            host_bytes = self.kv_host_cache_bytes
+        except ValueError as exc:
+            raise ConfigError(f"--kv-host-cache-memory: {exc} (or 0: off)") from None
+        need(not host_bytes or self.prefix_caching, "--kv-host-cache-memory keeps prefix-cache blocks: it needs "
+             "--prefix-caching")
+        need(not host_bytes or self.tensor_parallel_size == 1,
+             "--kv-host-cache-memory is not served with tensor parallelism yet")
         need(self.block_size & (self.block_size - 1) == 0 and self.block_size <= 256,
              f"--block-size must be a power of two up to 256, got {self.block_size}")
         if self.capture_sizes is not None:
@@ -524,6 +547,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV block memory: bytes (8GiB), a fraction of device memory (0.5), or auto: on CUDA the "
                         "memory free after the weights less the graph budget and 5%% of the device; on CPU what "
                         "--max-running-seqs sequences of --max-seq-len need, at most 1 GiB")
+    g.add_argument("--kv-host-cache-memory", default=d.kv_host_cache_memory,
+                   help="host memory under the prefix cache, in bytes (16GiB): full cached blocks the device pool "
+                        "evicts are copied there (LRU within this bound) and copied back when a prompt needs them "
+                        "again, instead of recomputed; pinned on CUDA. 0 (the default): off")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                    help="what the KV cache stores: auto, the model's dtype; fp8, E4M3 with one scale per layer for "
                         "keys and one for values (the checkpoint's k_scale/v_scale, else 1.0): half the bytes per "

@@ -168,7 +168,11 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
     runner = ModelRunner(loaded, c.max_running_seqs, max_seq_len, graph_config,
                          max_loras=c.lora_slots, max_lora_rank=c.max_lora_rank, lora_kernel=c.lora_kernel,
                          block_size=kv.block_size, num_blocks=kv.num_blocks,
-                         masks=None if constraints is None else constraints.masks, ranks=ranks, hooks=hooks)
+                         masks=None if constraints is None else constraints.masks, ranks=ranks, hooks=hooks,
+                         host_cache_bytes=c.kv_host_cache_bytes)
+    if runner.host_kv is not None and not follower:
+        log.info("kv_host_cache", blocks=runner.host_kv.num_slots, gib=round(runner.host_kv.nbytes() / 2**30, 3),
+                 pinned=device.type == "cuda")
     runner.warmup()
     if follower:
         runner.follow()

@@ -33,6 +33,7 @@ import time
 
 from service.engine.adapters import AdapterRegistry
 from service.engine.block_pool import BlockPool, PoolStats
+from service.engine.host_tier import KvCopies
 from service.engine.kv_manager import KVManager
 from service.engine.scheduled_step import PrefillChunk, ScheduledStep, VerifyRow
 from service.engine.sequence import Sequence, SequenceStatus
@@ -249,7 +250,9 @@ class Scheduler:
             prefills = [c for c in prefills if c.seq.status is SequenceStatus.RUNNING]
         kv.scheduled(decodes, prefills, verifies)
         assert len(self._free_slots) + len(running) == self.max_running
-        return ScheduledStep(tuple(decodes), tuple(prefills), kv.take_table_updates(), tuple(verifies))
+        # A step that runs nothing leaves the copies for the next one (no block they touch is read before).
+        copies = kv.take_copies() if decodes or prefills or verifies else KvCopies()
+        return ScheduledStep(tuple(decodes), tuple(prefills), kv.take_table_updates(), tuple(verifies), copies)
 
     def rejected(self, seq: Sequence, num_rejected: int) -> None:
         """The engine read seq's verify row: the last num_rejected draft positions' KV is not seq's."""

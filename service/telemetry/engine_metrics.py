@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import Metric
 from prometheus_client.metrics import MetricWrapperBase
 
+from service.engine.host_tier import HostTierStats
 from service.engine.request import Finish, FinishReason
 from service.engine.sequence import Sequence, SequenceStatus
 from service.telemetry.vllm_metrics import VllmCollector
@@ -132,6 +133,14 @@ class EngineMetrics:
                                       registry=r)
         self.prefix_hits = Counter("graphserve_prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
                                    "computed again).", registry=r)
+        self.host_cache_hits = Counter("graphserve_kv_host_cache_hits", "Prompt tokens copied back from the host "
+                                       "tier under the prefix cache instead of computed (also counted in "
+                                       "graphserve_prefix_cache_hits).", registry=r)
+        self.host_cache_stored = Counter("graphserve_kv_host_cache_stored_blocks", "KV blocks the device pool "
+                                         "evicted into the host tier.", registry=r)
+        self.host_cache_bytes = Gauge("graphserve_kv_host_cache_bytes", "The host tier under the prefix cache: bytes "
+                                      "of the blocks it holds (used) and its bound (capacity); absent when off.",
+                                      ["state"], registry=r)
         self.preemptions = Counter("graphserve_preemptions", "Running requests that gave their KV blocks back (the "
                                    "pool was full) and recomputed them later.", registry=r)
         self.spec_drafts = Counter("graphserve_spec_decode_num_drafts", "Verify rows of speculative decoding "
@@ -149,6 +158,7 @@ class EngineMetrics:
                                                 buckets=tuple(range(1, 18)), registry=r)
         self.speculating = False  # a server with speculative decoding (set by on_speculation)
         self._block_counts = (0, 0, 0)  # prefix queries, hits, preemptions as last exported
+        self._host_counts = (0, 0)  # host-tier hit tokens, stored blocks as last exported
         self._adapter_labels: set[str] = set()  # engine thread only
         self._adapter_token_counters: dict[str, MetricWrapperBase] = {}  # label -> its child: one lookup per token batch
         # sequence key -> (time of its latest token, completion tokens seen); engine thread only.
@@ -168,6 +178,17 @@ class EngineMetrics:
     def set_kv_cache_usage(self, used: int, total: int) -> None:
         """KV blocks held by requests of `total`."""
         self.kv_cache_usage = used / total if total > 0 else 0.0
+
+    def set_host_cache(self, stats: HostTierStats, block_size: int) -> None:
+        """The host tier as of now; its counts since start advance the counters."""
+        self.host_cache_bytes.labels("used").set(stats.bytes_used)
+        self.host_cache_bytes.labels("capacity").set(stats.num_slots * stats.bytes_per_block)
+        counts = (stats.hits * block_size, stats.stored)
+        for counter, now, before in zip((self.host_cache_hits, self.host_cache_stored), counts, self._host_counts,
+                                        strict=True):
+            if now > before:
+                counter.inc(now - before)
+        self._host_counts = counts
 
     def set_kv_blocks(self, used: int, free: int, cached: int, prefix_queries: int, prefix_hits: int,
                       preemptions: int) -> None:
