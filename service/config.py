@@ -71,7 +71,10 @@ class SpeculativeConfig:
     method "ngram": prompt lookup over the request's own prompt and output; "suffix": the same,
     then a bounded corpus of recent outputs of this server. Each decode proposes at most
     num_speculative_tokens tokens, from a match of the last n tokens, prompt_lookup_min <= n <=
-    prompt_lookup_max (the longest first)."""
+    prompt_lookup_max (the longest first). How many a decode is offered per step adapts to its
+    measured acceptance and to the batch size (service/engine/spec/adaptive.py): a step's decodes
+    and draft tokens stay within verify_token_budget, and none speculates in a step of more than
+    disable_by_batch_size decodes (vLLM's field; None: only the budget limits)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
@@ -79,6 +82,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     # suffix: the corpus's cap in tokens (oldest outputs evicted first).
     suffix_corpus_tokens: int = 1 << 20
+    verify_token_budget: int = 64
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -112,8 +117,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.method {self.method!r} is not one of {list(SPECULATIVE_METHODS)}")
         for name, low, high in (("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS),
                                 ("prompt_lookup_min", 1, 64), ("prompt_lookup_max", 1, 64),
-                                ("suffix_corpus_tokens", 1, 1 << 30)):
+                                ("suffix_corpus_tokens", 1, 1 << 30), ("verify_token_budget", 2, 1 << 20),
+                                ("disable_by_batch_size", 1, 1 << 20)):
             v = getattr(self, name)
+            if name == "disable_by_batch_size" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
                 raise ValueError(f"speculative_config.{name} must be an integer in [{low}, {high}], got {v!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
