@@ -60,7 +60,7 @@ class ConstraintLimits:
 
 GRAPH_MODES = ("none", "full", "piecewise", "full_and_piecewise")
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_layers")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -69,9 +69,14 @@ class SpeculativeConfig:
     """`--speculative-config`: the JSON object vLLM takes, checked once at start.
 
     method "ngram": prompt lookup over the request's own prompt and output; "suffix": the same,
-    then a bounded corpus of recent outputs of this server. Each decode proposes at most
+    then a bounded corpus of recent outputs of this server; "draft_layers": the target's own first
+    num_draft_layers layers with its final norm and LM head draft greedily (self-speculation, as
+    LayerSkip; fewer than the model's layers, checked when the model is known). Each decode proposes at most
     num_speculative_tokens tokens, from a match of the last n tokens, prompt_lookup_min <= n <=
-    prompt_lookup_max (the longest first)."""
+    prompt_lookup_max (the longest first). How many a decode is offered per step adapts to its
+    measured acceptance and to the batch size (service/engine/spec/adaptive.py): a step's decodes
+    and draft tokens stay within verify_token_budget, and none speculates in a step of more than
+    disable_by_batch_size decodes (vLLM's field; None: only the budget limits)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
@@ -79,6 +84,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     # suffix: the corpus's cap in tokens (oldest outputs evicted first).
     suffix_corpus_tokens: int = 1 << 20
+    verify_token_budget: int = 64
+    disable_by_batch_size: int | None = None
+    # draft_layers: how many of the target's first layers draft (required by that method only).
+    num_draft_layers: int | None = None
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -99,10 +108,11 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
         if value.get("model") is not None:
-            raise ValueError("speculative_config.model: draft-model speculation is not served yet "
-                             "(methods: ngram, suffix)")
+            raise ValueError("speculative_config.model: a separate draft model is not served yet; the target "
+                             "drafts for itself with method draft_layers and num_draft_layers "
+                             f"(methods: {', '.join(SPECULATIVE_METHODS)})")
         if "method" not in value:
-            raise ValueError("speculative_config.method is required (ngram or suffix)")
+            raise ValueError(f"speculative_config.method is required ({', '.join(SPECULATIVE_METHODS)})")
         config = cls(**{k: v for k, v in value.items() if k != "model"})
         config.validate()
         return config
@@ -112,10 +122,18 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.method {self.method!r} is not one of {list(SPECULATIVE_METHODS)}")
         for name, low, high in (("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS),
                                 ("prompt_lookup_min", 1, 64), ("prompt_lookup_max", 1, 64),
-                                ("suffix_corpus_tokens", 1, 1 << 30)):
+                                ("suffix_corpus_tokens", 1, 1 << 30), ("verify_token_budget", 2, 1 << 20),
+                                ("disable_by_batch_size", 1, 1 << 20), ("num_draft_layers", 1, 1 << 10)):
             v = getattr(self, name)
+            if name in ("disable_by_batch_size", "num_draft_layers") and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
                 raise ValueError(f"speculative_config.{name} must be an integer in [{low}, {high}], got {v!r}")
+        if self.method == "draft_layers" and self.num_draft_layers is None:
+            raise ValueError("speculative_config.num_draft_layers is required by method draft_layers: how many "
+                             "of the model's first layers draft (fewer than its layers)")
+        if self.method != "draft_layers" and self.num_draft_layers is not None:
+            raise ValueError(f"speculative_config.num_draft_layers is for method draft_layers, not {self.method!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) is above "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
@@ -529,9 +547,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="completion tokens of a request that sets no max_tokens")
     _switch(g, "--overlap-steps", d.overlap_steps, "launch step t+1 on the device before the host reads step t's tokens")
     g.add_argument("--speculative-config", default=None,
-                   help='speculative decoding, a JSON object as vLLM\'s: {"method": "ngram" | "suffix", '
-                        '"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4} (suffix also '
-                        'takes "suffix_corpus_tokens"); turns --overlap-steps off; see README')
+                   help='speculative decoding, a JSON object as vLLM\'s: {"method": "ngram" | "suffix" | '
+                        '"draft_layers", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4} '
+                        '(suffix also takes "suffix_corpus_tokens", draft_layers needs "num_draft_layers"; k adapts '
+                        'within "verify_token_budget" and "disable_by_batch_size"); turns --overlap-steps off; see README')
     _switch(g, "--batch-invariant", d.batch_invariant,
             "every request's results independent of the other requests in its batch and of chunked prefill "
             "(batch-invariant matmul, attention and norms); slower, see README")

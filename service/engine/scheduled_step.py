@@ -67,6 +67,9 @@ class ScheduledStep:
     verifies: tuple[VerifyRow, ...] = ()  # decodes with a draft (speculative decoding), slot order
     # Copies between the device pool and the host tier (host_tier.py) that run before the forward.
     kv_copies: KvCopies = KvCopies()
+    # Speculative decoding: the most draft tokens a decode was offered (adaptive k; 0: none, at this
+    # batch size or because no row could take any); None: no proposer, or no decode.
+    speculative_k: int | None = None
     # The sequences that get tokens from this step, in the order of its tokens: the decodes, the
     # verify rows (1 + k tokens each), then those whose prompt this step completes (a chunk that
     # leaves part of it for later samples nothing).

@@ -156,6 +156,12 @@ class EngineMetrics:
         self.spec_acceptance_length = Histogram("graphserve_spec_decode_acceptance_length", "Tokens a verify row "
                                                 "emitted (accepted draft tokens + 1).",
                                                 buckets=tuple(range(1, 18)), registry=r)
+        self.spec_k = Histogram("graphserve_spec_decode_k", "Steps with decodes by the most draft tokens a decode "
+                                "was offered (adaptive k: from measured acceptance and the batch size; 0: none, "
+                                "speculation off at that batch size or no row able to take a draft).",
+                                buckets=tuple(range(0, 17)), registry=r)
+        self.spec_k_last = Gauge("graphserve_spec_decode_k_last", "The k of the latest step with decodes "
+                                 "(graphserve_spec_decode_k).", registry=r)
         self.speculating = False  # a server with speculative decoding (set by on_speculation)
         self._block_counts = (0, 0, 0)  # prefix queries, hits, preemptions as last exported
         self._host_counts = (0, 0)  # host-tier hit tokens, stored blocks as last exported
@@ -237,6 +243,10 @@ class EngineMetrics:
             self.spec_acceptance_length.observe(n + 1)
             for position in range(n):
                 self.spec_accepted_per_pos.labels(str(position)).inc()
+
+    def on_speculative_k(self, k: int) -> None:
+        self.spec_k.observe(k)
+        self.spec_k_last.set(k)
 
     def on_tokens(self, seqs: list[Sequence], now: float) -> None:
         """One new completion token of each of `seqs` (already appended), read at `now`: one step's.
