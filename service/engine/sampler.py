@@ -3,10 +3,10 @@ tensors and no host syncs.
 
 The pass applies, in vLLM's order, the grammar masks, logit bias and bans, the presence / frequency /
 repetition penalties, temperature, min-p, top-k and top-p, draws, and computes the top
-log-probabilities; greedy rows take the argmax. Which stages run is decided on the host from the
-step's rows (`Stages`) and every tensor has a row per batch row, so the pass's work and shapes never
-depend on a tensor's value: it can be captured in a graph per Stages. A step of plain greedy rows
-runs the argmax alone.
+log-probabilities; greedy rows take the argmax. Which stages run, and over how many rows, is decided
+on the host from the step's rows (`Stages`): the penalties, masks and logprobs run only on the rows
+that ask (padded to a power of two), so the pass's work and shapes never depend on a tensor's
+value and it can be captured in a graph per Stages. A step of plain greedy rows runs the argmax alone.
 
 Randomness comes from a counter-based integer hash of (seed, counter, vocab index) computed with
 torch integer ops on the logits' device, not from a torch.Generator: a row's token depends only on
@@ -46,27 +46,32 @@ class SampleRow(NamedTuple):
 
 @dataclass(frozen=True)
 class Stages:
-    """Which parts of sample_pass a step runs: facts about its rows that the host knows when it builds
-    the step. With the batch size and the vocabulary they alone decide the pass's work and shapes,
-    never a tensor's values, so a captured graph of the pass is keyed by them like any other static
-    input. A stage no row uses is skipped whole; within a stage, a row that does not use it gets the
-    identity (temperature 1 for greedy rows, penalties 0 / 0 / 1, min_p 0, top_k 0, top_p 1)."""
+    """Which parts of sample_pass a step runs, and over how many rows: facts about its rows that the
+    host knows when it builds the step. With the batch size, the vocabulary and the number of mask
+    rows they alone decide the pass's work and shapes, never a tensor's values, so a captured graph of
+    the pass is keyed by them like any other static input. A stage no row uses is skipped whole.
+
+    The penalties, the masks and the logprobs run only on the rows that ask, a list padded to a
+    power of two (`_slots`) so that a few shapes serve every step; padding rows point at a scratch
+    row of the pass (penalties, masks) or repeat a real row (logprobs, read-only) and are never read.
+    Where a stage runs over all rows (the draw, the bias), a row that does not use it gets the
+    identity (temperature 1 for greedy rows, min_p 0, top_k 0, top_p 1, bias slots of 0.0)."""
 
     sampled: bool = False  # some row draws (temperature > 0): temperature, min_p, top-k, top-p, noise
     min_p: bool = False
     top_k: bool = False
     top_p: bool = False
-    penalties: bool = False
+    penalty_rows: int = 0  # rows in the penalty stage (the penalized ones, padded); 0: none
     bias_slots: int = 0  # logit-bias and ban entries per row (a power of two; 0: no row has any)
-    bitmask: bool = False  # some row is constrained (its grammar mask)
     logprobs: int | None = None  # top log-probabilities per row (the largest k a row asks); None: none asks
+    logprob_rows: int = 0  # rows in the logprob stage (those that ask, padded)
 
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling parameters as device tensors of the step's B rows, built once per step on the
-    host (one copy per dtype). Every tensor has a row per batch row whatever the rows ask; a stage's
-    tensors are None when `stages` leaves it out."""
+    """Per-row sampling parameters as device tensors, built once per step on the host (one copy per
+    dtype): [B] for the draw, [B, S] for the bias, and per stage row for the penalties and logprobs.
+    A stage's tensors are None when `stages` leaves it out."""
 
     stages: Stages
     temperature: Tensor | None = None  # [B] float32, 0 = greedy
@@ -77,11 +82,10 @@ class SamplingBatch:
     min_p: Tensor | None = None  # [B] float32, 0 = disabled
     bias: tuple[Tensor, Tensor] | None = None  # ids [B, S] int64, values [B, S] float32 (-inf bans; padding 0, 0.0)
     penalties: Penalties | None = None
-    # (rows that asked [L] on the device, their largest k, k per row): the pass computes every row's,
-    # `sample` hands back these rows'.
+    # (rows that ask [L padded], their largest k, k per real row): `sample` hands back the first L.
     logprobs: tuple[Tensor, int, list[int]] | None = None
     # Structured outputs: (rows [C] on the device, their grammar masks int32 [C, words], pinned host
-    # memory on CUDA) from service/engine/structured.py; `sample` spreads them over the B rows.
+    # memory on CUDA) from service/engine/structured.py; `sample` pads them for the pass.
     bitmask: tuple[Tensor, Tensor] | None = None
 
     @property
@@ -98,15 +102,16 @@ class SamplingBatch:
     def build(cls, rows: list[SampleRow] | list[tuple], device: torch.device | str) -> SamplingBatch:
         rows = [SampleRow(*r) for r in rows]
         ps = [r.params for r in rows]
+        scratch = len(rows)  # the pass's scratch row, where padding rows point
         drawn = [p for p in ps if not p.greedy]
         additions = [list(r.params.logit_bias) + [(t, float("-inf")) for t in r.banned] for r in rows]
-        widest = max(map(len, additions), default=0)
+        penalized = [b for b, p in enumerate(ps) if p.penalized]
         with_logprobs = [b for b, p in enumerate(ps) if p.logprobs is not None]
         stages = Stages(
             sampled=bool(drawn), min_p=any(p.min_p > 0 for p in drawn), top_k=any(p.top_k > 0 for p in drawn),
-            top_p=any(p.top_p < 1.0 for p in drawn), penalties=any(p.penalized for p in ps),
-            bias_slots=1 << (widest - 1).bit_length() if widest else 0,
-            logprobs=max((ps[b].logprobs for b in with_logprobs), default=None),
+            top_p=any(p.top_p < 1.0 for p in drawn), penalty_rows=_slots(len(penalized)),
+            bias_slots=_slots(max(map(len, additions), default=0)),
+            logprobs=max((ps[b].logprobs for b in with_logprobs), default=None), logprob_rows=_slots(len(with_logprobs)),
         )
         floats: list[list[float]] = []
         ints: list[list[int]] = []
@@ -120,17 +125,19 @@ class SamplingBatch:
             ints.append([0 if p.greedy else p.top_k for p in ps])
         if stages.min_p:
             floats.append([0.0 if p.greedy else p.min_p for p in ps])
-        if stages.penalties:
-            floats += [[p.presence_penalty if p.penalized else 0.0 for p in ps],
-                       [p.frequency_penalty if p.penalized else 0.0 for p in ps],
-                       [p.repetition_penalty if p.penalized else 1.0 for p in ps]]
-            ints += [[r.history_row for r in rows], [int(p.penalized) for p in ps]]
+        if penalized:
+            pad = stages.penalty_rows - len(penalized)  # identity rows on the scratch row, counted 0 times
+            floats += [[ps[b].presence_penalty for b in penalized] + [0.0] * pad,
+                       [ps[b].frequency_penalty for b in penalized] + [0.0] * pad,
+                       [ps[b].repetition_penalty for b in penalized] + [1.0] * pad]
+            ints += [penalized + [scratch] * pad, [rows[b].history_row for b in penalized] + [0] * pad,
+                     [1] * len(penalized) + [0] * pad]
         if stages.bias_slots:
             padded = [a + [(0, 0.0)] * (stages.bias_slots - len(a)) for a in additions]
             ints.append([t for a in padded for t, _ in a])
             floats.append([v for a in padded for _, v in a])
         if with_logprobs:
-            ints.append(with_logprobs)
+            ints.append(with_logprobs + with_logprobs[:1] * (stages.logprob_rows - len(with_logprobs)))
         f, i = iter(copy_parts(floats, torch.float32, device)), iter(copy_parts(ints, torch.int64, device))
         batch = cls(stages)
         if stages.sampled:
@@ -141,11 +148,9 @@ class SamplingBatch:
             batch.top_k = next(i)
         if stages.min_p:
             batch.min_p = next(f)
-        if stages.penalties:
+        if penalized:
             presence, frequency, repetition = next(f), next(f), next(f)
-            history_rows, counted = next(i), next(i)
-            batch.penalties = Penalties(torch.arange(len(rows), device=device), history_rows, presence, frequency,
-                                        repetition, counted)
+            batch.penalties = Penalties(next(i), next(i), presence, frequency, repetition, next(i))
         if stages.bias_slots:
             batch.bias = (next(i).view(len(rows), -1), next(f).view(len(rows), -1))
         if with_logprobs:
@@ -153,17 +158,22 @@ class SamplingBatch:
         return batch
 
 
+def _slots(n: int) -> int:
+    """n rounded up to a power of two (0 stays 0): the padded size of a stage's rows or slots."""
+    return 1 << (n - 1).bit_length() if n else 0
+
+
 @dataclass
 class Penalties:
-    """[B] each: every row of the step; a row without penalties has presence 0, frequency 0 and
-    repetition 1 (the identity) and adds nothing to the history."""
+    """[P] each: the penalized rows, padded with identity rows (presence 0, frequency 0, repetition 1)
+    on the pass's scratch row that add nothing to the history."""
 
-    rows: Tensor  # [B] 0..B-1 (the kernels take a row list)
-    history_rows: Tensor  # [B] each row's TokenHistory row (its KV slot)
-    presence: Tensor  # [B] float32
+    rows: Tensor  # [P] batch rows (the scratch row B for padding)
+    history_rows: Tensor  # [P] their TokenHistory rows (KV slots)
+    presence: Tensor  # [P] float32
     frequency: Tensor
     repetition: Tensor
-    counted: Tensor  # [B] int64: 1 where the row's sampled token enters its history row
+    counted: Tensor  # [P] int64: 1 where the row's sampled token enters its history row, 0 for padding
 
 
 class TokenHistory:
@@ -204,52 +214,62 @@ class Sampled:
 
 def sample(logits: Tensor, batch: SamplingBatch, history: TokenHistory | None = None) -> Sampled:
     """logits: [B, V] float32 -> token ids [B] int64 on logits.device (and the log-probabilities of the
-    rows that asked). The step's masks are spread over its B rows, then sample_pass runs."""
+    rows that asked). The step's mask rows are padded for the pass (as its graph's inputs would be
+    written), then sample_pass runs."""
     bitmask = None
     if batch.bitmask is not None:
         rows, masks = batch.bitmask
-        bitmask = torch.full((logits.shape[0], masks.shape[1]), -1, dtype=torch.int32, device=logits.device)
-        bitmask.index_copy_(0, rows, masks.to(logits.device, non_blocking=True))
+        pad = _slots(rows.numel()) - rows.numel()
+        masks = masks.to(logits.device, non_blocking=True)
+        bitmask = (torch.cat([rows, rows.new_full((pad,), logits.shape[0])]),  # the scratch row
+                   torch.cat([masks, masks.new_full((pad, masks.shape[1]), -1)]))
     tokens, packed = sample_pass(logits, batch, bitmask, history)
     if packed is not None:
         assert batch.logprobs is not None
-        rows = batch.logprobs[0]
-        packed = packed[rows] if rows.numel() != packed.shape[0] else packed
+        packed = packed[: len(batch.logprobs[2])]
     return Sampled(tokens, packed)
 
 
-def sample_pass(logits: Tensor, batch: SamplingBatch, bitmask: Tensor | None = None,
+def sample_pass(logits: Tensor, batch: SamplingBatch, bitmask: tuple[Tensor, Tensor] | None = None,
                 history: TokenHistory | None = None) -> tuple[Tensor, Tensor | None]:
     """The whole sampling of a step in one pass over its [B, V] logits, in vLLM's order: the grammar
     masks, logit bias and bans, the penalties, then temperature, min_p, top-k, top-p and the draw;
-    greedy rows take the argmax of the processed logits; then every row's top log-probabilities of the
-    raw logits (the model's own) and the penalized rows' tokens into their history rows.
+    greedy rows take the argmax of the processed logits; then the top log-probabilities of the raw
+    logits (the model's own) and the penalized rows' tokens into their history rows.
 
-    No host sync and no shape that depends on a value: the stages run are batch.stages, every tensor
-    has B rows, so the pass can be captured in a graph per Stages. Returns tokens [B] int64 and, when a
-    row asks for log-probabilities, packed [B, 2 + 2k] float32 (token_logprobs) for every row.
-    bitmask: int32 [B, words] on the device (rows of all ones for unconstrained rows), or None.
+    No host sync and no shape that depends on a value: the stages run are batch.stages and their row
+    lists are padded (Stages), so the pass can be captured in a graph per Stages and mask row count.
+    The masks, bias and penalties work on a copy of the logits with one scratch row (row B) that
+    padding rows write. bitmask: (rows [C], int32 masks [C, words]) on the device, padded, or None.
+    Returns tokens [B] int64 and, when a row asks for log-probabilities, packed [L, 2 + 2k] float32
+    (token_logprobs) for the logprob stage's rows, the rows that asked first.
     """
     stages = batch.stages
     raw = logits
-    if bitmask is not None or stages.bias_slots or stages.penalties:
-        logits = logits.clone()
-        every_row = torch.arange(logits.shape[0], device=logits.device)
+    if bitmask is not None or stages.bias_slots or stages.penalty_rows:
+        work = logits.new_empty((logits.shape[0] + 1, logits.shape[1]))  # [B + 1, V]
+        work[:-1] = logits
+        logits = work[:-1]
         if bitmask is not None:
-            apply_bitmask(logits, every_row, bitmask)
+            apply_bitmask(work, *bitmask)
         if stages.bias_slots:
             assert batch.bias is not None
             logits.scatter_add_(1, *batch.bias)  # -inf bans stay -inf; padding adds 0.0 to id 0
-        if stages.penalties:
+        if stages.penalty_rows:
             assert history is not None and batch.penalties is not None, "penalties need the token history"
             p = batch.penalties
-            apply_penalties(logits, every_row, p.history_rows, history.counts, history.in_prompt, p.presence, p.frequency,
+            apply_penalties(work, p.rows, p.history_rows, history.counts, history.in_prompt, p.presence, p.frequency,
                             p.repetition)
     tokens = _choose(logits, batch)
-    if stages.penalties:
+    if stages.penalty_rows:
         assert history is not None and batch.penalties is not None
-        history.add(batch.penalties.history_rows, tokens, batch.penalties.counted)
-    packed = None if stages.logprobs is None else token_logprobs(raw, tokens, stages.logprobs)
+        p = batch.penalties
+        history.add(p.history_rows, torch.cat([tokens, tokens[:1]])[p.rows], p.counted)  # the scratch row's: any
+    packed = None
+    if stages.logprobs is not None:
+        assert batch.logprobs is not None
+        rows = batch.logprobs[0]
+        packed = token_logprobs(raw[rows], tokens[rows], stages.logprobs)
     return tokens, packed
 
 

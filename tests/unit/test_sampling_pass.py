@@ -1,7 +1,8 @@
 """The one sampling pass (sampler.sample_pass) against a straightforward reference, a row at a time,
 for any combination of the fields a row may ask: temperature, min_p, top-k, top-p, the three
-penalties, logit bias, bans, a grammar mask and logprobs, greedy rows among drawn ones. And the pass
-is one graph: it traces without a host sync or a branch on a tensor's value."""
+penalties, logit bias, bans, a grammar mask and logprobs, greedy rows among drawn ones, the rows
+that ask for a stage padded to a power of two. And the pass is one graph: it traces without a host
+sync or a branch on a tensor's value."""
 
 from __future__ import annotations
 
@@ -147,8 +148,12 @@ def test_stages_follow_what_the_rows_ask() -> None:
     batch = SamplingBatch.build([plain, drawn], "cpu")
     assert batch.stages == Stages(sampled=True, top_p=True, bias_slots=4)
     assert tuple(batch.bias[0].shape) == (2, 4)  # every row has the step's slots, the unused ones pad
-    assert SamplingBatch.build([plain, SampleRow(SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=1.1), 0)],
-                               "cpu").stages == Stages(penalties=True, logprobs=3)
+    asking = [SampleRow(SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=1.1), 0)] * 3
+    batch = SamplingBatch.build([plain, *asking], "cpu")
+    # Penalties and logprobs run on the rows that ask, padded to a power of two.
+    assert batch.stages == Stages(penalty_rows=4, logprobs=3, logprob_rows=4)
+    assert batch.penalties.rows.tolist() == [1, 2, 3, 4] and batch.penalties.counted.tolist() == [1, 1, 1, 0]
+    assert batch.logprobs[0].tolist() == [1, 2, 3, 1]
 
 
 def test_greedy_rows_take_the_argmax_of_their_processed_logits_among_drawn_rows() -> None:
@@ -167,8 +172,9 @@ def test_the_pass_is_one_graph() -> None:
                                      repetition_penalty=1.2, logit_bias={3: 1.0}, logprobs=2), 4, 0, (7,)),
             SampleRow(SamplingParams(temperature=0.0), 2, 1)]
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(2))
-    bitmask = torch.full((2, bitmask_words(V)), -1, dtype=torch.int32)
-    bitmask[0, 0] = 0x7FFFFFF0  # tokens 0-3 and 31 not allowed in row 0
+    masks = torch.full((1, bitmask_words(V)), -1, dtype=torch.int32)
+    masks[0, 0] = 0x7FFFFFF0  # tokens 0-3 and 31 not allowed in row 0
+    bitmask = (torch.tensor([0]), masks)
     results = []
     for fn in (sample_pass, torch.compile(sample_pass, backend="eager", fullgraph=True)):
         history = TokenHistory(2, V, "cpu")
