@@ -1,5 +1,6 @@
 """Speculative decoding on workloads users meet: time per output token and acceptance with
-speculation off, n-gram (prompt lookup) and suffix decoding, batch 1, greedy, through the Python API.
+speculation off, n-gram (prompt lookup), suffix decoding and (with --draft-layers N) self-speculation
+with the target's first N layers, batch 1, greedy, through the Python API.
 
 Workloads: code editing that repeats the input, summarise-with-quotes, a multi-turn chat whose answer
 reuses the question, and open chat. Each runs twice per method (round 2 is the same traffic again:
@@ -65,10 +66,19 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--draft-layers", type=int, default=0,
+                   help="also method draft_layers with the target's first N layers drafting (0: not run)")
+    p.add_argument("--methods", default="", help="comma-separated methods to run (default: all; off is always run)")
     args = p.parse_args()
+    methods = dict(METHODS)
+    if args.draft_layers:
+        methods["draft_layers"] = {"method": "draft_layers", "num_speculative_tokens": 4,
+                                   "num_draft_layers": args.draft_layers}
+    if args.methods:
+        methods = {m: spec for m, spec in methods.items() if m == "off" or m in args.methods.split(",")}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rows, outputs = [], {}
-    for method, spec in METHODS.items():
+    for method, spec in methods.items():
         with LLM(model=args.model, device=args.device, dtype=args.dtype, max_running_seqs=1, max_seq_len=2048,
                  speculative_config=spec) as llm:
             llm.chat(WORKLOADS["open_chat"], SamplingParams(temperature=0, max_tokens=4))  # warm-up
@@ -100,7 +110,7 @@ def main() -> None:
     print_table(rows, ["workload", "round", "method", "tokens", "ms_per_token", "time_vs_off", "acceptance_rate",
                        "mean_acceptance_length", "equal_to_off"], title="speculative decoding, batch 1, greedy")
     path = write_result("spec_decode", {"model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens,
-                                        "methods": METHODS, "rows": rows}, device=args.device)
+                                        "methods": methods, "rows": rows}, device=args.device)
     print(path)
 
 

@@ -60,7 +60,7 @@ class ConstraintLimits:
 
 GRAPH_MODES = ("none", "full", "piecewise", "full_and_piecewise")
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_layers")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -69,9 +69,14 @@ class SpeculativeConfig:
     """`--speculative-config`: the JSON object vLLM takes, checked once at start.
 
     method "ngram": prompt lookup over the request's own prompt and output; "suffix": the same,
-    then a bounded corpus of recent outputs of this server. Each decode proposes at most
+    then a bounded corpus of recent outputs of this server; "draft_layers": the target's own first
+    num_draft_layers layers with its final norm and LM head draft greedily (self-speculation, as
+    LayerSkip; fewer than the model's layers, checked when the model is known). Each decode proposes at most
     num_speculative_tokens tokens, from a match of the last n tokens, prompt_lookup_min <= n <=
-    prompt_lookup_max (the longest first)."""
+    prompt_lookup_max (the longest first). How many a decode is offered per step adapts to its
+    measured acceptance and to the batch size (service/engine/spec/adaptive.py): a step's decodes
+    and draft tokens stay within verify_token_budget, and none speculates in a step of more than
+    disable_by_batch_size decodes (vLLM's field; None: only the budget limits)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
@@ -79,6 +84,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     # suffix: the corpus's cap in tokens (oldest outputs evicted first).
     suffix_corpus_tokens: int = 1 << 20
+    verify_token_budget: int = 64
+    disable_by_batch_size: int | None = None
+    # draft_layers: how many of the target's first layers draft (required by that method only).
+    num_draft_layers: int | None = None
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -99,10 +108,11 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
         if value.get("model") is not None:
-            raise ValueError("speculative_config.model: draft-model speculation is not served yet "
-                             "(methods: ngram, suffix)")
+            raise ValueError("speculative_config.model: a separate draft model is not served yet; the target "
+                             "drafts for itself with method draft_layers and num_draft_layers "
+                             f"(methods: {', '.join(SPECULATIVE_METHODS)})")
         if "method" not in value:
-            raise ValueError("speculative_config.method is required (ngram or suffix)")
+            raise ValueError(f"speculative_config.method is required ({', '.join(SPECULATIVE_METHODS)})")
         config = cls(**{k: v for k, v in value.items() if k != "model"})
         config.validate()
         return config
@@ -112,10 +122,18 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.method {self.method!r} is not one of {list(SPECULATIVE_METHODS)}")
         for name, low, high in (("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS),
                                 ("prompt_lookup_min", 1, 64), ("prompt_lookup_max", 1, 64),
-                                ("suffix_corpus_tokens", 1, 1 << 30)):
+                                ("suffix_corpus_tokens", 1, 1 << 30), ("verify_token_budget", 2, 1 << 20),
+                                ("disable_by_batch_size", 1, 1 << 20), ("num_draft_layers", 1, 1 << 10)):
             v = getattr(self, name)
+            if name in ("disable_by_batch_size", "num_draft_layers") and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
                 raise ValueError(f"speculative_config.{name} must be an integer in [{low}, {high}], got {v!r}")
+        if self.method == "draft_layers" and self.num_draft_layers is None:
+            raise ValueError("speculative_config.num_draft_layers is required by method draft_layers: how many "
+                             "of the model's first layers draft (fewer than its layers)")
+        if self.method != "draft_layers" and self.num_draft_layers is not None:
+            raise ValueError(f"speculative_config.num_draft_layers is for method draft_layers, not {self.method!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) is above "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
@@ -143,6 +161,9 @@ class ServeConfig:
     # auto (the model's dtype) | fp8: keys and values in FP8 E4M3 with per-layer scales (service.model.kv_quant)
     kv_cache_dtype: str = "auto"
     prefix_caching: bool = True
+    # Host memory under the prefix cache (bytes such as 16GiB; 0: off): cached blocks the device pool
+    # evicts are kept there and copied back on a hit (service/engine/host_tier.py)
+    kv_host_cache_memory: str = "0"
     overlap_steps: bool = True  # launch step t+1 before reading step t's tokens
     # Speculative decoding: vLLM's JSON object (SpeculativeConfig above), e.g.
     # {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}; None: off
@@ -249,6 +270,18 @@ class ServeConfig:
     @property
     def constraint_limits(self) -> ConstraintLimits:
         return ConstraintLimits(**{f.name: getattr(self, f.name) for f in fields(ConstraintLimits)})
+
+    @property
+    def kv_host_cache_bytes(self) -> int:
+        """--kv-host-cache-memory in bytes (0: off); ValueError for a value that is not bytes."""
+        if str(self.kv_host_cache_memory).strip() in ("0", ""):
+            return 0
+        from cache_manager.budget import parse_memory_budget
+
+        value = parse_memory_budget(self.kv_host_cache_memory)
+        if isinstance(value, float):
+            raise ValueError(f"{self.kv_host_cache_memory!r} is a fraction: give bytes such as 16GiB")
+        return value
 
     @property
     def lora_slots(self) -> int:
@@ -375,6 +408,14 @@ class ServeConfig:
                 parse_memory_budget(self.kv_cache_memory)
             except ValueError as exc:
                 raise ConfigError(f"--kv-cache-memory: {exc} (or auto)") from None
+        try:
+            host_bytes = self.kv_host_cache_bytes
+        except ValueError as exc:
+            raise ConfigError(f"--kv-host-cache-memory: {exc} (or 0: off)") from None
+        need(not host_bytes or self.prefix_caching, "--kv-host-cache-memory keeps prefix-cache blocks: it needs "
+             "--prefix-caching")
+        need(not host_bytes or self.tensor_parallel_size == 1,
+             "--kv-host-cache-memory is not served with tensor parallelism yet")
         need(self.block_size & (self.block_size - 1) == 0 and self.block_size <= 256,
              f"--block-size must be a power of two up to 256, got {self.block_size}")
         if self.capture_sizes is not None:
@@ -509,9 +550,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="completion tokens of a request that sets no max_tokens")
     _switch(g, "--overlap-steps", d.overlap_steps, "launch step t+1 on the device before the host reads step t's tokens")
     g.add_argument("--speculative-config", default=None,
-                   help='speculative decoding, a JSON object as vLLM\'s: {"method": "ngram" | "suffix", '
-                        '"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4} (suffix also '
-                        'takes "suffix_corpus_tokens"); turns --overlap-steps off; see README')
+                   help='speculative decoding, a JSON object as vLLM\'s: {"method": "ngram" | "suffix" | '
+                        '"draft_layers", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4} '
+                        '(suffix also takes "suffix_corpus_tokens", draft_layers needs "num_draft_layers"; k adapts '
+                        'within "verify_token_budget" and "disable_by_batch_size"); turns --overlap-steps off; see README')
     _switch(g, "--batch-invariant", d.batch_invariant,
             "every request's results independent of the other requests in its batch and of chunked prefill "
             "(batch-invariant matmul, attention and norms); slower, see README")
@@ -527,6 +569,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV block memory: bytes (8GiB), a fraction of device memory (0.5), or auto: on CUDA the "
                         "memory free after the weights less the graph budget and 5%% of the device; on CPU what "
                         "--max-running-seqs sequences of --max-seq-len need, at most 1 GiB")
+    g.add_argument("--kv-host-cache-memory", default=d.kv_host_cache_memory,
+                   help="host memory under the prefix cache, in bytes (16GiB): full cached blocks the device pool "
+                        "evicts are copied there (LRU within this bound) and copied back when a prompt needs them "
+                        "again, instead of recomputed; pinned on CUDA. 0 (the default): off")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                    help="what the KV cache stores: auto, the model's dtype; fp8, E4M3 with one scale per layer for "
                         "keys and one for values (the checkpoint's k_scale/v_scale, else 1.0): half the bytes per "

@@ -112,6 +112,8 @@ KEYWORDS: dict[str, Keyword] = {
     "kv_cache_memory_bytes": Keyword("kv_cache_memory", _int, "an int (bytes)", lambda v: f"{v}B"),  # vLLM's name
     "kv_cache_dtype": Keyword("kv_cache_dtype", _str, "a string"),  # "auto" (the model's) or "fp8", as vLLM's
     "enable_prefix_caching": Keyword("prefix_caching", _bool, "True or False"),  # vLLM's name
+    "kv_host_cache_memory": Keyword("kv_host_cache_memory", _memory, "bytes ('16GiB', 16 << 30) or 0 (off)", str),
+    "kv_offloading_size": Keyword("kv_host_cache_memory", _memory, "GiB (a number)", lambda v: f"{v}GiB" if v else "0"),  # vLLM's
     "graph_memory_budget": Keyword("graph_memory_budget", lambda v: v is None or _memory(v),
                                    "None, bytes ('8GiB', 8 << 30) or a fraction of device memory (0.2)",
                                    lambda v: None if v is None else str(v)),

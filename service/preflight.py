@@ -67,9 +67,11 @@ def model_file_problem(model: str) -> str | None:
     """A local model directory that cannot be one: seen without importing the model code."""
     if model.startswith("builtin:"):
         return None
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        return f"--model {model}: no such directory (a local Hugging Face directory, or builtin:<name>)"
+    from service.model_dirs import MISSING_MODEL, model_dir
+
+    path = model_dir(model)
+    if path is None:
+        return f"--model {model}: {MISSING_MODEL}"
     config = path / "config.json"
     if not config.is_file():
         return f"--model {model}: no config.json in it (is it a Hugging Face model directory?)"
@@ -80,15 +82,27 @@ def model_file_problem(model: str) -> str | None:
     return None
 
 
-def model_problem(model: str, cache_dir: Path | None) -> str | None:
-    """The model package's verdict: architecture, config, tokenizer and weight files (none read)."""
+def model_problem(model: str, cache_dir: Path | None, config: ServeConfig | None = None) -> str | None:
+    """The model package's verdict: architecture, config, tokenizer and weight files (none read);
+    with the server's config, also what depends on the model's shape (draft_layers' layer count)."""
+    from service.model.builtin import BUILTIN_PREFIX, BUILTIN_SHAPES
     from service.model.loader import check_model
     from service.model.spec import ModelLoadError
 
     try:
-        check_model(model, cache_dir)
+        spec = check_model(model, cache_dir)
     except ModelLoadError as exc:
         return f"--model {model}: {exc}"
+    speculation = config.speculation if config is not None else None
+    if speculation is not None and speculation.method == "draft_layers":
+        from service.engine.spec.draft_layers import check_draft_layers
+
+        layers = (spec.num_layers if spec is not None
+                  else BUILTIN_SHAPES[model.removeprefix(BUILTIN_PREFIX)]["num_hidden_layers"])
+        try:
+            check_draft_layers(speculation, layers)
+        except ValueError as exc:
+            return f"--speculative-config: {exc} ({model})"
     return None
 
 
@@ -98,5 +112,5 @@ def check_serve(config: ServeConfig) -> list[str]:
     file_problem = model_file_problem(config.model)
     if file_problem is not None:
         return [*problems, file_problem]
-    model = model_problem(config.model, config.model_cache_dir)
+    model = model_problem(config.model, config.model_cache_dir, config)
     return problems + ([model] if model else [])

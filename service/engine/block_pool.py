@@ -9,8 +9,12 @@ again. A registered block keeps its hash while free and can be hit until `alloca
 which takes the front of the free queue: the least recently freed block, so cached blocks are
 evicted LRU and only when free.
 
+With a host tier (host_tier.py), an evicted cached block is copied there instead of lost, and a
+lookup that misses the pool goes on in the host tier: each block found there is allocated here,
+registered, and copied back before the next step (`take_copies`) instead of computed again.
+
 With an event log (`events`, set where KV events are published: kv_events.py), each eviction and reset
-is recorded there; the KV manager records the stores, which know their tokens.
+is recorded there; the KV manager records the stores, which know their tokens (`stored`).
 
 Hashes are blake2b digests over the parent digest, the adapter key and the token ids, so a hit
 means the same tokens after the same prefix under the same adapter (a collision is as unlikely as
@@ -25,7 +29,8 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from service.engine.kv_events import KvEventLog
+from service.engine.host_tier import HostTier, HostTierStats, KvCopies
+from service.engine.kv_events import BlockStored, KvEventLog
 
 NULL_BLOCK = 0
 ROOT = b""  # the parent hash of a sequence's first block
@@ -61,6 +66,7 @@ class PoolStats:
     prefix_hits: int  # of those, tokens found cached
     prefix_caching: bool = True
     preemptions: int = 0  # the scheduler's count (running requests that gave their blocks back)
+    host: HostTierStats | None = None  # the host tier under the prefix cache, when there is one
 
     @property
     def hit_rate(self) -> float:
@@ -68,8 +74,10 @@ class PoolStats:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
-        """num_blocks counts the null block (the KV cache's first dimension)."""
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
+                 host: HostTier | None = None) -> None:
+        """num_blocks counts the null block (the KV cache's first dimension). host: a host tier that
+        keeps evicted cached blocks (prefix caching only)."""
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (the null block and one), got {num_blocks}")
         self.num_blocks = num_blocks - 1
@@ -81,7 +89,20 @@ class BlockPool:
         self._hash_of: dict[int, bytes] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
-        self.events: KvEventLog | None = None  # evictions and resets, for KV event subscribers
+        self._events: KvEventLog | None = None  # evictions and resets, for KV event subscribers
+        self.host = host if prefix_caching else None
+        if self.host is not None:
+            self.host.on_device = self._by_hash.__contains__
+
+    @property
+    def events(self) -> KvEventLog | None:
+        return self._events
+
+    @events.setter
+    def events(self, log: KvEventLog | None) -> None:
+        self._events = log
+        if self.host is not None:
+            self.host.events = log
 
     @property
     def num_free(self) -> int:
@@ -89,7 +110,8 @@ class BlockPool:
 
     def stats(self) -> PoolStats:
         return PoolStats(self.num_blocks, self.block_size, self.num_blocks - len(self._free), len(self._free),
-                         len(self._hash_of), self.prefix_queries, self.prefix_hits, self.prefix_caching)
+                         len(self._hash_of), self.prefix_queries, self.prefix_hits, self.prefix_caching,
+                         host=None if self.host is None else self.host.stats())
 
     def allocate(self, n: int) -> list[int] | None:
         """n blocks, each held once; None (and nothing taken) when fewer than n are free."""
@@ -99,10 +121,12 @@ class BlockPool:
         for _ in range(n):
             block, _ = self._free.popitem(last=False)
             digest = self._hash_of.pop(block, None)
-            if digest is not None:  # evicted from the prefix cache
+            if digest is not None:  # evicted from the prefix cache (into the host tier, if any)
                 del self._by_hash[digest]
-                if self.events is not None:
-                    self.events.removed(digest)
+                if self._events is not None:
+                    self._events.removed(digest)
+                if self.host is not None:
+                    self.host.offload(block, digest)
             self._refs[block] = 1
             blocks.append(block)
         return blocks
@@ -117,19 +141,54 @@ class BlockPool:
                 self._free[block] = None
 
     def lookup(self, hashes: Sequence[bytes], max_blocks: int) -> list[int]:
-        """The cached blocks of the longest prefix of `hashes` (at most max_blocks), each now held once more."""
-        hit = []
-        if self.prefix_caching:
-            for digest in hashes[:max_blocks]:
-                block = self._by_hash.get(digest)
+        """The cached blocks of the longest prefix of `hashes` (at most max_blocks), each now held once
+        more: a block the device pool has, else one the host tier has, copied back into a new block."""
+        hit: list[int] = []
+        loaded: list[bytes] = []  # the digests copied back, for one BlockStored
+        for digest in hashes[:max_blocks] if self.prefix_caching else ():
+            block = self._by_hash.get(digest)
+            if block is None:
+                block = self._load(digest)
                 if block is None:
                     break
-                hit.append(block)
-        for block in hit:
-            if self._refs[block] == 0:
+                loaded.append(digest)
+            elif self._refs[block] == 0:
                 del self._free[block]
-            self._refs[block] += 1
+                self._refs[block] = 1
+            else:
+                self._refs[block] += 1
+            hit.append(block)
+        if loaded and self._events is not None:
+            infos = [self.host.info(d) or (None, (), "") for d in loaded]
+            self._events.stored(BlockStored(tuple(loaded), infos[0][0], sum((i[1] for i in infos), ()),
+                                            self.block_size, infos[0][2]))
         return hit
+
+    def _load(self, digest: bytes) -> int | None:
+        """A new block (held once, registered) for the host tier's copy of `digest`, which the next step
+        copies back; None when the host tier lacks it or no block is free."""
+        if self.host is None or not self.host.has(digest) or not self._free:
+            return None
+        self.host.pin(digest)  # the allocation may evict a block into the host tier: not this one
+        block = self.allocate(1)[0]
+        self.host.load(digest, block)
+        self._by_hash[digest] = block
+        self._hash_of[block] = digest
+        return block
+
+    def stored(self, event: BlockStored) -> None:
+        """Blocks entered the prefix cache (the KV manager knows their tokens): the event, and what the
+        host tier's BlockStored will say of each should it take them."""
+        self._events.stored(event)
+        if self.host is not None:
+            bs = self.block_size
+            for i, digest in enumerate(event.block_hashes):
+                parent = event.block_hashes[i - 1] if i else event.parent_block_hash
+                self.host.remember(digest, (parent, event.token_ids[i * bs:(i + 1) * bs], event.lora_name))
+
+    def take_copies(self) -> KvCopies:
+        """The copies between the device pool and the host tier since the last call (for the next step)."""
+        return self.host.take_copies() if self.host is not None else KvCopies()
 
     def count_query(self, tokens: int, hit_tokens: int) -> None:
         self.prefix_queries += tokens
@@ -153,8 +212,10 @@ class BlockPool:
             return False
         self._by_hash.clear()
         self._hash_of.clear()
-        if self.events is not None:
-            self.events.cleared()
+        if self.host is not None:
+            self.host.clear()
+        if self._events is not None:
+            self._events.cleared()
         return True
 
     def cached_hashes(self) -> set[bytes]:
@@ -172,3 +233,5 @@ class BlockPool:
             assert (self._refs[block] == 0) == (block in self._free), f"block {block}: refs {self._refs[block]}"
         assert all(self._by_hash[d] == b for b, d in self._hash_of.items())
         assert len(self._by_hash) == len(self._hash_of)
+        if self.host is not None:
+            self.host.check()

@@ -15,7 +15,7 @@ import structlog
 import torch
 
 from cache_manager import CudaGraphMode, EngineHooks, GraphCache, GraphCacheConfig, parse_capture_sizes
-from service.config import ServeConfig
+from service.config import ConfigError, ServeConfig
 from service.engine.adapters import AdapterError, AdapterRegistry, AdapterRootMissing, AdaptersOff, check_name
 from service.engine.constraints import Constraints
 from service.engine.engine import Engine
@@ -24,6 +24,7 @@ from service.engine.kv_sizing import size_kv_cache
 from service.engine.ranks import Ranks, start_ranks
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
+from service.engine.spec.adaptive import adaptive_k
 from service.engine.spec.proposer import new_proposer
 from service.model.kernels.compile_cache import CompileCache
 from service.model.loader import LoadedModel, default_cache_dir, load_model, read_model_spec
@@ -172,7 +173,11 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
     runner = ModelRunner(loaded, c.max_running_seqs, max_seq_len, graph_config,
                          max_loras=c.lora_slots, max_lora_rank=c.max_lora_rank, lora_kernel=c.lora_kernel,
                          block_size=kv.block_size, num_blocks=kv.num_blocks,
-                         masks=None if constraints is None else constraints.masks, ranks=ranks, hooks=hooks)
+                         masks=None if constraints is None else constraints.masks, ranks=ranks, hooks=hooks,
+                         host_cache_bytes=c.kv_host_cache_bytes)
+    if runner.host_kv is not None and not follower:
+        log.info("kv_host_cache", blocks=runner.host_kv.num_slots, gib=round(runner.host_kv.nbytes() / 2**30, 3),
+                 pinned=device.type == "cuda")
     startup.mark("kv_pool")
     runner.warmup()  # a prompt chunk and a decode, eagerly: every step kind has a path before SERVING
     startup.mark("warmup")
@@ -203,15 +208,24 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
         graphs.between_steps()
 
     speculation = c.speculation
-    proposer = new_proposer(speculation) if speculation is not None else None
+    proposer = None
+    if speculation is not None:
+        try:
+            proposer = new_proposer(speculation, lr.loaded.model, lr.loaded.device)
+        except ValueError as exc:  # a field the model refuses (draft_layers' layer count)
+            raise ConfigError(f"--speculative-config: {exc} ({c.model})") from None
     scheduler = Scheduler(c.max_running_seqs, c.max_num_batched_tokens, adapters=lr.adapters,
                           blocks=lr.runner.new_block_pool(c.prefix_caching), proposer=proposer,
-                          num_speculative_tokens=speculation.num_speculative_tokens if speculation else 0)
+                          num_speculative_tokens=speculation.num_speculative_tokens if speculation else 0,
+                          adaptive=adaptive_k(speculation) if speculation else None)
     if speculation is not None:
         if observer is not None:  # an empty report: the metrics show speculation's series from the start
             observer.on_speculation(0, 0, [])
         log.info("speculative_decoding", method=speculation.method, k=speculation.num_speculative_tokens,
-                 prompt_lookup_min=speculation.prompt_lookup_min, prompt_lookup_max=speculation.prompt_lookup_max)
+                 verify_token_budget=speculation.verify_token_budget,
+                 disable_by_batch_size=speculation.disable_by_batch_size,
+                 prompt_lookup_min=speculation.prompt_lookup_min, prompt_lookup_max=speculation.prompt_lookup_max,
+                 num_draft_layers=speculation.num_draft_layers)
     engine = Engine(lr.runner, scheduler, lr.loaded.tokenizer,
                     frozenset(lr.loaded.spec.eos_token_ids), publish=publish, observer=observer,
                     between_steps=between_steps, overlap=c.overlap_steps, constraints=lr.constraints,

@@ -304,6 +304,10 @@ class Engine:
         for seq in self.scheduler.take_aborted():
             events.append(self._finish(seq, None, now))
         seqs = scheduled.sampling  # a chunk that leaves part of its prompt for later steps samples nothing
+        if scheduled.speculative_k is not None:
+            self.spec_stats.add_step(scheduled.speculative_k)
+            if self.observer is not None:
+                self.observer.on_speculative_k(scheduled.speculative_k)
         launched = None
         if not scheduled.empty:
             # A step with constrained rows: their masks need the tokens in flight, so the step in
@@ -399,7 +403,7 @@ class Engine:
                 accepted = accepted_length(draft, targets)
                 accepted_per_row.append(accepted)
                 if seq.status is SequenceStatus.RUNNING:
-                    self.scheduler.rejected(seq, len(draft) - accepted)
+                    self.scheduler.verified(seq, len(draft), accepted)
                 targets = targets[: accepted + 1]
             for token, token_logprobs in zip(targets, rows):
                 if not self._read_token(seq, token, token_logprobs, now, events, read):

@@ -53,6 +53,8 @@ class EngineObserver(Protocol):
         every running stream saw (a stall of any cause, e.g. a capture beside the step, shows here)."""
     def on_speculation(self, num_drafts: int, num_draft_tokens: int, accepted: list[int]) -> None:
         """A step's verify rows: how many, their draft tokens, and per row the draft tokens accepted."""
+    def on_speculative_k(self, k: int) -> None:
+        """A step whose decodes were offered at most k draft tokens each (adaptive k; 0: none)."""
 
 
 def deliver(pairs: list[tuple[Sink, RequestEvent]]) -> None:

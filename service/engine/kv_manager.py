@@ -30,6 +30,7 @@ from collections.abc import Collection, Iterable
 from typing import Protocol
 
 from service.engine.block_pool import NULL_BLOCK, ROOT, BlockPool, PoolStats, chain_hashes
+from service.engine.host_tier import KvCopies
 from service.engine.kv_events import BlockStored, KvEventBatch, KvEventLog
 from service.engine.scheduled_step import PrefillChunk, TableUpdate, VerifyRow
 from service.engine.sequence import Sequence
@@ -64,6 +65,10 @@ class KVManager:
     def take_events(self) -> KvEventBatch | None:
         """The KV events since the last call (None: none, or not recording)."""
         return None if self.pool.events is None else self.pool.events.take()
+
+    def take_copies(self) -> KvCopies:
+        """The copies between the device pool and its host tier that the next step runs first."""
+        return self.pool.take_copies()
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (between steps); False while sequences hold blocks."""
@@ -213,8 +218,8 @@ class KVManager:
             if entered and start is None:
                 start = i
             elif not entered and start is not None:
-                self.pool.events.stored(BlockStored(tuple(hashes[start:i]), hashes[start - 1] if start else None,
-                                                    _tokens(seq, start * bs, i * bs), bs, lora))
+                self.pool.stored(BlockStored(tuple(hashes[start:i]), hashes[start - 1] if start else None,
+                                             _tokens(seq, start * bs, i * bs), bs, lora))
                 start = None
 
     def check(self, running: Collection[Sequence]) -> None:

@@ -29,6 +29,7 @@ from cache_manager import EngineHooks, Fingerprint, GraphBackend, GraphCache, Gr
 from cache_manager.sizes import FULL, PIECEWISE
 from service.engine.block_pool import BlockPool
 from service.engine.decode_step import LoraDecodeStep, ModelDecodeStep, fed_back
+from service.engine.host_tier import HostTier
 from service.engine.input_batch import InputBatch, slot_of
 from service.engine.mask_fill import MaskFiller
 from service.engine.piecewise_step import LoraPiecewiseStep, PiecewiseStep
@@ -49,6 +50,7 @@ from service.engine.scheduled_step import ScheduledStep
 from service.engine.sequence import Sequence
 from service.engine.step_channel import StepInputs
 from service.model.device_copy import to_device
+from service.model.host_kv import HostKV
 from service.model.kv_cache import KVCache
 from service.model.loader import LoadedModel
 from service.model.lora import LoraSlots
@@ -62,14 +64,16 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_running: int, max_seq_len: int, graph_config: GraphCacheConfig,
                  graph_backend: GraphBackend | None = None, max_loras: int = 0, max_lora_rank: int = 16,
                  lora_kernel: str = "stacked", block_size: int = 16, num_blocks: int | None = None,
-                 masks: MaskFiller | None = None, ranks: Ranks | None = None, hooks: EngineHooks | None = None) -> None:
+                 masks: MaskFiller | None = None, ranks: Ranks | None = None, hooks: EngineHooks | None = None,
+                 host_cache_bytes: int = 0) -> None:
         """graph_backend: None for the CUDA one on a GPU (tests give a fake one to run graphs' logic on a CPU).
         max_loras > 0: adapter slots (service.model.lora), and LoRA graph families for steps with adapter rows.
         num_blocks: KV blocks of block_size tokens (the null block included; kv_sizing.py sizes it);
         None: enough for every row at max_seq_len.
         masks: fills the grammar masks of constrained rows (None: no constrained request is served).
         ranks: tensor parallelism, rank 0 of N > 1: the other ranks, which every step (and its graph
-        operations) goes to. hooks: the graph cache's line to the engine that will drive it."""
+        operations) goes to. hooks: the graph cache's line to the engine that will drive it.
+        host_cache_bytes > 0: a host tier of that many bytes under the prefix cache (host_kv.py)."""
         self.loaded = loaded
         self.device = loaded.device
         self.tp = loaded.model.tp
@@ -81,6 +85,10 @@ class ModelRunner:
                           cache_dtype=loaded.kv_cache_dtype)
         if loaded.kv_scales is not None:
             self.kv.set_scales(loaded.kv_scales)
+        assert not (host_cache_bytes and ranks is not None), "the host tier is not served with tensor parallelism"
+        self.kv_block_bytes = KVCache.bytes_per_block(loaded.model.spec, block_size, self.kv.cache_dtype)
+        host_slots = host_cache_bytes // self.kv_block_bytes
+        self.host_kv = HostKV(self.kv, host_slots) if host_slots else None
         self.decode_step = ModelDecodeStep(loaded.model, self.kv, max_running, loaded.device)
         self.pieces = PiecewiseForward(loaded.model, self.kv)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -143,8 +151,11 @@ class ModelRunner:
         self.input_batch = InputBatch(adapters=self.lora is not None)
 
     def new_block_pool(self, prefix_caching: bool = True) -> BlockPool:
-        """The scheduler's block pool over this runner's KV cache."""
-        return BlockPool(self.kv.num_blocks, self.kv.block_size, prefix_caching)
+        """The scheduler's block pool over this runner's KV cache (and its host tier, if any)."""
+        host = None
+        if self.host_kv is not None:
+            host = HostTier(self.host_kv.num_slots, self.kv.block_size, self.kv_block_bytes)
+        return BlockPool(self.kv.num_blocks, self.kv.block_size, prefix_caching, host)
 
     @property
     def ranks(self) -> Ranks | None:
@@ -248,6 +259,8 @@ class ModelRunner:
             prompt = PromptLogprobs([(c.seq.key, c.start, spec.logprob_rows, c.seq.request.sampling.prompt_logprobs)
                                      for c, spec in zip(step.prefills, inputs.chunks[len(step.verifies):])
                                      if spec.logprob_rows])
+        if step.kv_copies:
+            self.host_kv.run(step.kv_copies.to_host, step.kv_copies.to_device)
         logits, packed = self.forward(inputs, self._previous_tokens)
         if prompt is not None:
             prompt.packed = packed

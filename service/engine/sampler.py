@@ -1,4 +1,12 @@
-"""Batched token sampling with per-row temperature / top-k / top-p / seed and no host syncs.
+"""Batched token sampling: one pass over the step's logits (`sample_pass`) with per-row parameter
+tensors and no host syncs.
+
+The pass applies, in vLLM's order, the grammar masks, logit bias and bans, the presence / frequency /
+repetition penalties, temperature, min-p, top-k and top-p, draws, and computes the top
+log-probabilities; greedy rows take the argmax. Which stages run, and over how many rows, is decided
+on the host from the step's rows (`Stages`): the penalties, masks and logprobs run only on the rows
+that ask (padded to a power of two), so the pass's work and shapes never depend on a tensor's
+value and it can be captured in a graph per Stages. A step of plain greedy rows runs the argmax alone.
 
 Randomness comes from a counter-based integer hash of (seed, counter, vocab index) computed with
 torch integer ops on the logits' device, not from a torch.Generator: a row's token depends only on
@@ -36,91 +44,136 @@ class SampleRow(NamedTuple):
     banned: tuple[int, ...] = ()  # ids it may not sample now (EOS and stop ids before min_tokens)
 
 
+@dataclass(frozen=True)
+class Stages:
+    """Which parts of sample_pass a step runs, and over how many rows: facts about its rows that the
+    host knows when it builds the step. With the batch size, the vocabulary and the number of mask
+    rows they alone decide the pass's work and shapes, never a tensor's values, so a captured graph of
+    the pass is keyed by them like any other static input. A stage no row uses is skipped whole.
+
+    The penalties, the masks and the logprobs run only on the rows that ask, a list padded to a
+    power of two (`_slots`) so that a few shapes serve every step; padding rows point at a scratch
+    row of the pass (penalties, masks) or repeat a real row (logprobs, read-only) and are never read.
+    Where a stage runs over all rows (the draw, the bias), a row that does not use it gets the
+    identity (temperature 1 for greedy rows, min_p 0, top_k 0, top_p 1, bias slots of 0.0)."""
+
+    sampled: bool = False  # some row draws (temperature > 0): temperature, min_p, top-k, top-p, noise
+    min_p: bool = False
+    top_k: bool = False
+    top_p: bool = False
+    penalty_rows: int = 0  # rows in the penalty stage (the penalized ones, padded); 0: none
+    bias_slots: int = 0  # logit-bias and ban entries per row (a power of two; 0: no row has any)
+    logprobs: int | None = None  # top log-probabilities per row (the largest k a row asks); None: none asks
+    logprob_rows: int = 0  # rows in the logprob stage (those that ask, padded)
+
+
 @dataclass
 class SamplingBatch:
-    """Per-row sampling parameters as device tensors, built once per step on the host. The optional
-    stages are None when no row of the step uses them: such rows cost nothing."""
+    """Per-row sampling parameters as device tensors, built once per step on the host (one copy per
+    dtype): [B] for the draw, [B, S] for the bias, and per stage row for the penalties and logprobs.
+    A stage's tensors are None when `stages` leaves it out."""
 
-    # None (all five) in a batch of plain greedy rows (SamplingBatch.greedy), which never reads them
-    temperature: Tensor | None  # [B] float32, 0 = greedy
-    top_p: Tensor | None  # [B] float32, 1 = disabled
-    top_k: Tensor | None  # [B] int64, 0 = disabled
-    seed: Tensor | None  # [B] int64
-    counter: Tensor | None  # [B] int64, index of the token being generated
-    all_greedy: bool  # host-side flags: skip whole stages without looking at the tensors
-    any_top_p: bool
-    any_top_k: bool
+    stages: Stages
+    temperature: Tensor | None = None  # [B] float32, 0 = greedy
+    seed: Tensor | None = None  # [B] int64
+    counter: Tensor | None = None  # [B] int64, index of the token being generated
+    top_p: Tensor | None = None  # [B] float32, 1 = disabled
+    top_k: Tensor | None = None  # [B] int64, 0 = disabled
     min_p: Tensor | None = None  # [B] float32, 0 = disabled
-    additive: tuple[Tensor, Tensor, Tensor] | None = None  # (rows, ids, values): logit bias, -inf bans
+    bias: tuple[Tensor, Tensor] | None = None  # ids [B, S] int64, values [B, S] float32 (-inf bans; padding 0, 0.0)
     penalties: Penalties | None = None
-    logprobs: tuple[Tensor, int, list[int]] | None = None  # (rows [L], largest k, k per row)
+    # (rows that ask [L padded], their largest k, k per real row): `sample` hands back the first L.
+    logprobs: tuple[Tensor, int, list[int]] | None = None
     # Structured outputs: (rows [C] on the device, their grammar masks int32 [C, words], pinned host
-    # memory on CUDA) from service/engine/structured.py.
+    # memory on CUDA) from service/engine/structured.py; `sample` pads them for the pass.
     bitmask: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def all_greedy(self) -> bool:
+        return not self.stages.sampled
 
     @classmethod
     def greedy(cls) -> SamplingBatch:
         """A step whose rows are all SamplingParams.plain_greedy: the argmax, nothing built or copied
         per row (the common case of a greedy load: 0.1-0.2 ms of host time a step at 256 rows)."""
-        return cls(None, None, None, None, None, all_greedy=True, any_top_p=False, any_top_k=False)
+        return cls(Stages())
 
     @classmethod
     def build(cls, rows: list[SampleRow] | list[tuple], device: torch.device | str) -> SamplingBatch:
         rows = [SampleRow(*r) for r in rows]
         ps = [r.params for r in rows]
-        floats = [[p.temperature for p in ps], [p.top_p for p in ps]]
-        seeds = [0 if p.greedy else _to_int64(p.seed) for p in ps]  # a greedy row draws nothing
-        ints = [[p.top_k for p in ps], seeds, [_to_int64(r.counter) for r in rows]]
-        any_min_p = any(not p.greedy and p.min_p > 0 for p in ps)
-        if any_min_p:
-            floats.append([p.min_p for p in ps])
-        # Sparse per-row additions to the logits: (row, id, value) triples, one copy for all.
-        add_rows, add_ids, add_values = [], [], []
-        for b, r in enumerate(rows):
-            for token, bias in r.params.logit_bias:
-                add_rows.append(b), add_ids.append(token), add_values.append(bias)
-            for token in r.banned:
-                add_rows.append(b), add_ids.append(token), add_values.append(float("-inf"))
+        scratch = len(rows)  # the pass's scratch row, where padding rows point
+        drawn = [p for p in ps if not p.greedy]
+        additions = [list(r.params.logit_bias) + [(t, float("-inf")) for t in r.banned] for r in rows]
         penalized = [b for b, p in enumerate(ps) if p.penalized]
-        if penalized:
-            floats += [[ps[b].presence_penalty for b in penalized], [ps[b].frequency_penalty for b in penalized],
-                       [ps[b].repetition_penalty for b in penalized]]
-            ints += [penalized, [rows[b].history_row for b in penalized]]
         with_logprobs = [b for b, p in enumerate(ps) if p.logprobs is not None]
-        if with_logprobs:
-            ints.append(with_logprobs)
-        if add_rows:
-            ints += [add_rows, add_ids]
-            floats.append(add_values)
-        float_parts = iter(copy_parts(floats, torch.float32, device))
-        int_parts = iter(copy_parts(ints, torch.int64, device))
-        batch = cls(
-            temperature=next(float_parts), top_p=next(float_parts),
-            top_k=next(int_parts), seed=next(int_parts), counter=next(int_parts),
-            all_greedy=all(p.greedy for p in ps),
-            any_top_p=any(not p.greedy and p.top_p < 1.0 for p in ps),
-            any_top_k=any(not p.greedy and p.top_k > 0 for p in ps),
+        stages = Stages(
+            sampled=bool(drawn), min_p=any(p.min_p > 0 for p in drawn), top_k=any(p.top_k > 0 for p in drawn),
+            top_p=any(p.top_p < 1.0 for p in drawn), penalty_rows=_slots(len(penalized)),
+            bias_slots=_slots(max(map(len, additions), default=0)),
+            logprobs=max((ps[b].logprobs for b in with_logprobs), default=None), logprob_rows=_slots(len(with_logprobs)),
         )
-        if any_min_p:
-            batch.min_p = next(float_parts)
+        floats: list[list[float]] = []
+        ints: list[list[int]] = []
+        if stages.sampled:
+            floats.append([p.temperature for p in ps])
+            ints += [[0 if p.greedy else _to_int64(p.seed) for p in ps],  # a greedy row draws nothing
+                     [_to_int64(r.counter) for r in rows]]
+        if stages.top_p:
+            floats.append([1.0 if p.greedy else p.top_p for p in ps])
+        if stages.top_k:
+            ints.append([0 if p.greedy else p.top_k for p in ps])
+        if stages.min_p:
+            floats.append([0.0 if p.greedy else p.min_p for p in ps])
         if penalized:
-            presence, frequency, repetition = next(float_parts), next(float_parts), next(float_parts)
-            batch.penalties = Penalties(next(int_parts), next(int_parts), presence, frequency, repetition)
+            pad = stages.penalty_rows - len(penalized)  # identity rows on the scratch row, counted 0 times
+            floats += [[ps[b].presence_penalty for b in penalized] + [0.0] * pad,
+                       [ps[b].frequency_penalty for b in penalized] + [0.0] * pad,
+                       [ps[b].repetition_penalty for b in penalized] + [1.0] * pad]
+            ints += [penalized + [scratch] * pad, [rows[b].history_row for b in penalized] + [0] * pad,
+                     [1] * len(penalized) + [0] * pad]
+        if stages.bias_slots:
+            padded = [a + [(0, 0.0)] * (stages.bias_slots - len(a)) for a in additions]
+            ints.append([t for a in padded for t, _ in a])
+            floats.append([v for a in padded for _, v in a])
         if with_logprobs:
-            ks = [ps[b].logprobs for b in with_logprobs]
-            batch.logprobs = (next(int_parts), max(ks), ks)
-        if add_rows:
-            batch.additive = (next(int_parts), next(int_parts), next(float_parts))
+            ints.append(with_logprobs + with_logprobs[:1] * (stages.logprob_rows - len(with_logprobs)))
+        f, i = iter(copy_parts(floats, torch.float32, device)), iter(copy_parts(ints, torch.int64, device))
+        batch = cls(stages)
+        if stages.sampled:
+            batch.temperature, batch.seed, batch.counter = next(f), next(i), next(i)
+        if stages.top_p:
+            batch.top_p = next(f)
+        if stages.top_k:
+            batch.top_k = next(i)
+        if stages.min_p:
+            batch.min_p = next(f)
+        if penalized:
+            presence, frequency, repetition = next(f), next(f), next(f)
+            batch.penalties = Penalties(next(i), next(i), presence, frequency, repetition, next(i))
+        if stages.bias_slots:
+            batch.bias = (next(i).view(len(rows), -1), next(f).view(len(rows), -1))
+        if with_logprobs:
+            batch.logprobs = (next(i), stages.logprobs, [ps[b].logprobs for b in with_logprobs])
         return batch
+
+
+def _slots(n: int) -> int:
+    """n rounded up to a power of two (0 stays 0): the padded size of a stage's rows or slots."""
+    return 1 << (n - 1).bit_length() if n else 0
 
 
 @dataclass
 class Penalties:
-    rows: Tensor  # [P] the step's rows with a penalty
-    history_rows: Tensor  # [P] their TokenHistory rows
+    """[P] each: the penalized rows, padded with identity rows (presence 0, frequency 0, repetition 1)
+    on the pass's scratch row that add nothing to the history."""
+
+    rows: Tensor  # [P] batch rows (the scratch row B for padding)
+    history_rows: Tensor  # [P] their TokenHistory rows (KV slots)
     presence: Tensor  # [P] float32
     frequency: Tensor
     repetition: Tensor
+    counted: Tensor  # [P] int64: 1 where the row's sampled token enters its history row, 0 for padding
 
 
 class TokenHistory:
@@ -145,9 +198,10 @@ class TokenHistory:
             self.counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         self.owner[row] = owner
 
-    def add(self, rows: Tensor, tokens: Tensor) -> None:
-        """Count tokens[i] in history row rows[i] (device tensors)."""
-        self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+    def add(self, rows: Tensor, tokens: Tensor, counted: Tensor | None = None) -> None:
+        """Count tokens[i] in history row rows[i] (device tensors), counted[i] times (once when None)."""
+        ones = torch.ones_like(tokens, dtype=torch.int32) if counted is None else counted.to(torch.int32)
+        self.counts.index_put_((rows, tokens), ones, accumulate=True)
 
 
 @dataclass
@@ -159,41 +213,82 @@ class Sampled:
 
 
 def sample(logits: Tensor, batch: SamplingBatch, history: TokenHistory | None = None) -> Sampled:
-    """logits: [B, V] float32 -> token ids [B] int64 on logits.device (and log-probabilities)."""
+    """logits: [B, V] float32 -> token ids [B] int64 on logits.device (and the log-probabilities of the
+    rows that asked). The step's mask rows are padded for the pass (as its graph's inputs would be
+    written), then sample_pass runs."""
+    bitmask = None
+    if batch.bitmask is not None:
+        rows, masks = batch.bitmask
+        pad = _slots(rows.numel()) - rows.numel()
+        masks = masks.to(logits.device, non_blocking=True)
+        bitmask = (torch.cat([rows, rows.new_full((pad,), logits.shape[0])]),  # the scratch row
+                   torch.cat([masks, masks.new_full((pad, masks.shape[1]), -1)]))
+    tokens, packed = sample_pass(logits, batch, bitmask, history)
+    if packed is not None:
+        assert batch.logprobs is not None
+        packed = packed[: len(batch.logprobs[2])]
+    return Sampled(tokens, packed)
+
+
+def sample_pass(logits: Tensor, batch: SamplingBatch, bitmask: tuple[Tensor, Tensor] | None = None,
+                history: TokenHistory | None = None) -> tuple[Tensor, Tensor | None]:
+    """The whole sampling of a step in one pass over its [B, V] logits, in vLLM's order: the grammar
+    masks, logit bias and bans, the penalties, then temperature, min_p, top-k, top-p and the draw;
+    greedy rows take the argmax of the processed logits; then the top log-probabilities of the raw
+    logits (the model's own) and the penalized rows' tokens into their history rows.
+
+    No host sync and no shape that depends on a value: the stages run are batch.stages and their row
+    lists are padded (Stages), so the pass can be captured in a graph per Stages and mask row count.
+    The masks, bias and penalties work on a copy of the logits with one scratch row (row B) that
+    padding rows write. bitmask: (rows [C], int32 masks [C, words]) on the device, padded, or None.
+    Returns tokens [B] int64 and, when a row asks for log-probabilities, packed [L, 2 + 2k] float32
+    (token_logprobs) for the logprob stage's rows, the rows that asked first.
+    """
+    stages = batch.stages
     raw = logits
-    if batch.additive is not None or batch.penalties is not None or batch.bitmask is not None:
-        logits = logits.clone()
-        if batch.bitmask is not None:
-            apply_bitmask(logits, *batch.bitmask)
-        if batch.additive is not None:
-            rows, ids, values = batch.additive
-            logits.index_put_((rows, ids), values, accumulate=True)  # -inf bans stay -inf
-        if batch.penalties is not None:
-            assert history is not None, "penalties need the token history"
+    if bitmask is not None or stages.bias_slots or stages.penalty_rows:
+        work = logits.new_empty((logits.shape[0] + 1, logits.shape[1]))  # [B + 1, V]
+        work[:-1] = logits
+        logits = work[:-1]
+        if bitmask is not None:
+            apply_bitmask(work, *bitmask)
+        if stages.bias_slots:
+            assert batch.bias is not None
+            logits.scatter_add_(1, *batch.bias)  # -inf bans stay -inf; padding adds 0.0 to id 0
+        if stages.penalty_rows:
+            assert history is not None and batch.penalties is not None, "penalties need the token history"
             p = batch.penalties
-            apply_penalties(logits, p.rows, p.history_rows, history.counts, history.in_prompt, p.presence, p.frequency,
+            apply_penalties(work, p.rows, p.history_rows, history.counts, history.in_prompt, p.presence, p.frequency,
                             p.repetition)
     tokens = _choose(logits, batch)
-    if batch.penalties is not None:
-        assert history is not None
-        history.add(batch.penalties.history_rows, tokens[batch.penalties.rows])
-    return Sampled(tokens, None if batch.logprobs is None else _logprobs(raw, tokens, batch.logprobs))
+    if stages.penalty_rows:
+        assert history is not None and batch.penalties is not None
+        p = batch.penalties
+        history.add(p.history_rows, torch.cat([tokens, tokens[:1]])[p.rows], p.counted)  # the scratch row's: any
+    packed = None
+    if stages.logprobs is not None:
+        assert batch.logprobs is not None
+        rows = batch.logprobs[0]
+        packed = token_logprobs(raw[rows], tokens[rows], stages.logprobs)
+    return tokens, packed
 
 
 def _choose(logits: Tensor, batch: SamplingBatch) -> Tensor:
     greedy_ids = logits.argmax(dim=-1)  # [B]; first index among ties
-    if batch.all_greedy:
+    stages = batch.stages
+    if not stages.sampled:
         return greedy_ids
     assert batch.temperature is not None and batch.seed is not None and batch.counter is not None
     is_greedy = batch.temperature == 0.0  # [B]
     # Greedy rows divide by 1 so the sampled path stays finite; their result is discarded below.
     temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
     scaled = logits / temperature.unsqueeze(1)  # [B, V]
-    if batch.min_p is not None:
+    if stages.min_p:
+        assert batch.min_p is not None
         # p < min_p * p_max  <=>  logit < max logit + log(min_p); log(0) = -inf keeps every token.
         floor = scaled.max(dim=-1, keepdim=True).values + batch.min_p.log().unsqueeze(1)
         scaled = scaled.masked_fill(scaled < floor, float("-inf"))
-    if batch.any_top_k or batch.any_top_p:
+    if stages.top_k or stages.top_p:
         scaled = _mask_top_k_top_p(scaled, batch)
     noise = gumbel_noise(batch.seed, batch.counter, logits.shape[1])  # [B, V]
     sampled_ids = (scaled + noise).argmax(dim=-1)  # [B]
@@ -206,11 +301,13 @@ def _mask_top_k_top_p(scaled: Tensor, batch: SamplingBatch) -> Tensor:
     sorted_vals, sorted_idx = scaled.sort(dim=-1, descending=True)  # [B, V]
     ranks = torch.arange(vocab, device=scaled.device).unsqueeze(0)  # [1, V]
     remove = torch.zeros_like(sorted_vals, dtype=torch.bool)  # [B, V]
-    if batch.any_top_k:
+    if batch.stages.top_k:
+        assert batch.top_k is not None
         # Masking by rank (not by value >= k-th value) keeps exactly k tokens even with ties.
         k = torch.where(batch.top_k > 0, batch.top_k, torch.full_like(batch.top_k, vocab))
         remove |= ranks >= k.unsqueeze(1)
-    if batch.any_top_p:
+    if batch.stages.top_p:
+        assert batch.top_p is not None
         probs = sorted_vals.masked_fill(remove, float("-inf")).softmax(dim=-1)  # top-p after top-k
         mass_before = probs.cumsum(dim=-1) - probs  # [B, V] probability of the strictly better tokens
         # A token stays while the better ones hold < top_p; rows at top_p == 1 skip the test so that
@@ -219,12 +316,6 @@ def _mask_top_k_top_p(scaled: Tensor, batch: SamplingBatch) -> Tensor:
     remove[:, 0] = False  # always keep the top-1, whatever top_p or top_k say
     masked_sorted = sorted_vals.masked_fill(remove, float("-inf"))
     return torch.empty_like(scaled).scatter_(1, sorted_idx, masked_sorted)
-
-
-def _logprobs(raw: Tensor, tokens: Tensor, spec: tuple[Tensor, int, list[int]]) -> Tensor:
-    rows, k, _ = spec
-    logits = raw[rows] if rows.numel() != raw.shape[0] else raw  # [L, V]
-    return token_logprobs(logits, tokens[rows], k)
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor, k: int) -> Tensor:

@@ -6,13 +6,15 @@ rows of speculative decoding (a decode's token and its draft: 1 + k tokens), the
 chunks (oldest prompt first); the sequences that sample are the decodes, the verify rows (1 + k
 tokens each: the target's token after each of the row's tokens), then those whose prompt a chunk
 completes. The block-table updates are the KV manager's (service/engine/kv_manager.py):
-the rows' entries that the blocks allocated for this step changed.
+the rows' entries that the blocks allocated for this step changed, and the copies between the
+device pool and its host tier that must run before the step's forward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from service.engine.host_tier import KvCopies
 from service.engine.sequence import Sequence
 
 # Block-table row `slot`'s entries [first, first + len(blocks)) become `blocks`.
@@ -63,6 +65,11 @@ class ScheduledStep:
     prefills: tuple[PrefillChunk, ...] = ()  # prompt chunks, oldest prompt first
     table_updates: tuple[TableUpdate, ...] = ()
     verifies: tuple[VerifyRow, ...] = ()  # decodes with a draft (speculative decoding), slot order
+    # Copies between the device pool and the host tier (host_tier.py) that run before the forward.
+    kv_copies: KvCopies = KvCopies()
+    # Speculative decoding: the most draft tokens a decode was offered (adaptive k; 0: none, at this
+    # batch size or because no row could take any); None: no proposer, or no decode.
+    speculative_k: int | None = None
     # The sequences that get tokens from this step, in the order of its tokens: the decodes, the
     # verify rows (1 + k tokens each), then those whose prompt this step completes (a chunk that
     # leaves part of it for later samples nothing).

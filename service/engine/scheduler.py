@@ -18,8 +18,9 @@ KV, prompt and completion so far, then continues; its client sees only latency.
 Speculative decoding (a proposer given): a decode whose proposer finds a draft becomes a verify row
 of 1 + k tokens (service/engine/spec/), within the token budget and the blocks that are free (a
 draft never preempts anyone); rows with a grammar, penalties or an adapter decode without drafts.
-The engine tells `rejected` how many draft positions the target refused: their KV is dropped by
-not counting it (the blocks stay with the row for its next steps). Each step is one
+k follows the row's measured acceptance and the batch size (spec/adaptive.py). The engine tells
+`verified` how many draft tokens the target kept: the rejected positions' KV is dropped by not
+counting it (the blocks stay with the row for its next steps). Each step is one
 immutable ScheduledStep (service/engine/scheduled_step.py). Not thread-safe: only the engine thread
 calls it (the engine forwards aborts to its thread).
 """
@@ -33,19 +34,22 @@ import time
 
 from service.engine.adapters import AdapterRegistry
 from service.engine.block_pool import BlockPool, PoolStats
+from service.engine.host_tier import KvCopies
 from service.engine.kv_manager import KVManager
 from service.engine.scheduled_step import PrefillChunk, ScheduledStep, VerifyRow
 from service.engine.sequence import Sequence, SequenceStatus
+from service.engine.spec.adaptive import AdaptiveK
 from service.engine.spec.proposer import Proposer
 
 
 class Scheduler:
     def __init__(self, max_running: int, max_num_batched_tokens: int, adapters: AdapterRegistry | None = None,
                  blocks: BlockPool | None = None, proposer: Proposer | None = None,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, adaptive: AdaptiveK | None = None) -> None:
         """blocks: the KV block pool matching the runner's KV cache (ModelRunner.new_block_pool);
         None: an ample pool (8,192 tokens per row), for runners that hold no KV (tests).
-        proposer: drafts of at most num_speculative_tokens tokens for decodes (None: no speculation)."""
+        proposer: drafts of at most num_speculative_tokens tokens for decodes (None: no speculation);
+        adaptive: how many each decode is offered per step (None: AdaptiveK's defaults)."""
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
         # Every running sequence may decode in the same step, and decodes are never held back: a
@@ -71,6 +75,7 @@ class Scheduler:
         self._admissions = itertools.count(1)
         self.proposer = proposer if num_speculative_tokens > 0 else None
         self.num_speculative_tokens = num_speculative_tokens
+        self.adaptive = adaptive or AdaptiveK(max(1, num_speculative_tokens))
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -191,9 +196,14 @@ class Scheduler:
             decodes = [s for s in decodes if s.status is SequenceStatus.RUNNING]
         verifies: list[VerifyRow] = []
         budget = self.max_num_batched_tokens - len(decodes)  # >= 1 whenever a prompt is unfinished
+        speculative_k = None
         if self.proposer is not None and decodes:
-            decodes, verifies = self._speculate(decodes, budget - 1 if self._prefilling or self._waiting else budget)
-            budget -= sum(len(v.draft) for v in verifies)
+            limit = self.adaptive.step_limit(len(decodes))
+            speculative_k = 0
+            if limit:
+                decodes, verifies, speculative_k = self._speculate(
+                    decodes, budget - 1 if self._prefilling or self._waiting else budget, limit)
+                budget -= sum(len(v.draft) for v in verifies)
         prefills: list[PrefillChunk] = []
 
         # Prompts already started go on first, oldest first; FIFO admission after them: a long prompt
@@ -249,34 +259,48 @@ class Scheduler:
             prefills = [c for c in prefills if c.seq.status is SequenceStatus.RUNNING]
         kv.scheduled(decodes, prefills, verifies)
         assert len(self._free_slots) + len(running) == self.max_running
-        return ScheduledStep(tuple(decodes), tuple(prefills), kv.take_table_updates(), tuple(verifies))
+        # A step that runs nothing leaves the copies for the next one (no block they touch is read before).
+        copies = kv.take_copies() if decodes or prefills or verifies else KvCopies()
+        return ScheduledStep(tuple(decodes), tuple(prefills), kv.take_table_updates(), tuple(verifies), copies,
+                             speculative_k)
+
+    def verified(self, seq: Sequence, num_draft_tokens: int, num_accepted: int) -> None:
+        """The engine read seq's verify row: the target kept num_accepted of its draft tokens."""
+        self.adaptive.observe(seq, num_draft_tokens, num_accepted)
+        self.rejected(seq, num_draft_tokens - num_accepted)
 
     def rejected(self, seq: Sequence, num_rejected: int) -> None:
-        """The engine read seq's verify row: the last num_rejected draft positions' KV is not seq's."""
+        """The last num_rejected draft positions of seq's verify row hold no token of seq's: its KV
+        there is dropped."""
         self.kv.roll_back(seq, num_rejected)
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _speculate(self, decodes: list[Sequence], budget: int) -> tuple[list[Sequence], list[VerifyRow]]:
+    def _speculate(self, decodes: list[Sequence], budget: int, limit: int
+                   ) -> tuple[list[Sequence], list[VerifyRow], int]:
         """Split decodes into plain ones and verify rows (those whose proposer found a draft that the
-        budget, tokens beyond the decodes' own, and the free blocks hold), both in slot order."""
+        budget, tokens beyond the decodes' own, and the free blocks hold), both in slot order; no
+        draft is longer than limit or than its row's adaptive k. Also the most draft tokens a row was
+        offered."""
         assert self.proposer is not None
         plain: list[Sequence] = []
         verifies: list[VerifyRow] = []
+        offered = 0
         for seq in decodes:
             p = seq.request.sampling
-            k = min(self.num_speculative_tokens, budget, p.max_tokens - seq.num_completion_tokens - 1)
             draft = None
-            if (k > 0 and not seq.num_pending and seq.matcher is None and not p.penalized
-                    and not seq.request.adapter):
-                draft = self.proposer.propose(seq, k)[:k]
+            if not seq.num_pending and seq.matcher is None and not p.penalized and not seq.request.adapter:
+                k = min(self.adaptive.row_k(seq, limit), budget, p.max_tokens - seq.num_completion_tokens - 1)
+                if k > 0:
+                    offered = max(offered, k)
+                    draft = self.proposer.propose(seq, k)[:k]
             start = seq.next_position()
             if draft and self.kv.allocate(seq, start + 1 + len(draft)):
                 verifies.append(VerifyRow(seq, start, tuple(draft)))
                 budget -= len(draft)
             else:
                 plain.append(seq)
-        return plain, verifies
+        return plain, verifies, offered
 
     def _add_chunk(self, prefills: list[PrefillChunk], seq: Sequence, budget: int) -> int:
         """Schedule the next chunk of seq's prompt within budget and the blocks it needs; returns its

@@ -41,6 +41,9 @@ class Sequence:
     # Adapter requests admitted ahead of it while it waited for an adapter slot (see Scheduler).
     num_passed: int = 0
     admitted: int = 0  # admission order (the scheduler's counter): the newest running is preempted first
+    # Speculative decoding: the moving average of its drafts' per-token acceptance (spec/adaptive.py;
+    # None: no draft verified yet).
+    draft_acceptance: float | None = None
 
     # ---- the KV manager's (service/engine/kv_manager.py) ----
     # The blocks holding positions [0, len * block_size) while RUNNING; the chained hashes of its

@@ -191,6 +191,8 @@ class _Worker:
         blocks = e.scheduler.block_stats()
         self.metrics.set_kv_blocks(blocks.used, blocks.free, blocks.cached, blocks.prefix_queries, blocks.prefix_hits,
                                    blocks.preemptions)
+        if blocks.host is not None:
+            self.metrics.set_host_cache(blocks.host, blocks.block_size)
         adapters = self.runner.adapters
         if adapters is not None:
             self.metrics.set_lora_requests(*adapters.request_adapters(), max_lora=adapters.max_loras)

@@ -53,16 +53,19 @@ def chunk_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
                      scale: float | None = None) -> torch.Tensor:
-    """q: [L, H, D], k, v: [L, KVH, D] -> [L, H * D], causal (the cache-free reference forward),
-    within a sliding window when `window` > 0."""
+    """q: [L, H, D], k, v: [M, KVH, D] (M >= L: the queries are the last L of the M positions) ->
+    [L, H * D], causal (the cache-free reference forward; a draft's later passes), within a sliding
+    window when `window` > 0."""
     length, heads, _ = q.shape
     groups = heads // k.shape[1]
     qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))
     kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
     mask = None
-    if window:
-        pos = torch.arange(length, device=q.device)
-        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    offset = k.shape[0] - length
+    if window or offset:
+        q_pos = torch.arange(offset, offset + length, device=q.device)[:, None]
+        k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
+        mask = (k_pos <= q_pos) & (k_pos > q_pos - window) if window else k_pos <= q_pos
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None,
                                              scale=scale)  # [1, H, L, D]

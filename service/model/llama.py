@@ -536,11 +536,13 @@ class LlamaForCausalLM(nn.Module):
         """The layer's window and the model's score scale, as the attention kernels take them."""
         return {"window": self.windows[layer], "scale": self.attn_scale}
 
-    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        # input_ids, positions: [N] -> final hidden states [N, hidden]
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
+             num_layers: int | None = None) -> torch.Tensor:
+        # input_ids, positions: [N] -> final hidden states [N, hidden] (after the first num_layers layers)
         x, cos, sin = self.embed(input_ids, positions)
         delta = None
-        for i, layer in enumerate(self.model.layers):
+        layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
+        for i, layer in enumerate(layers):
             x, delta = layer(i, x, delta, cos, sin, attend, self.fast)
         return self.final_norm(x, delta)
 
@@ -658,6 +660,31 @@ class LlamaForCausalLM(nn.Module):
         h = self._run(ids, positions, lambda i, qkv, cos, sin: causal_attention(*self._rope(i, qkv, cos, sin),
                                                                                  **self.attention_args(i)))
         return self.logits(h)[None]
+
+    @torch.inference_mode()
+    def draft_greedy(self, input_ids: torch.Tensor, start: int, num_layers: int, k: int) -> torch.Tensor:
+        """Self-speculative drafting (as LayerSkip): the k greedy tokens after input_ids [L] (at positions
+        start .. start + L - 1) of this model cut after its first num_layers layers, then its final
+        norm and LM head -> [k] int64. Never touches a KV cache: the K/V of the draft's layers live for
+        this call only (one pass over the L tokens, then one pass per draft token). No host syncs."""
+        cache: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: rotated k, v [M, KVH, D]
+
+        def attend(i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            q, key, value = self._rope(i, qkv, cos, sin)
+            if i < len(cache):
+                key, value = torch.cat((cache[i][0], key)), torch.cat((cache[i][1], value))
+                cache[i] = key, value
+            else:
+                cache.append((key, value))
+            return causal_attention(q, key, value, **self.attention_args(i))
+
+        ids, positions = input_ids, torch.arange(start, start + input_ids.shape[0], device=input_ids.device)
+        out = torch.empty(k, dtype=torch.long, device=input_ids.device)
+        for j in range(k):
+            token = self.logits(self._run(ids, positions, attend, num_layers)[-1:]).argmax(-1)  # [1]
+            out[j] = token[0]
+            ids, positions = token, positions[-1:] + 1
+        return out
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Copies HF-named tensors in (casting to the model dtype); any mismatch raises ModelLoadError.

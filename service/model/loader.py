@@ -1,6 +1,8 @@
-"""load_model: a built-in generated checkpoint or a local Hugging Face directory -> LoadedModel.
+"""load_model: a built-in generated checkpoint, a local Hugging Face directory or a Hub model id
+already in the local Hugging Face cache -> LoadedModel.
 
-Never touches the network: configs and tokenizers are read with local_files_only=True.
+Never touches the network: configs and tokenizers are read with local_files_only=True, and a Hub id
+resolves only to a snapshot that is on disk.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from service.model.kernels.compile_cache import CompileCache
 from service.model.llama import LlamaForCausalLM
 from service.model.parallel import TensorParallel, read_shard
 from service.model.spec import ModelLoadError, ModelSpec
+from service.model_dirs import MISSING_MODEL, model_dir
 from service.telemetry import startup
 
 if TYPE_CHECKING:
@@ -129,12 +132,9 @@ def read_tokenizer(path: pathlib.Path) -> transformers.PreTrainedTokenizerBase:
 def _model_dir(model: str, cache_dir: pathlib.Path | None) -> pathlib.Path:
     if model.startswith(BUILTIN_PREFIX):
         return ensure_builtin(model[len(BUILTIN_PREFIX) :], cache_dir or default_cache_dir())
-    path = pathlib.Path(model).expanduser()
-    if not path.is_dir():
-        raise ModelLoadError(
-            f"model directory {path} does not exist; pass a local Hugging Face directory "
-            "or builtin:<name>"
-        )
+    path = model_dir(model)
+    if path is None:
+        raise ModelLoadError(f"{model}: {MISSING_MODEL}")
     return path
 
 

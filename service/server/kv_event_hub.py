@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
+from service.engine.kv_events import DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
 
 SNAPSHOT_CHUNK_BLOCKS = 2048  # blocks per snapshot chunk: about 150 KB with 16-token blocks
 
@@ -97,12 +97,16 @@ class KvEventHub:
         self.last_sequence = time.time_ns() // 1000  # the first batch is numbered one above
         self.subscribers: set[Subscription] = set()
         self.num_dropped = 0
-        # hash -> (the BlockStored that stored it, its index there), in the order stored
-        self._cached: dict[bytes, tuple[BlockStored, int]] = {}
+        # (medium, hash) -> (the BlockStored that stored it, its index there), in the order stored
+        self._cached: dict[tuple[str, bytes], tuple[BlockStored, int]] = {}
 
     @property
     def cached_hashes(self) -> set[bytes]:
-        return set(self._cached)
+        """The hashes cached in the device pool."""
+        return self.cached_on(DEVICE)
+
+    def cached_on(self, medium: str) -> set[bytes]:
+        return {digest for m, digest in self._cached if m == medium}
 
     def publish(self, batch: KvEventBatch) -> None:
         """An engine step's events (on the event loop): numbered, kept, queued for each subscriber."""
@@ -157,10 +161,10 @@ class KvEventHub:
         for event in events:
             if isinstance(event, BlockStored):
                 for i, digest in enumerate(event.block_hashes):
-                    cached.setdefault(digest, (event, i))
+                    cached.setdefault((event.medium, digest), (event, i))
             elif isinstance(event, BlockRemoved):
                 for digest in event.block_hashes:
-                    cached.pop(digest, None)
+                    cached.pop((event.medium, digest), None)
             else:
                 cached.clear()
 
@@ -185,7 +189,7 @@ def _part(event: BlockStored, start: int, end: int) -> BlockStored:
     bs = event.block_size
     parent = event.block_hashes[start - 1] if start else event.parent_block_hash
     return BlockStored(event.block_hashes[start:end], parent, event.token_ids[start * bs:end * bs], bs,
-                       event.lora_name)
+                       event.lora_name, event.medium)
 
 
 def _split(run: BlockStored, n: int) -> tuple[BlockStored, BlockStored]:

@@ -35,7 +35,7 @@ import structlog
 from google.protobuf.unknown_fields import UnknownFieldSet
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from service.engine.kv_events import BlockRemoved, BlockStored
+from service.engine.kv_events import DEVICE, HOST, BlockRemoved, BlockStored
 from service.engine.request import Finish, FinishReason, GenerationRequest, TokenDelta, TokenLogprobs
 from service.engine.validation import (
     Fields,
@@ -364,6 +364,9 @@ def _kv_batch_message(batch: KvBatch) -> common_pb2.KvEventBatch:
     return batch.wire
 
 
+_TIERS = {DEVICE: common_pb2.KV_CACHE_TIER_DEVICE, HOST: common_pb2.KV_CACHE_TIER_HOST}
+
+
 def _kv_event_message(event: Any, event_id: int) -> common_pb2.KvCacheEvent:
     if isinstance(event, BlockStored):
         bs = event.block_size
@@ -371,7 +374,7 @@ def _kv_event_message(event: Any, event_id: int) -> common_pb2.KvCacheEvent:
             blocks=[common_pb2.KvBlock(block_hash=wire_hash(h), token_ids=event.token_ids[i * bs:(i + 1) * bs],
                                        block_size=bs)
                     for i, h in enumerate(event.block_hashes)],
-            tier=common_pb2.KV_CACHE_TIER_DEVICE, medium="GPU")
+            tier=_TIERS[event.medium], medium=event.medium)
         if event.parent_block_hash is not None:
             stored.parent_block_hash = wire_hash(event.parent_block_hash)
         if event.lora_name:
@@ -379,7 +382,7 @@ def _kv_event_message(event: Any, event_id: int) -> common_pb2.KvCacheEvent:
         return common_pb2.KvCacheEvent(event_id=event_id, stored=stored)
     if isinstance(event, BlockRemoved):
         return common_pb2.KvCacheEvent(event_id=event_id, removed=common_pb2.KvBlocksRemoved(
-            block_hashes=[wire_hash(h) for h in event.block_hashes], tier=common_pb2.KV_CACHE_TIER_DEVICE, medium="GPU"))
+            block_hashes=[wire_hash(h) for h in event.block_hashes], tier=_TIERS[event.medium], medium=event.medium))
     return common_pb2.KvCacheEvent(event_id=event_id, cleared=common_pb2.KvCacheCleared())
 
 

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import Metric
 from prometheus_client.metrics import MetricWrapperBase
 
+from service.engine.host_tier import HostTierStats
 from service.engine.request import Finish, FinishReason
 from service.engine.sequence import Sequence, SequenceStatus
 from service.telemetry.vllm_metrics import VllmCollector
@@ -132,6 +133,14 @@ class EngineMetrics:
                                       registry=r)
         self.prefix_hits = Counter("graphserve_prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
                                    "computed again).", registry=r)
+        self.host_cache_hits = Counter("graphserve_kv_host_cache_hits", "Prompt tokens copied back from the host "
+                                       "tier under the prefix cache instead of computed (also counted in "
+                                       "graphserve_prefix_cache_hits).", registry=r)
+        self.host_cache_stored = Counter("graphserve_kv_host_cache_stored_blocks", "KV blocks the device pool "
+                                         "evicted into the host tier.", registry=r)
+        self.host_cache_bytes = Gauge("graphserve_kv_host_cache_bytes", "The host tier under the prefix cache: bytes "
+                                      "of the blocks it holds (used) and its bound (capacity); absent when off.",
+                                      ["state"], registry=r)
         self.preemptions = Counter("graphserve_preemptions", "Running requests that gave their KV blocks back (the "
                                    "pool was full) and recomputed them later.", registry=r)
         self.spec_drafts = Counter("graphserve_spec_decode_num_drafts", "Verify rows of speculative decoding "
@@ -147,8 +156,15 @@ class EngineMetrics:
         self.spec_acceptance_length = Histogram("graphserve_spec_decode_acceptance_length", "Tokens a verify row "
                                                 "emitted (accepted draft tokens + 1).",
                                                 buckets=tuple(range(1, 18)), registry=r)
+        self.spec_k = Histogram("graphserve_spec_decode_k", "Steps with decodes by the most draft tokens a decode "
+                                "was offered (adaptive k: from measured acceptance and the batch size; 0: none, "
+                                "speculation off at that batch size or no row able to take a draft).",
+                                buckets=tuple(range(0, 17)), registry=r)
+        self.spec_k_last = Gauge("graphserve_spec_decode_k_last", "The k of the latest step with decodes "
+                                 "(graphserve_spec_decode_k).", registry=r)
         self.speculating = False  # a server with speculative decoding (set by on_speculation)
         self._block_counts = (0, 0, 0)  # prefix queries, hits, preemptions as last exported
+        self._host_counts = (0, 0)  # host-tier hit tokens, stored blocks as last exported
         self._adapter_labels: set[str] = set()  # engine thread only
         self._adapter_token_counters: dict[str, MetricWrapperBase] = {}  # label -> its child: one lookup per token batch
         # sequence key -> (time of its latest token, completion tokens seen); engine thread only.
@@ -168,6 +184,17 @@ class EngineMetrics:
     def set_kv_cache_usage(self, used: int, total: int) -> None:
         """KV blocks held by requests of `total`."""
         self.kv_cache_usage = used / total if total > 0 else 0.0
+
+    def set_host_cache(self, stats: HostTierStats, block_size: int) -> None:
+        """The host tier as of now; its counts since start advance the counters."""
+        self.host_cache_bytes.labels("used").set(stats.bytes_used)
+        self.host_cache_bytes.labels("capacity").set(stats.num_slots * stats.bytes_per_block)
+        counts = (stats.hits * block_size, stats.stored)
+        for counter, now, before in zip((self.host_cache_hits, self.host_cache_stored), counts, self._host_counts,
+                                        strict=True):
+            if now > before:
+                counter.inc(now - before)
+        self._host_counts = counts
 
     def set_kv_blocks(self, used: int, free: int, cached: int, prefix_queries: int, prefix_hits: int,
                       preemptions: int) -> None:
@@ -216,6 +243,10 @@ class EngineMetrics:
             self.spec_acceptance_length.observe(n + 1)
             for position in range(n):
                 self.spec_accepted_per_pos.labels(str(position)).inc()
+
+    def on_speculative_k(self, k: int) -> None:
+        self.spec_k.observe(k)
+        self.spec_k_last.set(k)
 
     def on_tokens(self, seqs: list[Sequence], now: float) -> None:
         """One new completion token of each of `seqs` (already appended), read at `now`: one step's.

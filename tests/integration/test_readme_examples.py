@@ -18,7 +18,7 @@ def python_blocks(section: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", text[start:end], flags=re.S)
 
 
-@pytest.mark.parametrize("section", ["Python API", "Chat"])
+@pytest.mark.parametrize("section", ["Python API", "Sampling fields: logprobs, penalties, n, structured outputs", "Chat"])
 def test_readme_python_examples_run(section, model_cache_dir, monkeypatch, capsys) -> None:  # noqa: ANN001
     monkeypatch.setenv("XDG_CACHE_HOME", str(model_cache_dir.parent))  # the built-in model is generated once
     blocks = python_blocks(section)

@@ -13,12 +13,12 @@ PROMPTS = ["one two three one two three one two three", "def f(x): return x\ndef
            "hello hello hello hello"]
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_generate_with_speculation_equals_without(model_cache_dir, method: str) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("method, fields", [("ngram", {}), ("suffix", {}), ("draft_layers", {"num_draft_layers": 2})])
+def test_generate_with_speculation_equals_without(model_cache_dir, method: str, fields: dict) -> None:  # noqa: ANN001
     params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
               SamplingParams(temperature=0.9, top_p=0.9, seed=4, max_tokens=64, ignore_eos=True)]
     results = []
-    for spec in (None, {"method": method, "num_speculative_tokens": 4, "prompt_lookup_max": 3}):
+    for spec in (None, {"method": method, "num_speculative_tokens": 4, "prompt_lookup_max": 3, **fields}):
         with LLM(model="builtin:tiny", model_cache_dir=model_cache_dir, max_running_seqs=4, max_seq_len=256,
                  device="cpu", dtype="float32", speculative_config=spec) as llm:
             engine = llm._engine.engine  # the engine the config built: with the proposer, no overlap

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+from service.model_dirs import MISSING_MODEL
 from tests.support.server import free_port
 
 
@@ -25,7 +26,6 @@ def test_a_port_in_use_and_a_missing_model_directory_are_one_line_each(tmp_path)
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines() == [
         f"graphserve: --port: 127.0.0.1:{port} is in use (another graphserve?); pick another port with --port",
-        f"graphserve: --model {tmp_path / 'no-model'}: no such directory (a local Hugging Face directory, or "
-        "builtin:<name>)"]
+        f"graphserve: --model {tmp_path / 'no-model'}: {MISSING_MODEL}"]
     assert done.stdout == ""
     assert seconds < 60, "no model load or engine start before the checks"

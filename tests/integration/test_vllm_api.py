@@ -6,13 +6,16 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 from collections.abc import Iterator
 
+import huggingface_hub.constants
 import pytest
 
 from service import LLM, CompletionOutput, Logprob, RequestOutput, SamplingParams, StructuredOutputsParams
 from service.config import ConfigError, load_config
 from service.llm_config import config_of
+from service.model import ModelLoadError, ensure_builtin
 
 # vLLM's quick start (docs.vllm.ai, "Offline batched inference"), the import line changed; the model
 # is graphserve's built-in one (a local Hugging Face directory works the same way).
@@ -68,6 +71,23 @@ def test_vllm_quickstart_runs_with_only_the_import_changed(model_cache_dir, monk
         assert line.endswith(f"Generated text: {completion.text!r}") and completion.text
         assert completion.finish_reason in ("stop", "length") and completion.token_ids
         assert completion.cumulative_logprob is None and completion.logprobs is None  # not asked for
+
+
+def test_a_hub_model_id_in_the_local_hugging_face_cache_loads_as_vllm_users_name_it(
+        llm: LLM, model_cache_dir, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    # The Hub library's cache layout: models--org--name/refs/main names the snapshot of revision main.
+    repo = tmp_path / "hub" / "models--acme--tiny-chat"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(ensure_builtin("tiny", model_cache_dir), repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    greedy = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    with LLM(model="acme/tiny-chat", max_num_seqs=2, max_model_len=256, device=llm.config.device,
+             dtype=llm.config.dtype) as hub_llm:
+        assert complete(hub_llm, "Hello", **greedy).token_ids == complete(llm, "Hello", **greedy).token_ids
+    with pytest.raises(ModelLoadError, match=r"acme/other: .* nor a model id in the local Hugging Face cache"):
+        LLM(model="acme/other")
 
 
 def test_the_llm_takes_vllms_keywords(llm: LLM) -> None:

@@ -40,6 +40,10 @@ def test_admin_token_file_is_read_and_an_empty_one_refused(tmp_path) -> None:  #
     (["--quantization", "fp8", "--device", "cuda", "--capture-sizes", "8,16"], "lacks 1, which --quantization fp8"),
     (["--stream-message-rate", "-1"], "--stream-message-rate"),
     (["--stream-message-rate", "inf"], "--stream-message-rate"),
+    (["--kv-host-cache-memory", "0.5"], "--kv-host-cache-memory"),  # a fraction of what? bytes only
+    (["--kv-host-cache-memory", "lots"], "--kv-host-cache-memory"),
+    (["--kv-host-cache-memory", "1GiB", "--no-prefix-caching"], "--kv-host-cache-memory"),
+    (["--kv-host-cache-memory", "1GiB", "--tensor-parallel-size", "2"], "--kv-host-cache-memory"),
 ])
 def test_bad_values_fail_at_start_naming_the_flag(argv: list[str], flag: str) -> None:
     with pytest.raises(ConfigError, match=flag):

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.engine.block_pool import chain_hashes
-from service.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, replay
+from service.engine.kv_events import HOST, AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, replay
 from service.server.kv_event_hub import KvBatch, KvEventHub, Subscription
 
 BS = 2
@@ -64,6 +64,21 @@ def test_a_cursor_the_history_no_longer_holds_gets_a_snapshot_ending_at_the_last
         assert apply(batches, {b"stale"}) == hub.cached_hashes
     first = take_ready(hub.subscribe(0))[0].events
     assert first[1] == BlockStored(a.block_hashes[:2], None, (1, 1, 2, 2), BS)  # parents first, one run
+
+
+def test_a_snapshot_keeps_each_block_on_its_medium() -> None:
+    """A block evicted from the device pool into the host tier, another on both: a subscriber that
+    starts from a snapshot holds the same per-medium sets as one that saw every event."""
+    hub = KvEventHub(history=1, buffer=8)
+    a = stored([1, 1, 2, 2])
+    events = [a, BlockRemoved(a.block_hashes[1:]),
+              BlockStored(a.block_hashes[1:], a.block_hashes[0], (2, 2), BS, "", HOST),
+              BlockStored(a.block_hashes[:1], None, (1, 1), BS, "", HOST)]
+    for event in events:
+        hub.publish(KvEventBatch((event,)))
+    batches = take_ready(hub.subscribe(0))
+    assert apply(batches, set()) == {a.block_hashes[0]} == hub.cached_hashes
+    assert replay([e for b in batches for e in b.events], set(), HOST) == set(a.block_hashes) == hub.cached_on(HOST)
 
 
 def test_a_live_subscriber_gets_each_batch_once_after_its_replay() -> None:

@@ -1,6 +1,8 @@
 """KV events against the prefix cache's state: a subscriber that replays every event the KV manager
 and the block pool recorded holds exactly the pool's set of cached block hashes, after any sequence
-of admissions (cache hits among them), steps, finishes, preemptions (evictions) and resets."""
+of admissions (cache hits among them), steps, finishes, preemptions (evictions) and resets; with a
+host tier under the pool, the same for each medium ("GPU" the pool, "CPU" the tier), and the
+copies each step carries leave every cached block, on either side, holding its own KV."""
 
 from __future__ import annotations
 
@@ -8,14 +10,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.engine.block_pool import BlockPool, chain_hashes
-from service.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, from_wire, replay, to_wire
+from service.engine.host_tier import HostTier
+from service.engine.kv_events import (
+    HOST,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEventBatch,
+    from_wire,
+    replay,
+    to_wire,
+)
 from service.engine.request import GenerationRequest, SamplingParams
+from service.engine.scheduled_step import ScheduledStep
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import Sequence, SequenceStatus
 
 BS = 4
 # A few shared system prompts, so that admissions hit the cache and a small pool evicts.
-PREFIXES = [[10 + p] * 9 for p in range(3)]
+PREFIXES = [[10 + p] * 9 for p in range(6)]
 
 
 def make_seq(request_id: str, prompt: list[int], max_tokens: int) -> Sequence:
@@ -23,17 +36,49 @@ def make_seq(request_id: str, prompt: list[int], max_tokens: int) -> Sequence:
                                       sampling=SamplingParams(max_tokens=max_tokens, seed=0)))
 
 
-def run_step(sched: Scheduler, seqs: list[Sequence]) -> None:
+class FakeKV:
+    """What each device block and host slot holds, as the digest of the KV written there (None: a
+    block's KV before its tokens are all known): the runner's copies and writes, without tensors."""
+
+    def __init__(self) -> None:
+        self.device: dict[int, bytes | None] = {}
+        self.host: dict[int, bytes | None] = {}
+
+    def run(self, step: ScheduledStep) -> None:
+        for block, slot in step.kv_copies.to_host:
+            self.host[slot] = self.device.get(block)
+        for slot, block in step.kv_copies.to_device:
+            self.device[block] = self.host.get(slot)
+        bs = BS
+        writes = [(d, d.next_position(), d.next_position() + 1) for d in step.decodes]
+        writes += [(c.seq, c.start, c.end) for c in step.prefills]
+        for seq, start, end in writes:
+            for i in range(start // bs, -(-end // bs)):
+                self.device[seq.block_ids[i]] = seq.block_hashes[i] if i < len(seq.block_hashes) else None
+
+    def check(self, pool: BlockPool) -> None:
+        """Every cached block holds the KV of its hash, on the device and in the host tier."""
+        for digest, block in pool._by_hash.items():
+            assert self.device.get(block) == digest, f"device block {block}"
+        if pool.host is not None:
+            for digest, slot in pool.host._slots.items():
+                assert self.host.get(slot) == digest, f"host slot {slot}"
+
+
+def run_step(sched: Scheduler, seqs: list[Sequence], kv: FakeKV | None = None) -> None:
     """One engine step: schedule, each sampling row gets a token, finished ones leave."""
     step = sched.schedule()
+    if kv is not None:
+        kv.run(step)
     for seq in step.sampling:
         seq.completion_token_ids.append(len(seq.completion_token_ids) + 1)
         if len(seq.completion_token_ids) >= seq.request.sampling.max_tokens:
             sched.finish(seq)
 
 
-def new_scheduler(num_blocks: int) -> Scheduler:
-    sched = Scheduler(4, 64, blocks=BlockPool(num_blocks, BS))
+def new_scheduler(num_blocks: int, host_slots: int = 0) -> Scheduler:
+    host = HostTier(host_slots, BS) if host_slots else None
+    sched = Scheduler(4, 64, blocks=BlockPool(num_blocks, BS, host=host))
     sched.kv.publish_events()
     return sched
 
@@ -88,14 +133,18 @@ OPS = st.one_of(
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=st.lists(OPS, max_size=40), num_blocks=st.integers(6, 14))
-def test_replaying_every_event_rebuilds_the_cached_hashes(ops: list[tuple], num_blocks: int) -> None:
-    """After every step a subscriber's set equals the pool's cached hashes; resuming from any batch
-    boundary (the batches before it applied, the rest replayed) gives the same set."""
-    sched = new_scheduler(num_blocks)
+@given(ops=st.lists(OPS, min_size=8, max_size=40), num_blocks=st.integers(6, 14), host_slots=st.sampled_from([0, 0, 1, 3, 8]))
+def test_replaying_every_event_rebuilds_the_cached_hashes(ops: list[tuple], num_blocks: int, host_slots: int) -> None:
+    """After every step a subscriber's set equals the pool's cached hashes (and, with a host tier,
+    its set of "CPU" blocks the tier's); resuming from any batch boundary (the batches before it
+    applied, the rest replayed) gives the same set. Each step's copies keep every cached block's KV."""
+    sched = new_scheduler(num_blocks, host_slots)
+    host = sched.kv.pool.host
+    kv = FakeKV()
     seqs: list[Sequence] = []
     batches = []
     subscriber: set[bytes] = set()
+    on_host: set[bytes] = set()
     for op in ops:
         match op:
             case ("add", prefix, tail, max_tokens):
@@ -104,7 +153,7 @@ def test_replaying_every_event_rebuilds_the_cached_hashes(ops: list[tuple], num_
                 sched.add(seq)
             case ("step", n):
                 for _ in range(n):
-                    run_step(sched, seqs)
+                    run_step(sched, seqs, kv)
             case ("abort", i):
                 if i < len(seqs):
                     sched.abort(seqs[i].key)
@@ -114,8 +163,12 @@ def test_replaying_every_event_rebuilds_the_cached_hashes(ops: list[tuple], num_
         if batch is not None:
             batches.append(batch)
             replay(batch.events, subscriber)
+            replay(batch.events, on_host, HOST)
         assert subscriber == sched.kv.pool.cached_hashes()
+        assert on_host == (host.cached_hashes() if host is not None else set())
         sched.check()
+        if host is None or not (host._to_host or host._to_device):  # every copy taken by a step that ran
+            kv.check(sched.kv.pool)
     for cut in range(len(batches) + 1):
         resumed = replay([e for b in batches[:cut] for e in b.events], set())
         assert replay([e for b in batches[cut:] for e in b.events], resumed) == subscriber
@@ -123,5 +176,6 @@ def test_replaying_every_event_rebuilds_the_cached_hashes(ops: list[tuple], num_
 
 def test_the_pipe_form_gives_the_same_batch_back() -> None:
     batch = KvEventBatch((BlockStored((b"a" * 16,), None, (1, 2, 3, 4), BS, "ad"), BlockRemoved((b"b" * 16,)),
+                          BlockStored((b"b" * 16,), None, (5, 6, 7, 8), BS, "", HOST), BlockRemoved((b"c" * 16,), HOST),
                           AllBlocksCleared()))
     assert from_wire(to_wire(batch)) == batch

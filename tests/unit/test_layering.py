@@ -27,6 +27,7 @@ LAYERS = {
     "service.telemetry.log": 1,
     "service.telemetry.gc_pauses": 1,
     "service.telemetry.startup": 1,
+    "service.model_dirs": 1,
     "service.model": 2,
     "service.engine": 3,
     "service.telemetry": 4,

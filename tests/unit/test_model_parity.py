@@ -206,7 +206,7 @@ def test_incomplete_directory(good_dir: pathlib.Path, remove: tuple[str, ...], m
 
 
 def test_missing_directory(tmp_path: pathlib.Path):
-    with pytest.raises(ModelLoadError, match="does not exist"):
+    with pytest.raises(ModelLoadError, match="no such directory"):
         load_model(str(tmp_path / "nope"), CPU, torch.float32)
 
 

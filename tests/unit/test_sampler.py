@@ -61,7 +61,7 @@ def test_row_result_is_independent_of_batch_composition_and_order() -> None:
         (SamplingParams(temperature=1.0, seed=2**63 + 5), 9)  # above int64,
     ]
     full = sample(logits, SamplingBatch.build(params, "cpu")).tokens
-    for row in range(6):  # alone: flags such as any_top_k differ from the full batch
+    for row in range(6):  # alone: stages such as top_k differ from the full batch
         alone = sample(logits[row:row + 1], SamplingBatch.build([params[row]], "cpu")).tokens
         assert alone.item() == full[row].item()
     perm = torch.tensor([4, 2, 0, 5, 1, 3])

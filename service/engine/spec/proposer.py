@@ -1,7 +1,8 @@
-"""Proposers: a draft of a decoding row's next tokens, guessed without the target model.
+"""Proposers: a draft of a decoding row's next tokens, guessed without running the whole target.
 
-Pure Python (no torch), called by the scheduler on the engine thread for each decode that may
-speculate. A proposer never changes output (the target verifies every draft token); a good one
+The n-gram and suffix proposers here are pure Python (no torch); the draft_layers one
+(draft_layers.py) runs the target's first layers. Each is called by the scheduler on the engine
+thread for each decode that may speculate. A proposer never changes output (the target verifies every draft token); a good one
 is cheap and right often. Per sequence it may keep state (an index of its tokens, extended as they
 come), which it drops when the scheduler tells it the sequence left.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Sequence as Tokens
-from typing import Protocol
+from typing import Any, Protocol
 
 from service.config import SpeculativeConfig
 from service.engine.sequence import Sequence
@@ -91,7 +92,12 @@ class NgramProposer:
         self._indexes.pop(seq, None)
 
 
-def new_proposer(config: SpeculativeConfig) -> Proposer:
+def new_proposer(config: SpeculativeConfig, model: Any = None, device: Any = None) -> Proposer:
+    """config's proposer; draft_layers drafts with `model` (the target's LlamaForCausalLM) on `device`."""
+    if config.method == "draft_layers":
+        from service.engine.spec.draft_layers import DraftLayersProposer
+
+        return DraftLayersProposer(config, model, device)
     if config.method == "suffix":
         from service.engine.spec.suffix import SuffixProposer
 

@@ -3,7 +3,8 @@ later, the admin state). The engine thread writes them; other threads may read t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import collections
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -11,6 +12,13 @@ class SpecDecodeStats:
     drafts: int = 0  # verify rows (decodes that had a draft)
     draft_tokens: int = 0
     accepted: int = 0  # draft tokens the target accepted
+    # Steps with decodes by the most draft tokens a decode was offered (adaptive k; 0: off at that batch).
+    steps_by_k: collections.Counter[int] = field(default_factory=collections.Counter)
+    last_k: int | None = None
+
+    def add_step(self, k: int) -> None:
+        self.steps_by_k[k] += 1
+        self.last_k = k
 
     def add(self, num_drafts: int, num_draft_tokens: int, accepted: list[int]) -> None:
         self.drafts += num_drafts
