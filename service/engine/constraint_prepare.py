@@ -29,7 +29,7 @@ import structlog
 import torch
 
 from service.engine.constraint_limits import ConstraintLimits, InvalidConstraint
-from service.engine.grammar_threads import heap_bytes, lower_priority, thread_cpu_seconds
+from service.engine.grammar_threads import WorkerThreads, heap_bytes, lower_priority, thread_cpu_seconds
 from service.engine.request import Constraint
 from service.engine.structured import GrammarCompiler, Matcher, allocate_bitmask
 
@@ -78,6 +78,7 @@ class ConstraintPreparer:
         self._abandoned = 0  # threads still inside an abandoned job
         self._cond = threading.Condition()
         self._closed = False
+        self._threads = WorkerThreads(self._work, "graphserve-grammar")
         for _ in range(max(1, workers)):
             self._spawn()
         threading.Thread(target=self._watch, name="graphserve-grammar-watch", daemon=True).start()
@@ -125,18 +126,20 @@ class ConstraintPreparer:
         return result[0]
 
     def close(self) -> None:
-        """Refuse new jobs and wake the workers so they end (a running compile finishes first)."""
+        """Refuse new jobs and wake the workers so they end (a running compile finishes first); waits a
+        bounded time for them."""
         with self._cond:
             self._closed = True
             queued, self._queue = list(self._queue), collections.deque()
             self._cond.notify_all()
         for job in queued:
             self._settle(job, ConstraintsBusy("the server is shutting down"))
+        self._threads.join(WorkerThreads.CLOSE_WAIT_S)
 
     # ---- worker threads ------------------------------------------------------------------------
 
     def _spawn(self) -> None:
-        threading.Thread(target=self._work, name="graphserve-grammar", daemon=True).start()
+        self._threads.spawn()
 
     def _work(self) -> None:
         lower_priority()

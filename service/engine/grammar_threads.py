@@ -12,6 +12,7 @@ import ctypes.util
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import structlog
 
@@ -25,6 +26,36 @@ def thread_cpu_seconds(ident: int) -> float:
         return time.clock_gettime(time.pthread_getcpuclockid(ident))
     except (AttributeError, OSError):
         return 0.0
+
+
+class WorkerThreads:
+    """A pool's daemon worker threads, kept so that closing the pool can wait for them to end.
+
+    A worker frees its torch tensors (its scratch bitmask) as it ends, and torch releases and retakes
+    the GIL inside that free: a daemon thread that retakes it once the interpreter has begun to exit
+    is ended there, inside C++, and the process aborts ("terminate called without an active
+    exception", seen on Ctrl-C of the Python API). So a pool's close waits, within a bound, for its
+    idle workers; one stuck in a hostile grammar is not waited for beyond the bound."""
+
+    CLOSE_WAIT_S = 1.0  # idle workers end in milliseconds; this bounds the wait for a stuck one
+
+    def __init__(self, target: Callable[[], None], name: str) -> None:
+        self._target = target
+        self._name = name
+        self._threads: list[threading.Thread] = []
+
+    def spawn(self) -> None:
+        self._threads = [t for t in self._threads if t.is_alive()]
+        thread = threading.Thread(target=self._target, name=self._name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds in all for the workers to end (call after waking them to close)."""
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def lower_priority(niceness: int = 10) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from service.engine.grammar_threads import thread_cpu_seconds
+from service.engine.grammar_threads import WorkerThreads, thread_cpu_seconds
 from service.engine.structured import Matcher, allocate_bitmask
 
 _QUEUED, _RUNNING, _DONE, _FAILED = range(4)
@@ -67,6 +67,7 @@ class MaskFiller:
         self._workers = 0  # threads that take rows (abandoned ones excluded)
         self._abandoned = 0  # threads still inside an abandoned row
         self._closed = False
+        self._threads = WorkerThreads(self._work, "graphserve-grammar-mask")
         for _ in range(max(1, workers)):
             self._spawn()
 
@@ -123,14 +124,15 @@ class MaskFiller:
         return failed
 
     def close(self) -> None:
-        """End the workers (after the step they fill, if any)."""
+        """End the workers (after the step they fill, if any), waiting a bounded time for them."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        self._threads.join(WorkerThreads.CLOSE_WAIT_S)
 
     def _spawn(self) -> None:
         self._workers += 1
-        threading.Thread(target=self._work, name="graphserve-grammar-mask", daemon=True).start()
+        self._threads.spawn()
 
     def _work(self) -> None:
         with torch.inference_mode():  # the step's bitmask is an inference tensor (the runner's launch)

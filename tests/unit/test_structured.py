@@ -8,6 +8,7 @@ so that it terminates, but it still picks arbitrary allowed tokens, multi-byte o
 import json
 import random
 import re
+import threading
 
 import jsonschema
 import numpy as np
@@ -246,12 +247,16 @@ def test_mask_filler_equals_row_by_row(compiler, tok) -> None:  # noqa: ANN001
         m = compiler.matcher(c)
         assert all(m.accept(t) for t in tok.encode(prefix, add_special_tokens=False))
         matchers.append(m)
+    before = set(threading.enumerate())
     filler = MaskFiller(compiler.vocab_size, workers=2, budget_ms=1000)
     try:
         batch = allocate_bitmask(6, compiler.vocab_size, pin=False)
         assert filler.fill(matchers, batch[:4]) == {}
     finally:
         filler.close()
+    # Its workers have ended when close returns: a worker that frees its tensors while the interpreter
+    # exits aborts the process (std::terminate), so nothing of the pool may outlive an engine's stop.
+    assert set(threading.enumerate()) <= before
     one = allocate_bitmask(1, compiler.vocab_size, pin=False)
     for i, m in enumerate(matchers):
         m.fill_bitmask(one, 0)
