@@ -345,6 +345,19 @@ class EngineProcess:
         self._exited.set()
 
 
+def read_tokenizer_early(model: str, cache_dir: pathlib.Path | None) -> tuple[str, Any] | None:
+    """(its path, the tokenizer) of a model already on disk, read while the engine process loads the
+    model; None where that cannot be done now (the tokenizer is then read once the engine is ready,
+    and any error said from there)."""
+    from service.model.loader import existing_model_dir
+
+    try:
+        path = existing_model_dir(model, cache_dir)
+        return (str(path), read_tokenizer(str(path))) if path is not None else None
+    except Exception:  # noqa: BLE001 - read again, and reported, after the engine loaded
+        return None
+
+
 def read_tokenizer(path: str) -> Any:
     from service.model.loader import read_tokenizer as read
     from service.telemetry.log import route_library_logs

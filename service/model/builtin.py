@@ -372,11 +372,8 @@ def builtin_files(name: str) -> tuple[str, ...]:
     return tuple(f for f in _FILES if f != "model.safetensors" or not BUILTIN_SHAPES[name].get("on_device"))
 
 
-def ensure_builtin(name: str, cache_dir: pathlib.Path, dtype: str | None = None) -> pathlib.Path:
-    """Generates builtin model `name` under cache_dir once (atomically) and returns its directory.
-
-    dtype of the stored weights defaults to the shape's own ("float32" tiny, "bfloat16" llama-1b).
-    """
+def builtin_dir(name: str, cache_dir: pathlib.Path, dtype: str | None = None) -> pathlib.Path:
+    """Where ensure_builtin keeps built-in `name` (stored in `dtype`, default the shape's own)."""
     if name not in BUILTIN_SHAPES:
         raise ModelLoadError(f"unknown builtin model {name!r}; known: {', '.join(sorted(BUILTIN_SHAPES))}")
     shape = BUILTIN_SHAPES[name]
@@ -384,26 +381,36 @@ def ensure_builtin(name: str, cache_dir: pathlib.Path, dtype: str | None = None)
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ModelLoadError(f"builtin weights dtype {dtype!r} not supported (float32, bfloat16, float16)")
     key = json.dumps({"shape": shape, "dtype": dtype, "version": _GENERATOR_VERSION}, sort_keys=True)
-    final = (
-        pathlib.Path(cache_dir)
-        / "builtin"
-        / f"{name}-{dtype}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
-    )
-    files = builtin_files(name)
-    if all((final / f).is_file() for f in files):
+    return pathlib.Path(cache_dir) / "builtin" / f"{name}-{dtype}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+
+def builtin_ready(name: str, path: pathlib.Path) -> bool:
+    """Whether built-in `name` was generated in full at `path`."""
+    return all((path / f).is_file() for f in builtin_files(name))
+
+
+def ensure_builtin(name: str, cache_dir: pathlib.Path, dtype: str | None = None) -> pathlib.Path:
+    """Generates builtin model `name` under cache_dir once (atomically) and returns its directory.
+
+    dtype of the stored weights defaults to the shape's own ("float32" tiny, "bfloat16" llama-1b).
+    """
+    final = builtin_dir(name, cache_dir, dtype)
+    if builtin_ready(name, final):
         return final
+    shape = BUILTIN_SHAPES[name]
+    dtype = dtype or shape["dtype"]
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         os.chmod(tmp, 0o755)
         _write(tmp, shape, dtype)
         _fsync_tree(tmp)
-        if final.exists() and not all((final / f).is_file() for f in files):
+        if final.exists() and not builtin_ready(name, final):
             shutil.rmtree(final, ignore_errors=True)  # not ours (we only ever rename complete dirs in)
         try:
             os.replace(tmp, final)
         except OSError:
-            if not all((final / f).is_file() for f in files):  # lost a race to another process: fine
+            if not builtin_ready(name, final):  # lost a race to another process: fine
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -19,7 +19,15 @@ import torch
 from safetensors import safe_open
 
 from service.model import fp8, kv_quant
-from service.model.builtin import _SEED, BUILTIN_PREFIX, BUILTIN_SHAPES, ensure_builtin, random_init
+from service.model.builtin import (
+    _SEED,
+    BUILTIN_PREFIX,
+    BUILTIN_SHAPES,
+    builtin_dir,
+    builtin_ready,
+    ensure_builtin,
+    random_init,
+)
 from service.model.kernels.compile_cache import CompileCache
 from service.model.llama import LlamaForCausalLM
 from service.model.parallel import TensorParallel, read_shard
@@ -136,6 +144,18 @@ def _model_dir(model: str, cache_dir: pathlib.Path | None) -> pathlib.Path:
     if path is None:
         raise ModelLoadError(f"{model}: {MISSING_MODEL}")
     return path
+
+
+def existing_model_dir(model: str, cache_dir: pathlib.Path | None = None) -> pathlib.Path | None:
+    """The directory load_model reads for `model`, if it is on disk already (None for a built-in not
+    generated yet, or a model that is nowhere): what can be read before the model loads."""
+    if not model.startswith(BUILTIN_PREFIX):
+        return model_dir(model)
+    name = model[len(BUILTIN_PREFIX):]
+    if name not in BUILTIN_SHAPES:
+        return None
+    path = builtin_dir(name, cache_dir or default_cache_dir())
+    return path if builtin_ready(name, path) else None
 
 
 def _block_size(path: pathlib.Path) -> tuple[int, int] | None:

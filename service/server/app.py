@@ -32,7 +32,7 @@ from service.engine_client.calls import ReadMetrics, ReadSnapshot
 from service.engine_client.client import EngineFacts
 from service.engine_client.faults import Faults
 from service.engine_client.messages import WorkerSpec
-from service.engine_client.process import EngineProcess, EngineStartError, read_tokenizer
+from service.engine_client.process import EngineProcess, EngineStartError, read_tokenizer, read_tokenizer_early
 from service.model.spec import ModelLoadError
 from service.proto import inference_pb2, inference_pb2_grpc
 from service.server.admin_server import start_admin_server
@@ -147,10 +147,20 @@ class App:
         c = self.config
         t0 = time.monotonic()
         self.engine = EngineProcess(WorkerSpec(c, self.faults), asyncio.get_running_loop(), self.kv_events.publish)
-        self.model = ready = await _in_daemon_thread(self.engine.start)
+        # The tokenizer of a model already on disk is read while the engine process loads the model.
+        early = asyncio.ensure_future(_in_daemon_thread(read_tokenizer_early, c.model, c.model_cache_dir))
+        try:
+            self.model = ready = await _in_daemon_thread(self.engine.start)
+        except BaseException:
+            early.cancel()
+            raise
         self.timeline.merge(ready.startup, prefix="engine.")
         self.timeline.mark("engine_ready")
-        self.tokenizer = await _in_daemon_thread(read_tokenizer, ready.model_path)
+        read = await early
+        if read is not None and read[0] == ready.model_path:
+            self.tokenizer = read[1]
+        else:
+            self.tokenizer = await _in_daemon_thread(read_tokenizer, ready.model_path)
         self.timeline.mark("tokenizer")
         spec = ready.spec
         log.info("model_loaded", model=c.model, architecture=spec.architecture, device=ready.device,
