@@ -136,10 +136,11 @@ def load_draft(c: ServeConfig, target: LoadedModel) -> LoadedModel | None:
     from service.engine.spec.draft_model import load_draft_model
 
     try:
-        draft = load_draft_model(speculation, target, c.model_cache_dir, batch_invariant=c.batch_invariant)
+        with startup.prefixed("draft_"):  # draft_weights_read ...: the target's phases stay where they ended
+            draft = load_draft_model(speculation, target, c.model_cache_dir, batch_invariant=c.batch_invariant)
+            startup.mark("tokenizer_check")
     except ValueError as exc:
         raise ConfigError(f"--speculative-config: {exc} ({c.model})") from None
-    startup.mark("draft_model")
     return draft
 
 

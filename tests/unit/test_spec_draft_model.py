@@ -110,3 +110,15 @@ def test_the_config_spellings() -> None:
         SpeculativeConfig.parse({"method": "draft_model"})
     with pytest.raises(ValueError, match="speculative_config.model is for method draft_model, not 'suffix'"):
         SpeculativeConfig.parse({"method": "suffix", "model": "some/draft"})
+
+
+def test_the_draft_loads_phases_are_its_own_on_the_start_up_timeline(monkeypatch) -> None:  # noqa: ANN001
+    from service.telemetry import startup
+
+    timeline = startup.Timeline()
+    monkeypatch.setattr(startup, "_TIMELINE", timeline)
+    startup.mark("weights_read")
+    with startup.prefixed("draft_"):
+        startup.mark("weights_read")
+    startup.mark("kv_pool")
+    assert [name for name, _ in timeline.phases] == ["weights_read", "draft_weights_read", "kv_pool"]
