@@ -1,6 +1,7 @@
 """Speculative decoding on workloads users meet: time per output token and acceptance with
-speculation off, n-gram (prompt lookup), suffix decoding and (with --draft-layers N) self-speculation
-with the target's first N layers, batch 1, greedy, through the Python API.
+speculation off, n-gram (prompt lookup), suffix decoding, (with --draft-layers N) self-speculation
+with the target's first N layers and (with --draft-model M) a separate draft checkpoint M, batch 1,
+greedy, through the Python API.
 
 Workloads: code editing that repeats the input, summarise-with-quotes, a multi-turn chat whose answer
 reuses the question, and open chat. Each runs twice per method (round 2 is the same traffic again:
@@ -68,12 +69,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--draft-layers", type=int, default=0,
                    help="also method draft_layers with the target's first N layers drafting (0: not run)")
+    p.add_argument("--draft-model", default="",
+                   help="also method draft_model with this draft checkpoint (sharing the target's tokenizer; "
+                        "the target itself bounds the machinery's overhead)")
     p.add_argument("--methods", default="", help="comma-separated methods to run (default: all; off is always run)")
     args = p.parse_args()
     methods = dict(METHODS)
     if args.draft_layers:
         methods["draft_layers"] = {"method": "draft_layers", "num_speculative_tokens": 4,
                                    "num_draft_layers": args.draft_layers}
+    if args.draft_model:
+        methods["draft_model"] = {"method": "draft_model", "num_speculative_tokens": 4, "model": args.draft_model}
     if args.methods:
         methods = {m: spec for m, spec in methods.items() if m == "off" or m in args.methods.split(",")}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)

@@ -60,7 +60,7 @@ class ConstraintLimits:
 
 GRAPH_MODES = ("none", "full", "piecewise", "full_and_piecewise")
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft_layers")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_layers", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -71,7 +71,10 @@ class SpeculativeConfig:
     method "ngram": prompt lookup over the request's own prompt and output; "suffix": the same,
     then a bounded corpus of recent outputs of this server; "draft_layers": the target's own first
     num_draft_layers layers with its final norm and LM head draft greedily (self-speculation, as
-    LayerSkip; fewer than the model's layers, checked when the model is known). Each decode proposes at most
+    LayerSkip; fewer than the model's layers, checked when the model is known); "draft_model": a second,
+    smaller checkpoint `model` (a directory, builtin:<name> or a cached Hub id) sharing the target's
+    tokenizer drafts greedily, loaded by the same engine on the target's device and dtype (vLLM's
+    older spelling, `model` with no method, means draft_model; `model` "ngram" means ngram). Each decode proposes at most
     num_speculative_tokens tokens, from a match of the last n tokens, prompt_lookup_min <= n <=
     prompt_lookup_max (the longest first). How many a decode is offered per step adapts to its
     measured acceptance and to the batch size (service/engine/spec/adaptive.py): a step's decodes
@@ -88,6 +91,8 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     # draft_layers: how many of the target's first layers draft (required by that method only).
     num_draft_layers: int | None = None
+    # draft_model: the draft checkpoint (required by that method only).
+    model: str | None = None
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -104,16 +109,17 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
         known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(value) - known - {"model"})
+        unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
-        if value.get("model") is not None:
-            raise ValueError("speculative_config.model: a separate draft model is not served yet; the target "
-                             "drafts for itself with method draft_layers and num_draft_layers "
-                             f"(methods: {', '.join(SPECULATIVE_METHODS)})")
-        if "method" not in value:
+        if value.get("method") is None and value.get("model") is not None:
+            # vLLM's older spelling: a model and no method is a draft model ("ngram" names that method)
+            value = {**value, "method": "ngram" if value["model"] in ("ngram", "[ngram]") else "draft_model"}
+            if value["method"] == "ngram":
+                value.pop("model")
+        if value.get("method") is None:
             raise ValueError(f"speculative_config.method is required ({', '.join(SPECULATIVE_METHODS)})")
-        config = cls(**{k: v for k, v in value.items() if k != "model"})
+        config = cls(**value)
         config.validate()
         return config
 
@@ -134,6 +140,12 @@ class SpeculativeConfig:
                              "of the model's first layers draft (fewer than its layers)")
         if self.method != "draft_layers" and self.num_draft_layers is not None:
             raise ValueError(f"speculative_config.num_draft_layers is for method draft_layers, not {self.method!r}")
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model.strip()):
+            raise ValueError("speculative_config.model is required by method draft_model: the draft checkpoint "
+                             f"(a directory, builtin:<name> or a cached Hub id), got {self.model!r}")
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f"speculative_config.model is for method draft_model, not {self.method!r} "
+                             "(draft_layers drafts with the target's own first layers)")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) is above "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
@@ -551,8 +563,9 @@ def build_parser() -> argparse.ArgumentParser:
     _switch(g, "--overlap-steps", d.overlap_steps, "launch step t+1 on the device before the host reads step t's tokens")
     g.add_argument("--speculative-config", default=None,
                    help='speculative decoding, a JSON object as vLLM\'s: {"method": "ngram" | "suffix" | '
-                        '"draft_layers", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4} '
-                        '(suffix also takes "suffix_corpus_tokens", draft_layers needs "num_draft_layers"; k adapts '
+                        '"draft_layers" | "draft_model", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
+                        '"prompt_lookup_max": 4} (suffix also takes "suffix_corpus_tokens", draft_layers needs '
+                        '"num_draft_layers", draft_model the draft checkpoint "model"; k adapts '
                         'within "verify_token_budget" and "disable_by_batch_size"); turns --overlap-steps off; see README')
     _switch(g, "--batch-invariant", d.batch_invariant,
             "every request's results independent of the other requests in its batch and of chunked prefill "

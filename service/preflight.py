@@ -84,7 +84,8 @@ def model_file_problem(model: str) -> str | None:
 
 def model_problem(model: str, cache_dir: Path | None, config: ServeConfig | None = None) -> str | None:
     """The model package's verdict: architecture, config, tokenizer and weight files (none read);
-    with the server's config, also what depends on the model's shape (draft_layers' layer count)."""
+    with the server's config, also what depends on the model's shape (draft_layers' layer count, a
+    draft model's files and vocab_size)."""
     from service.model.builtin import BUILTIN_PREFIX, BUILTIN_SHAPES
     from service.model.loader import check_model
     from service.model.spec import ModelLoadError
@@ -103,7 +104,29 @@ def model_problem(model: str, cache_dir: Path | None, config: ServeConfig | None
             check_draft_layers(speculation, layers)
         except ValueError as exc:
             return f"--speculative-config: {exc} ({model})"
+    if speculation is not None and speculation.method == "draft_model":
+        return draft_model_problem(speculation.model or "", model, spec, cache_dir)
     return None
+
+
+def draft_model_problem(draft: str, model: str, spec: object, cache_dir: Path | None) -> str | None:
+    """--speculative-config's draft checkpoint (method draft_model) as check_model sees it, and its
+    vocab_size against the target's (its tokenizer's vocabulary is compared when both are loaded)."""
+    from service.engine.spec.draft_model import vocab_problem
+    from service.model.builtin import BUILTIN_PREFIX, BUILTIN_SHAPES
+    from service.model.loader import check_model
+    from service.model.spec import ModelLoadError
+
+    def vocab(name: str, found: object) -> int:
+        return (found.vocab_size if found is not None  # type: ignore[attr-defined]
+                else BUILTIN_SHAPES[name.removeprefix(BUILTIN_PREFIX)]["vocab_size"])
+
+    try:
+        draft_spec = check_model(draft, cache_dir)
+    except ModelLoadError as exc:
+        return f"--speculative-config: speculative_config.model {draft}: {exc}"
+    problem = vocab_problem(draft, vocab(draft, draft_spec), model, vocab(model, spec))
+    return None if problem is None else f"--speculative-config: {problem} ({model})"
 
 
 def check_serve(config: ServeConfig) -> list[str]:

@@ -47,6 +47,7 @@ class LoadedRunner:
     adapters: AdapterRegistry | None = field(default=None)  # None: the server serves no adapters
     lora_root: Path | None = None  # adapters load only from under it (None: --lora-modules only)
     constraints: Constraints | None = None  # structured outputs (rank 0 only); the engine closes it
+    draft: LoadedModel | None = None  # speculative method draft_model: the draft checkpoint
 
     @property
     def graphs(self) -> GraphCache:
@@ -126,6 +127,23 @@ def _load_runner(c: ServeConfig, hooks: EngineHooks, on_rank_death: Callable[[],
     return lr
 
 
+def load_draft(c: ServeConfig, target: LoadedModel) -> LoadedModel | None:
+    """The draft checkpoint of --speculative-config's method draft_model, loaded as the target was;
+    None for any other method. ConfigError naming the field `model` when it cannot draft for the target."""
+    speculation = c.speculation
+    if speculation is None or speculation.method != "draft_model":
+        return None
+    from service.engine.spec.draft_model import load_draft_model
+
+    try:
+        with startup.prefixed("draft_"):  # draft_weights_read ...: the target's phases stay where they ended
+            draft = load_draft_model(speculation, target, c.model_cache_dir, batch_invariant=c.batch_invariant)
+            startup.mark("tokenizer_check")
+    except ValueError as exc:
+        raise ConfigError(f"--speculative-config: {exc} ({c.model})") from None
+    return draft
+
+
 def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None = None,
                  follower: bool = False, ranks: Ranks | None = None, hooks: EngineHooks | None = None) -> LoadedRunner:
     """This rank's model (its shards with `tp`), runner and graph cache, warmed up. Rank 0 of N > 1
@@ -138,6 +156,7 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
     if c.batch_invariant:
         log.info("batch_invariant_mode", device=str(device), dtype=str(dtype).removeprefix("torch."),
                  backend=loaded.model.invariant.backend)
+    draft = load_draft(c, loaded)  # before the KV cache is sized: the draft's weights come first
     max_seq_len = min(c.max_seq_len, loaded.spec.max_position_embeddings)
     mode = CudaGraphMode.parse(c.cudagraph_mode) if device.type == "cuda" else CudaGraphMode.NONE
     # Tensor parallelism: every rank captures, replays and releases the same graphs in the same
@@ -184,7 +203,7 @@ def build_runner(c: ServeConfig, device: torch.device, tp: TensorParallel | None
     if follower:
         runner.follow()
     adapters = AdapterRegistry(c.lora_slots, runner.lora, c.max_cpu_loras) if runner.lora is not None else None
-    lr = LoadedRunner(loaded, runner, max_seq_len, mode, adapters, c.lora_root, constraints)
+    lr = LoadedRunner(loaded, runner, max_seq_len, mode, adapters, c.lora_root, constraints, draft)
     for name, path in c.lora_module_paths():  # a bad adapter fails the start, naming its file
         try:
             adapters.register(lr.read_adapter(name, path))
@@ -211,7 +230,7 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
     proposer = None
     if speculation is not None:
         try:
-            proposer = new_proposer(speculation, lr.loaded.model, lr.loaded.device)
+            proposer = new_proposer(speculation, lr.loaded.model, lr.loaded.device, draft=lr.draft)
         except ValueError as exc:  # a field the model refuses (draft_layers' layer count)
             raise ConfigError(f"--speculative-config: {exc} ({c.model})") from None
     scheduler = Scheduler(c.max_running_seqs, c.max_num_batched_tokens, adapters=lr.adapters,
@@ -225,7 +244,7 @@ def new_engine(c: ServeConfig, lr: LoadedRunner, publish: Publish = deliver,
                  verify_token_budget=speculation.verify_token_budget,
                  disable_by_batch_size=speculation.disable_by_batch_size,
                  prompt_lookup_min=speculation.prompt_lookup_min, prompt_lookup_max=speculation.prompt_lookup_max,
-                 num_draft_layers=speculation.num_draft_layers)
+                 num_draft_layers=speculation.num_draft_layers, draft_model=speculation.model)
     engine = Engine(lr.runner, scheduler, lr.loaded.tokenizer,
                     frozenset(lr.loaded.spec.eos_token_ids), publish=publish, observer=observer,
                     between_steps=between_steps, overlap=c.overlap_steps, constraints=lr.constraints,

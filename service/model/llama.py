@@ -662,11 +662,12 @@ class LlamaForCausalLM(nn.Module):
         return self.logits(h)[None]
 
     @torch.inference_mode()
-    def draft_greedy(self, input_ids: torch.Tensor, start: int, num_layers: int, k: int) -> torch.Tensor:
-        """Self-speculative drafting (as LayerSkip): the k greedy tokens after input_ids [L] (at positions
-        start .. start + L - 1) of this model cut after its first num_layers layers, then its final
-        norm and LM head -> [k] int64. Never touches a KV cache: the K/V of the draft's layers live for
-        this call only (one pass over the L tokens, then one pass per draft token). No host syncs."""
+    def draft_greedy(self, input_ids: torch.Tensor, start: int, num_layers: int | None, k: int) -> torch.Tensor:
+        """Greedy drafting: the k greedy tokens after input_ids [L] (at positions start .. start + L - 1)
+        of this model cut after its first num_layers layers (self-speculation, as LayerSkip), or whole
+        (None: a separate draft model), then its final norm and LM head -> [k] int64. Never touches a
+        KV cache: the K/V of the draft's layers live for this call only (one pass over the L tokens,
+        then one pass per draft token). No host syncs."""
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: rotated k, v [M, KVH, D]
 
         def attend(i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,10 @@ one process marks nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -77,10 +79,25 @@ def record() -> Timeline:
     return _TIMELINE
 
 
+_PREFIX = ""
+
+
 def mark(phase: str) -> None:
     """Marks the end of a start-up phase on this process's timeline, if it records one."""
     if _TIMELINE is not None:
-        _TIMELINE.mark(phase)
+        _TIMELINE.mark(_PREFIX + phase)
+
+
+@contextlib.contextmanager
+def prefixed(prefix: str) -> Iterator[None]:
+    """The phases marked inside carry `prefix` (a draft model's load marks draft_weights_read, not a
+    second weights_read that would move the target's)."""
+    global _PREFIX
+    before, _PREFIX = _PREFIX, _PREFIX + prefix
+    try:
+        yield
+    finally:
+        _PREFIX = before
 
 
 def phases() -> tuple[tuple[str, float], ...]:

@@ -13,7 +13,8 @@ PROMPTS = ["one two three one two three one two three", "def f(x): return x\ndef
            "hello hello hello hello"]
 
 
-@pytest.mark.parametrize("method, fields", [("ngram", {}), ("suffix", {}), ("draft_layers", {"num_draft_layers": 2})])
+@pytest.mark.parametrize("method, fields", [("ngram", {}), ("suffix", {}), ("draft_layers", {"num_draft_layers": 2}),
+                                           ("draft_model", {"model": "builtin:tiny"})])
 def test_generate_with_speculation_equals_without(model_cache_dir, method: str, fields: dict) -> None:  # noqa: ANN001
     params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
               SamplingParams(temperature=0.9, top_p=0.9, seed=4, max_tokens=64, ignore_eos=True)]

@@ -29,11 +29,12 @@ def check_draft_layers(config: SpeculativeConfig, num_layers: int) -> None:
                          f"model's {num_layers} layers), got {n!r}")
 
 
-class DraftLayersProposer:
-    def __init__(self, config: SpeculativeConfig, model: torch.nn.Module, device: torch.device) -> None:
-        check_draft_layers(config, model.spec.num_layers)
-        self.model, self.device = model, device
-        self.num_layers: int = config.num_draft_layers  # type: ignore[assignment]  # checked above
+class GreedyDraftProposer:
+    """Greedy drafts of `model` (the target itself cut after num_layers layers, or a separate draft
+    model whole: num_layers None) over the row's last WINDOW tokens, the recompute-window form above."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, num_layers: int | None) -> None:
+        self.model, self.device, self.num_layers = model, device, num_layers
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
         end = seq.num_tokens
@@ -43,3 +44,9 @@ class DraftLayersProposer:
 
     def finished(self, seq: Sequence) -> None:
         pass
+
+
+class DraftLayersProposer(GreedyDraftProposer):
+    def __init__(self, config: SpeculativeConfig, model: torch.nn.Module, device: torch.device) -> None:
+        check_draft_layers(config, model.spec.num_layers)
+        super().__init__(model, device, config.num_draft_layers)

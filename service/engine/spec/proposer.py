@@ -1,7 +1,8 @@
 """Proposers: a draft of a decoding row's next tokens, guessed without running the whole target.
 
 The n-gram and suffix proposers here are pure Python (no torch); the draft_layers one
-(draft_layers.py) runs the target's first layers. Each is called by the scheduler on the engine
+(draft_layers.py) runs the target's first layers, the draft_model one (draft_model.py) a second,
+smaller checkpoint through the same greedy-draft path. Each is called by the scheduler on the engine
 thread for each decode that may speculate. A proposer never changes output (the target verifies every draft token); a good one
 is cheap and right often. Per sequence it may keep state (an index of its tokens, extended as they
 come), which it drops when the scheduler tells it the sequence left.
@@ -92,8 +93,15 @@ class NgramProposer:
         self._indexes.pop(seq, None)
 
 
-def new_proposer(config: SpeculativeConfig, model: Any = None, device: Any = None) -> Proposer:
-    """config's proposer; draft_layers drafts with `model` (the target's LlamaForCausalLM) on `device`."""
+def new_proposer(config: SpeculativeConfig, model: Any = None, device: Any = None, draft: Any = None) -> Proposer:
+    """config's proposer; draft_layers drafts with `model` (the target's LlamaForCausalLM) on `device`,
+    draft_model with `draft` (the draft checkpoint's LoadedModel, draft_model.load_draft_model)."""
+    if config.method == "draft_model":
+        from service.engine.spec.draft_model import DraftModelProposer
+
+        if draft is None:
+            raise ValueError("speculative_config.model: method draft_model needs its draft loaded (load_draft_model)")
+        return DraftModelProposer(draft)
     if config.method == "draft_layers":
         from service.engine.spec.draft_layers import DraftLayersProposer
 
