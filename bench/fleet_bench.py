@@ -76,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="one more flag for every replica's graphserve serve (repeatable)")
+    p.add_argument("--smg-arg", action="append", default=[], metavar="ARG",
+                   help="one more flag for smg, e.g. --smg-arg=--balance-abs-threshold=2 (repeatable)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--log-dir", type=pathlib.Path, default=None, help="keep each gateway's log here")
@@ -205,7 +207,8 @@ class Fleet:
         self.http_port, self.first_port, self.replicas = first + 3 * args.replicas, first, args.replicas
         self.argv = [sys.executable, "-m", "service", "gateway", "--replicas", str(args.replicas), "--policy", policy,
                      "--http-port", str(self.http_port), "--first-port", str(first),
-                     "--smg-metrics-port", str(first + 3 * args.replicas + 1), "--", "--model", args.model,
+                     "--smg-metrics-port", str(first + 3 * args.replicas + 1),
+                     *[f"--smg-arg={a}" for a in args.smg_arg], "--", "--model", args.model,
                      "--max-running-seqs", str(args.max_running_seqs), "--max-seq-len", str(args.max_seq_len),
                      *args.serve_arg]
         self.log_path = log_path
