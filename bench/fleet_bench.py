@@ -201,7 +201,7 @@ class Fleet:
     """`graphserve gateway --replicas R --policy P` on free ports; its output in a log file."""
 
     def __init__(self, policy: str, args: argparse.Namespace, log_path: pathlib.Path) -> None:
-        from tests.integration.test_gateway_supervision import free_run
+        from tests.support.gateway import free_run
 
         first = free_run(3 * args.replicas + 2)
         self.http_port, self.first_port, self.replicas = first + 3 * args.replicas, first, args.replicas

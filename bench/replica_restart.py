@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def one_run(args: argparse.Namespace, work: pathlib.Path) -> dict:
     import openai
 
-    from tests.integration.test_gateway_supervision import API_KEY, MODEL, GatewayCommand
+    from tests.support.gateway import API_KEY, MODEL, GatewayCommand
     from tests.support.process import kill_tree
 
     cache = args.cache_dir or work / "models"
