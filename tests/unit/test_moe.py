@@ -12,11 +12,14 @@ from hypothesis import strategies as st
 from service.model import fp8
 from service.model.kernels.activation import act_mul_torch
 from service.model.kernels.moe import (
+    PIPELINE_SMEM_BYTES,
     ExpertWeights,
     align_torch,
     dequantize_experts,
+    moe_config,
     moe_torch,
     padded_pairs,
+    pipeline_smem,
     route_torch,
 )
 
@@ -147,3 +150,19 @@ def test_the_torch_path_has_no_data_dependent_shapes():
             moe_torch(x, *route_torch(logits, 3, True), ExpertWeights(w13, w2))
         runs.append(rec.ops)
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("w_bytes", [1, 2], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gate-up", "down"])
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_every_tile_config_fits_the_pipelines_shared_memory(w_bytes, gated, block):
+    """A bf16 gate-up GEMM in 64-row tiles once asked for 320 KiB of shared memory and failed to
+    launch on the H200 (227 KiB a block): every token count's config now fits the budget, and a
+    per-block FP8 weight's block_k still divides the scale block's columns."""
+    for tokens in (1, 64, 65, 2048):
+        for n, k in ((768, 2048), (2048, 768), (3584, 1024), (128, 256)):
+            c = moe_config(tokens, n, k, block if w_bytes == 1 else None, 2, w_bytes, gated)
+            assert pipeline_smem(c, 2, w_bytes, gated) <= PIPELINE_SMEM_BYTES, c
+            assert c.num_stages >= 2 and c.block_k >= 32
+            if block is not None and w_bytes == 1:
+                assert block[1] % c.block_k == 0, c

@@ -24,6 +24,7 @@ picks, so both paths run inside CUDA graphs (FULL and PIECEWISE) and one capture
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -149,18 +150,38 @@ class MoeGemmConfig:
     num_stages: int
 
 
-def moe_config(num_tokens: int, n: int, k: int, block: tuple[int, int] | None = None) -> MoeGemmConfig:
+# Shared memory a grouped GEMM's pipeline may take (an H100 / H200 block has 227 KiB; the epilogue's
+# layout conversions take the rest). A bf16 gate-up GEMM at 64 x 128 x 128 in 4 stages needs 320 KiB
+# and fails to launch ("out of resources"); FP8 weights (1 byte) fit the same tiles.
+PIPELINE_SMEM_BYTES = 192 * 1024
+
+
+def pipeline_smem(c: MoeGemmConfig, a_bytes: int, w_bytes: int, gated: bool) -> int:
+    """Bytes of shared memory the software pipeline holds: num_stages copies of the a tile and of
+    the one (down) or two (gate and up) weight tiles."""
+    weight_tiles = 2 if gated else 1
+    return c.num_stages * (c.block_m * c.block_k * a_bytes + weight_tiles * c.block_n * c.block_k * w_bytes)
+
+
+def moe_config(num_tokens: int, n: int, k: int, block: tuple[int, int] | None = None, a_bytes: int = 2,
+               w_bytes: int = 2, gated: bool = False) -> MoeGemmConfig:
     """A tile configuration for a grouped GEMM of num_tokens tokens' pairs against [E, n, k] experts.
     Small token counts (decode) are bandwidth-bound: the fewest rows a tile (16, tl.dot's least) and
     narrow weight tiles so every expert's weight spreads over many programs; prompt-sized ones take
-    64-row tiles. A per-block FP8 weight needs block_k to divide the scale's block columns.
-    Unswept: the H200 session's bench/moe_bench.py sweeps it (bench/NOTES.md)."""
+    64-row tiles. A per-block FP8 weight needs block_k to divide the scale's block columns. Tiles
+    whose pipeline would pass PIPELINE_SMEM_BYTES take a shorter block_k (down to 32), then fewer
+    stages (down to 2). Unswept: the H200 session's bench/moe_bench.py sweeps it (bench/NOTES.md)."""
     block_m = 16 if num_tokens <= 64 else 64
     block_n = 64 if num_tokens <= 64 else 128
     block_k = 128 if k % 128 == 0 else 64
     if block is not None:
         block_k = min(block_k, block[1])
-    return MoeGemmConfig(block_m, block_n, block_k, 4, 3 if block_m == 16 else 4)
+    c = MoeGemmConfig(block_m, block_n, block_k, 4, 3 if block_m == 16 else 4)
+    while pipeline_smem(c, a_bytes, w_bytes, gated) > PIPELINE_SMEM_BYTES and c.block_k > 32:
+        c = dataclasses.replace(c, block_k=c.block_k // 2)  # halving keeps dividing a scale block's columns
+    while pipeline_smem(c, a_bytes, w_bytes, gated) > PIPELINE_SMEM_BYTES and c.num_stages > 2:
+        c = dataclasses.replace(c, num_stages=c.num_stages - 1)
+    return c
 
 
 def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,16 +220,17 @@ def moe_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert
     w13, w2 = experts.w13, experts.w2
     inter = w2.shape[2]
     assert w13.shape[1] == 2 * inter and w13.shape[2] == hidden and w2.shape[1] == hidden
-    c = config or moe_config(t, inter, hidden, experts.block)
+    a_bytes, w_bytes = x.element_size(), w13.element_size()
+    c = config or moe_config(t, inter, hidden, experts.block, a_bytes, w_bytes, gated=True)
     sorted_ids, block_expert, block_rows = align_triton(ids, experts.num_experts, c.block_m)
     blocks = block_expert.shape[0]
     h = torch.empty((t * top_k, inter), device=x.device, dtype=x.dtype)
     _grouped_gemm(x, w13, experts.w13_scale, experts.block, h, sorted_ids, block_expert, block_rows, weights,
                   top_k, blocks, c, per_token=True, gated=True, gelu=act == "gelu_tanh")
     y = torch.empty((t * top_k, hidden), device=x.device, dtype=x.dtype)
-    c2 = config or moe_config(t, hidden, inter, experts.block)
+    c2 = config or moe_config(t, hidden, inter, experts.block, a_bytes, w2.element_size())
     if c2.block_m != c.block_m:  # the same sort serves both GEMMs
-        c2 = MoeGemmConfig(c.block_m, c2.block_n, c2.block_k, c2.num_warps, c2.num_stages)
+        c2 = dataclasses.replace(c2, block_m=c.block_m)
     _grouped_gemm(h, w2, experts.w2_scale, experts.block, y, sorted_ids, block_expert, block_rows, weights,
                   top_k, blocks, c2, per_token=False, gated=False, gelu=False)
     return y.view(t, top_k, hidden).sum(dim=1)
