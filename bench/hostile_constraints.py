@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import pathlib
 import re
@@ -54,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-constraints", type=int, default=100)
     p.add_argument("--flood", type=int, default=12, help="concurrent hostile compiles in the flood")
     p.add_argument("--server-args", default="", help="extra flags for graphserve serve")
+    p.add_argument("--scenarios", default="gaps,memory,flood,shutdown", help="which scenarios to run")
     return p.parse_args(argv)
 
 
@@ -195,6 +197,56 @@ def victim(stub: Any, tokens: int, out: list[float]) -> None:
             last = now
 
 
+# ---- the hostile client: a process of its own ----------------------------------------------------
+# The hostile requests come from another process, as another user's would: building and encoding a
+# 150,000-entry choice list in the victims' process would hold its GIL and show up as victims' gaps.
+
+def _hostile_sender(port: int, indices: list[int], stagger_s: float, results: Any) -> None:
+    """Sends hostile_sampling(i) for each i, one thread each, stagger_s apart; puts [(i, result)]."""
+    stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    out: list[tuple[int, dict[str, Any]]] = []
+
+    def one(i: int) -> None:
+        out.append((i, send(stub, hostile_sampling(i)[1])))
+
+    threads = []
+    for i in indices:
+        threads.append(threading.Thread(target=one, args=(i,)))
+        threads[-1].start()
+        time.sleep(stagger_s)
+    for t in threads:
+        t.join()
+    results.put(out)
+
+
+def _flooder(port: int, flood: int, stop: Any, results: Any) -> None:
+    """flood threads, each sending distinct hostile constraints one after another until stop is set;
+    puts their statuses."""
+    stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    statuses: Counter = Counter()
+
+    def one(k: int) -> None:
+        i = k
+        while not stop.is_set():
+            statuses[send(stub, hostile_sampling(i)[1])["status"]] += 1
+            i += flood
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(flood)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results.put(dict(statuses))
+
+
+def _spawn(target: Any, *args: Any) -> tuple[Any, Any]:
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, results), daemon=True)
+    proc.start()
+    return proc, results
+
+
 # ---- scenarios -------------------------------------------------------------------------------
 
 def gap_run(args: argparse.Namespace, log_dir: pathlib.Path, hostile: bool) -> dict[str, Any]:
@@ -208,18 +260,11 @@ def gap_run(args: argparse.Namespace, log_dir: pathlib.Path, hostile: bool) -> d
             t.start()
         time.sleep(0.3)
         results: list[tuple[str, pb.SamplingParams, dict[str, Any]]] = []
-        senders = []
         if hostile:
-            for i in range(args.hostile):
-                kind, sampling = hostile_sampling(i)
-
-                def one(kind: str = kind, sampling: pb.SamplingParams = sampling) -> None:
-                    results.append((kind, sampling, send(stub, sampling)))
-
-                senders.append(threading.Thread(target=one))
-                senders[-1].start()
-                time.sleep(0.05)
-        for t in senders + threads:
+            proc, queue = _spawn(_hostile_sender, server.port, list(range(args.hostile)), 0.05)
+            results = [(*hostile_sampling(i), r) for i, r in queue.get(timeout=300)]
+            proc.join()
+        for t in threads:
             t.join()
         every = [g for gs in gaps for g in gs]
         return {
@@ -284,23 +329,13 @@ def flood_run(args: argparse.Namespace, log_dir: pathlib.Path) -> dict[str, Any]
         plain = pb.SamplingParams(temperature=0.0)
         send(stub, plain, 4)
         alone = [send(stub, plain, 4, text="hello there")["first_token_s"] for _ in range(10)]
-        statuses: Counter = Counter()
-        stop = threading.Event()
-
-        def flooder(k: int) -> None:
-            i = k
-            while not stop.is_set():
-                statuses[send(stub, hostile_sampling(i)[1])["status"]] += 1
-                i += args.flood
-
-        threads = [threading.Thread(target=flooder, args=(k,)) for k in range(args.flood)]
-        for t in threads:
-            t.start()
-        time.sleep(1.0)
+        stop = multiprocessing.get_context("spawn").Event()
+        proc, queue = _spawn(_flooder, server.port, args.flood, stop)
+        time.sleep(3.0)  # the flooding process started and its compiles under way
         loaded = [send(stub, plain, 4, text="hello there")["first_token_s"] for _ in range(10)]
         stop.set()
-        for t in threads:
-            t.join()
+        statuses = queue.get(timeout=300)
+        proc.join()
         return {"flood": args.flood, "ttft_alone_ms": [round(x * 1000, 1) for x in alone],
                 "ttft_flood_ms": [round(x * 1000, 1) for x in loaded],
                 "ttft_alone_p50_ms": round(statistics.median(alone) * 1000, 1),
@@ -333,24 +368,32 @@ def shutdown_run(args: argparse.Namespace, log_dir: pathlib.Path) -> dict[str, A
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="hostile-constraints-"))
+    which = set(args.scenarios.split(","))
     runs = []
-    for r in range(args.repeat):
+    for r in range(args.repeat if "gaps" in which else 0):
         runs.append({"repeat": r, "alone": gap_run(args, log_dir, hostile=False),
                      "attacked": gap_run(args, log_dir, hostile=True)})
-    memory = memory_run(args, log_dir)
-    flood = flood_run(args, log_dir)
-    shutdown = shutdown_run(args, log_dir)
-    rows = [{"run": r["repeat"], "alone max / p99 gap ms": f"{r['alone']['victim_max_gap_ms']} / {r['alone']['victim_p99_gap_ms']}",
-             "attacked max / p99 gap ms": f"{r['attacked']['victim_max_gap_ms']} / {r['attacked']['victim_p99_gap_ms']}",
-             "hostile statuses": json.dumps(r["attacked"]["statuses"]), "violations": r["attacked"]["violations"],
-             "serving after": r["attacked"]["serving_after"]} for r in runs]
-    print_table(rows, list(rows[0]), title=f"victim streams ({args.victims} x {args.victim_tokens} tokens) alone and "
-                                           f"while {args.hostile} hostile constraints arrive")
-    print(f"memory: engine RSS {memory['engine_rss_start_mb']} MB -> peak {memory['engine_rss_peak_mb']} -> settled "
-          f"{memory['engine_rss_settled_mb']} after {memory['constraints']} hostile constraints ({memory['statuses']})")
-    print(f"flood: TTFT p50 {flood['ttft_alone_p50_ms']} ms alone, {flood['ttft_flood_p50_ms']} ms (max "
-          f"{flood['ttft_flood_max_ms']}) under {flood['flood']} concurrent hostile compiles ({flood['statuses']})")
-    print(f"shutdown: exit {shutdown['exit_s']} s after SIGTERM (code {shutdown['exit_code']}; bound {shutdown['within_s']} s)")
+    memory = memory_run(args, log_dir) if "memory" in which else None
+    flood = flood_run(args, log_dir) if "flood" in which else None
+    shutdown = shutdown_run(args, log_dir) if "shutdown" in which else None
+    if runs:
+        rows = [{"run": r["repeat"],
+                 "alone max / p99 gap ms": f"{r['alone']['victim_max_gap_ms']} / {r['alone']['victim_p99_gap_ms']}",
+                 "attacked max / p99 gap ms": f"{r['attacked']['victim_max_gap_ms']} / {r['attacked']['victim_p99_gap_ms']}",
+                 "hostile statuses": json.dumps(r["attacked"]["statuses"]), "violations": r["attacked"]["violations"],
+                 "serving after": r["attacked"]["serving_after"]} for r in runs]
+        print_table(rows, list(rows[0]), title=f"victim streams ({args.victims} x {args.victim_tokens} tokens) "
+                                               f"alone and while {args.hostile} hostile constraints arrive")
+    if memory:
+        print(f"memory: engine RSS {memory['engine_rss_start_mb']} MB -> peak {memory['engine_rss_peak_mb']} -> "
+              f"settled {memory['engine_rss_settled_mb']} after {memory['constraints']} hostile constraints "
+              f"({memory['statuses']})")
+    if flood:
+        print(f"flood: TTFT p50 {flood['ttft_alone_p50_ms']} ms alone, {flood['ttft_flood_p50_ms']} ms (max "
+              f"{flood['ttft_flood_max_ms']}) under {flood['flood']} concurrent hostile compiles ({flood['statuses']})")
+    if shutdown:
+        print(f"shutdown: exit {shutdown['exit_s']} s after SIGTERM (code {shutdown['exit_code']}; bound "
+              f"{shutdown['within_s']} s)")
     path = write_result("hostile-constraints", {"args": vars(args) | {"cache_dir": str(args.cache_dir)}, "gap_runs": runs,
                                                 "memory": memory, "flood": flood, "shutdown": shutdown})
     print(f"wrote {path}")

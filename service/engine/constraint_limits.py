@@ -30,8 +30,7 @@ def check_size(c: Constraint, limits: ConstraintLimits) -> None:
         if not isinstance(c.value, tuple) or not c.value:
             raise InvalidConstraint("invalid choice: the list of choices is empty")
         if len(c.value) > limits.max_constraint_choices:
-            raise InvalidConstraint(f"choice has {len(c.value)} entries; at most {limits.max_constraint_choices} "
-                                    "are allowed (--max-constraint-choices)")
+            raise InvalidConstraint(too_many_choices(len(c.value), limits))
         if not all(isinstance(s, str) for s in c.value):
             raise InvalidConstraint("invalid choice: every choice must be a string")
         size = sum(_utf8_len(s) for s in c.value)
@@ -49,6 +48,10 @@ def check_size(c: Constraint, limits: ConstraintLimits) -> None:
         if depth > limits.max_constraint_depth:
             raise InvalidConstraint(f"json_schema nests {depth} levels of objects and arrays; at most "
                                     f"{limits.max_constraint_depth} are allowed (--max-constraint-depth)")
+
+
+def too_many_choices(count: int, limits: ConstraintLimits) -> str:
+    return f"choice has {count} entries; at most {limits.max_constraint_choices} are allowed (--max-constraint-choices)"
 
 
 def json_depth(text: str) -> int:

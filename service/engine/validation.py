@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.config import ServeConfig
-from service.engine.constraint_limits import ConstraintLimits, InvalidConstraint, check_size
+from service.engine.constraint_limits import ConstraintLimits, InvalidConstraint, check_size, too_many_choices
 from service.engine.request import CONSTRAINT_KINDS, Constraint, GenerationRequest
 from service.engine.sampling_params import (
     GRAPHSERVE_FIELDS,
@@ -122,15 +122,20 @@ def check_adapter(name: str, loaded: set[str] | frozenset[str], field: str = "ad
                              "the base model)")
 
 
-def constraint_of(p: Any) -> Constraint | None:
+def constraint_of(p: Any, limits: Limits, f: Fields) -> Constraint | None:
     """The structured-output constraint of a sampling message: graphserve.v1's SamplingParams and
     vLLM's name the oneof (`constraint`) and its fields alike. A kind graphserve does not serve
-    (vLLM's structural_tag) is refused by the caller's field checks, not mapped."""
+    (vLLM's structural_tag) is refused by the caller's field checks, not mapped. Too many choices
+    are refused before they become Python strings (150,000 of them: 13 ms holding the gRPC
+    process's GIL, which every stream's messages wait on)."""
     kind = p.WhichOneof("constraint")
     if kind not in CONSTRAINT_KINDS or (kind == "json_object" and not p.json_object):
         return None
     if kind == "choice":
-        return Constraint("choice", tuple(p.choice.choices))
+        choices = p.choice.choices
+        if len(choices) > limits.constraints.max_constraint_choices:
+            raise InvalidRequest(constraint_message("choice", too_many_choices(len(choices), limits.constraints), f))
+        return Constraint("choice", tuple(choices))
     return Constraint(kind, "" if kind == "json_object" else getattr(p, kind))
 
 

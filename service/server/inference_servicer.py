@@ -199,7 +199,7 @@ def to_generation_request(request: inference_pb2.GenerateRequest, request_id: st
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
         min_tokens=t.min_tokens, logit_bias=tuple(s.logit_bias.items()),
         logprobs=s.logprobs if s.HasField("logprobs") else None,
-        constraint=constraint_of(s),
+        constraint=constraint_of(s, limits, GRAPHSERVE_FIELDS),
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         fields=GRAPHSERVE_FIELDS,
     )

@@ -134,7 +134,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             prompt = await self._prompt_ids(request)
             writer.prompt = prompt
             # Its messages carry token ids only: the engine decodes text only for stop strings.
-            return samples(generation_request(request_id, prompt, sampling_params_of(request.sampling_params),
+            return samples(generation_request(request_id, prompt, sampling_params_of(request.sampling_params, self.limits),
                                               self.limits, FIELDS, arrival_time=stream.arrival, stream_text=False))
 
         await streams.serve(context, _scope(context, request_id), prepare, writer, FIELDS)
@@ -435,7 +435,7 @@ def check_supported(request: vllm_engine_pb2.GenerateRequest) -> None:
                     "json_schema, json_object, regex, grammar, choice)")
 
 
-def sampling_params_of(p: vllm_engine_pb2.SamplingParams) -> SamplingParams:
+def sampling_params_of(p: vllm_engine_pb2.SamplingParams, limits: Limits) -> SamplingParams:
     return SamplingParams(
         n=max(1, p.n),  # 0 is unset on the wire
         temperature=p.temperature if p.HasField("temperature") else 1.0,
@@ -449,7 +449,7 @@ def sampling_params_of(p: vllm_engine_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=p.repetition_penalty if p.repetition_penalty != 0 else 1.0,  # 0 is unset on the wire
         min_tokens=p.min_tokens, logit_bias=tuple(p.logit_bias.items()),
         logprobs=p.logprobs if p.HasField("logprobs") else None,
-        constraint=constraint_of(p),
+        constraint=constraint_of(p, limits, FIELDS),
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         fields=FIELDS,
     )
