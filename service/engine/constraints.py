@@ -65,3 +65,4 @@ class Constraints:
         """Stop the workers (a compile in progress finishes first, on its daemon thread)."""
         self.preparer.close()
         self.masks.close()
+        self.compiler.close()

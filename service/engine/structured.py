@@ -29,6 +29,7 @@ import torch
 from llguidance.gbnf_to_lark import is_lark_syntax
 
 from service.engine.constraint_limits import ConstraintLimits, InvalidConstraint, check_size
+from service.engine.gbnf import GbnfConverter
 from service.engine.request import Constraint
 from service.model.kernels.bitmask import allocate_bitmask, apply_bitmask, bitmask_words
 
@@ -139,6 +140,11 @@ class GrammarCompiler:
         self._seen: OrderedDict[int, None] = OrderedDict()  # hashes of constraints compiled once, not kept
         self._cached_bytes = 0
         self._lock = threading.Lock()
+        self._gbnf = GbnfConverter(self.limits.constraint_compile_timeout)
+
+    def close(self) -> None:
+        """End the GBNF converter's child process (a later GBNF grammar starts another)."""
+        self._gbnf.close()
 
     @property
     def cached_bytes(self) -> int:
@@ -159,7 +165,7 @@ class GrammarCompiler:
         of the grammar library (a Rust panic, a RecursionError) is the constraint's, not the server's."""
         check_size(c, self.limits)
         try:
-            proto = llguidance.LLMatcher(self._tokenizer, _grammar(c), log_level=0, limits=self._limits)
+            proto = llguidance.LLMatcher(self._tokenizer, _grammar(c, self._gbnf), log_level=0, limits=self._limits)
         except InvalidConstraint:
             raise
         except BaseException as exc:  # noqa: BLE001 - pyo3's PanicException is a BaseException
@@ -229,17 +235,17 @@ def _message(kind: str, detail: str) -> str:
     return f"invalid {kind}: {detail if len(detail) <= _MAX_MESSAGE else detail[:_MAX_MESSAGE] + '...'}"
 
 
-def _grammar(c: Constraint) -> str:
+def _grammar(c: Constraint, gbnf: GbnfConverter) -> str:
     """The llguidance grammar text for c; raises InvalidConstraint for what fails before compiling."""
     try:
-        return _grammar_text(c)
+        return _grammar_text(c, gbnf)
     except InvalidConstraint:
         raise
     except (ValueError, RecursionError) as e:  # the library's converters (schema options, GBNF syntax)
         raise InvalidConstraint(_message(c.kind, str(e) or type(e).__name__)) from None
 
 
-def _grammar_text(c: Constraint) -> str:
+def _grammar_text(c: Constraint, gbnf: GbnfConverter) -> str:
     """c's grammar text; c passed check_size (a known kind, values of the right types, small enough)."""
     if c.kind == "choice":
         return llguidance.grammar_from("choice", json.dumps(list(c.value)))
@@ -256,9 +262,11 @@ def _grammar_text(c: Constraint) -> str:
     if c.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(c.value)
     # "grammar": GBNF-style EBNF with a `root` rule (what vLLM documents), converted to Lark by the
-    # library; or Lark itself (a `start` rule or a %llguidance line), as vLLM's guidance backend takes.
-    text = c.value if is_lark_syntax(c.value) else _GBNF_ESCAPE.sub(_unicode_escape, c.value)
-    return llguidance.grammar_from("grammar", text)
+    # library's converter in a child process (gbnf.py says why); or Lark itself (a `start` rule or a
+    # %llguidance line), as vLLM's guidance backend takes.
+    if is_lark_syntax(c.value):
+        return llguidance.LLMatcher.grammar_from_lark(c.value)
+    return llguidance.LLMatcher.grammar_from_lark(gbnf.to_lark(_GBNF_ESCAPE.sub(_unicode_escape, c.value)))
 
 
 # Every backslash escape, so that an escaped backslash is skipped as one unit.
