@@ -11,6 +11,9 @@ import sys
 
 
 def main() -> None:
+    import os
+
+    os.nice(10)  # as the engine's compile threads: the threads that serve streams come first
     from llguidance.gbnf_to_lark import any_to_lark
 
     inp, out = sys.stdin.buffer, sys.stdout.buffer
