@@ -12,7 +12,7 @@ PROTO_SRC := protos/graphserve/v1
 PROTO_OUT := service/proto
 STUBS := $(PROTO_OUT)/inference_pb2.py $(PROTO_OUT)/admin_pb2.py
 
-.PHONY: setup protos run gateway test test-gpu bench bench-tp bench-cpu bench-report lint clean
+.PHONY: setup protos run gateway test test-gpu eval-tools bench bench-tp bench-cpu bench-report lint clean
 
 setup: $(VENV)/.installed protos
 
@@ -42,6 +42,16 @@ test: setup
 
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+# lm-eval and guidellm in a venv of their own (their dependencies must not change ours), for
+# tests/integration/test_eval_tools.py. torch is pinned in the same command: guidellm would pull a CUDA build.
+EVAL_VENV ?= .venv-eval
+eval-tools: $(EVAL_VENV)/.installed
+
+$(EVAL_VENV)/.installed: Makefile
+	test -x $(EVAL_VENV)/bin/python || $(PYTHON) -m venv $(EVAL_VENV)
+	$(EVAL_VENV)/bin/python -m pip install -q "lm_eval[api]==0.4.13" "guidellm==0.8.1" "torch==$(TORCH_CPU_VERSION)"
+	touch $@
 
 # GPU benchmarks (Llama-3.2-1B shape, bf16): decode steps per batch with the anchors, every capture
 # bucket, then streaming through gRPC against the engine alone. Results land in bench/results/.
