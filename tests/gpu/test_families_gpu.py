@@ -74,7 +74,9 @@ def test_every_fast_path_kernel_of_the_family_passes_its_check(name):
 
 
 class Experts:
-    """Records which experts the first MoE layer's router picks (eager runs only: hooks do not replay)."""
+    """Records which experts the first MoE layer's router picks (eager runs only: hooks do not replay).
+    While a graph is captured the hook records nothing: reading the picks to the host is a sync, which
+    a capturing stream refuses (the capture then fails)."""
 
     def __init__(self, model) -> None:  # noqa: ANN001
         from service.model.moe import SparseMoe
@@ -82,8 +84,11 @@ class Experts:
         moe = next((layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoe)), None)
         self.picked: list[set[int]] = []
         if moe is not None:
-            moe.gate.register_forward_hook(lambda m, args, out: self.picked.append(
-                set(torch.topk(out.float(), moe.top_k, dim=-1).indices.flatten().tolist())))
+            def record(module, args, out) -> None:  # noqa: ANN001
+                if not torch.cuda.is_current_stream_capturing():
+                    self.picked.append(set(torch.topk(out.float(), moe.top_k, dim=-1).indices.flatten().tolist()))
+
+            moe.gate.register_forward_hook(record)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
