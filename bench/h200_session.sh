@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's runs, in the order they matter, each bounded in time. Results (JSON) and logs go
 # to $OUT (default bench/results/h200-<timestamp>). Usage, from the repository root on the GPU machine:
-#   bash bench/h200_session.sh tests    # the GPU test suite (or tests-1, then tests-2: two calls)
+#   bash bench/h200_session.sh tests    # the GPU test suite (or tests-1, tests-2, tests-3: three calls)
 #   bash bench/h200_session.sh stall prefill decode  # capture stalls, prefill (piecewise vs eager), decode steps
 #   bash bench/h200_session.sh serve    # through gRPC: first-token latency, cold ramps, ITL by mode
 #   bash bench/h200_session.sh lora     # LoRA: GPU tests, the integration tests on cuda, the step and load bench
@@ -80,12 +80,18 @@ load() {
 for part in "$@"; do
   case $part in
     tests) TAIL=12 run gpu-tests 560 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider --timeout 200 -k "${GPU_TESTS_K:-}" ;;
-    # The suite in two halves, one call each (the whole ran past 540 s at 80% on one H200): files a-k, then l-z and
-    # the sampler's GPU tests; -v with durations, so a killed run still shows what passed
-    tests-1) TAIL=12 run gpu-tests-1 ${SUITE_LIMIT:-540} python3 -m pytest -v -rf --tb=short -m gpu $(ls tests/gpu/test_[a-k]*.py) \
+    # The suite in three parts, one call each (at 4364f1a on one H200: files a-fp8 ~420 s, fp8_kv 174 s, graph_cache +
+    # kernels + l-z 298 s; bench/results/h200-20261205-suite-4364f1a); -v with durations, so a killed run still shows
+    # what passed
+    tests-1) TAIL=12 run gpu-tests-1 ${SUITE_LIMIT:-540} python3 -m pytest -v -rf --tb=short -m gpu tests/gpu/test_admin_gpu.py \
+      tests/gpu/test_batch_invariant_gpu.py tests/gpu/test_chunked_gpu.py tests/gpu/test_families_gpu.py tests/gpu/test_fp8_gpu.py \
       -p no:cacheprovider --timeout 240 --durations=15 ;;
-    tests-2) TAIL=12 run gpu-tests-2 ${SUITE_LIMIT:-540} python3 -m pytest -v -rf --tb=short -m gpu $(ls tests/gpu/test_[l-z]*.py) \
-      tests/unit/test_sampler.py -p no:cacheprovider --timeout 240 --durations=15 ;;
+    tests-2) TAIL=12 run gpu-tests-2 ${SUITE_LIMIT:-540} python3 -m pytest -v -rf --tb=short -m gpu tests/gpu/test_fp8_kv_gpu.py \
+      tests/gpu/test_graph_cache.py tests/gpu/test_kernels_gpu.py tests/gpu/test_sampling_gpu.py -p no:cacheprovider --timeout 240 \
+      --durations=15 ;;
+    tests-3) TAIL=12 run gpu-tests-3 ${SUITE_LIMIT:-540} python3 -m pytest -v -rf --tb=short -m gpu tests/gpu/test_paged_gpu.py \
+      tests/gpu/test_piecewise_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_startup_gpu.py \
+      tests/gpu/test_tensor_parallel_gpu.py tests/unit/test_sampler.py -p no:cacheprovider --timeout 240 --durations=15 ;;
     stall) run capture-stall 150 python3 bench/capture_stall_bench.py $M --random-init ;;
     prefill) run prefill 120 python3 bench/prefill_bench.py $M --random-init ;;
     decode) run decode 90 python3 bench/decode_bench.py $M --random-init --batches 1,64,256 --no-anchors --no-plot ;;
