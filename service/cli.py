@@ -52,9 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"graphserve: {exc}", file=sys.stderr)
         return 2
+    from service.engine_client.spawn import start_early
     from service.preflight import check_serve
 
-    problems = check_serve(config)  # before any port opens or process starts
+    start_early()  # its imports overlap the checks' (it loads nothing before the server sends its spec)
+    problems = check_serve(config)  # before any port opens or model loads
     for problem in problems:
         print(f"graphserve: {problem}", file=sys.stderr)
     if problems:

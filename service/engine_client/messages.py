@@ -16,8 +16,7 @@ in annotations are imported for the type checker alone.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from service.engine_client.client import EngineFacts
@@ -38,9 +37,6 @@ DELTA, FINISH, ERROR, KV = "d", "f", "e", "k"
 class WorkerSpec:
     config: Any  # ServeConfig
     faults: Any  # Faults
-    # Taken in the gRPC process: the worker may start after that process already died (and it was
-    # re-parented), so its own os.getppid() at start would not tell.
-    parent_pid: int = field(default_factory=os.getpid)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from service.engine_client.messages import (
     WorkerSpec,
     WorkerStatus,
 )
-from service.engine_client.worker import worker_main
+from service.engine_client.spawn import take_process
 from service.model.spec import ModelLoadError
 
 log = structlog.get_logger("graphserve.engine_process")
@@ -64,10 +64,9 @@ class EngineProcess:
 
     def __init__(self, spec: WorkerSpec, loop: asyncio.AbstractEventLoop,
                  on_kv_events: Callable[[Any], None] | None = None) -> None:
-        ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
-        self._conn, self._child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=worker_main, args=(self._child_conn, spec), name="graphserve-engine",
-                                   daemon=True)
+        self._spec = spec
+        self.process: Any = None  # the engine process, once start() began
+        self._conn: Any = None
         self.loop = loop
         self._lock = threading.Lock()  # guards sends and the tables below
         self._sinks: dict[str, Sink] = {}
@@ -96,9 +95,12 @@ class EngineProcess:
     def start(self) -> EngineFacts:
         """Start the engine process and wait until its model is loaded (blocking: call it off the event
         loop). Raises ModelLoadError when the model cannot be loaded, EngineStartError otherwise."""
-        self.process.start()
-        self._child_conn.close()
+        self.process, self._conn = take_process()
         log.info("engine_process_started", pid=self.process.pid)
+        try:
+            self._conn.send(self._spec)
+        except OSError:  # it died while importing: the reads below say so
+            pass
         while True:
             try:
                 if not self._conn.poll(0.5):
@@ -235,7 +237,7 @@ class EngineProcess:
 
         if ready and self.process.is_alive():
             threading.Thread(target=send_stop, name="graphserve-engine-stop", daemon=True).start()
-        if self.process.pid is None:
+        if self.process is None:  # never started
             return True
         if not self._ready:  # still loading: nothing to save, do not wait for the load
             self.process.kill()

@@ -122,7 +122,6 @@ class _Worker:
         from service.engine_client.faults import wrap_decode
         from service.telemetry.log import route_library_logs
 
-        startup.mark("imports")  # torch and the engine's modules
         c, faults = self.spec.config, self.spec.faults
         if faults.load_delay_s:  # a slow load, as a big checkpoint would be (tests only)
             time.sleep(faults.load_delay_s)
@@ -243,14 +242,29 @@ def _exit_when_orphaned(parent_pid: int) -> None:
     os._exit(1)
 
 
-def worker_main(conn: Any, spec: WorkerSpec) -> None:
-    """The engine process's entry point (multiprocessing, spawn)."""
+def worker_main(conn: Any, parent_pid: int) -> None:
+    """The engine process's entry point (multiprocessing, spawn). It imports torch and the engine's
+    modules first, then waits for its WorkerSpec on the pipe: the server starts it before its own
+    pre-flight checks (which import the model package too), so the two imports overlap. If a check
+    fails, the pipe closes and this process ends without having loaded anything. parent_pid is taken
+    in the gRPC process: this one may start after that process died (and was re-parented), so its own
+    os.getppid() would not tell."""
     startup.record()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     shorten_switch_interval()  # the pipe reader must not wait 5 ms behind the engine thread per request
-    threading.Thread(target=_exit_when_orphaned, args=(spec.parent_pid,), name="graphserve-orphan-watch",
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), name="graphserve-orphan-watch",
                      daemon=True).start()
+    import cache_manager  # noqa: F401 - torch and the engine's modules, before the spec arrives
+    import service.engine.builder  # noqa: F401
+    import service.telemetry.log  # noqa: F401
+
+    startup.mark("imports")
+    try:
+        spec: WorkerSpec = conn.recv()
+    except (EOFError, OSError):  # the server did not start (a pre-flight check failed) or died
+        os._exit(0)
+    startup.mark("start_checks")  # waiting for the server's pre-flight checks
     from service.telemetry.log import configure_logging
 
     configure_logging(spec.config.log_format, spec.config.log_level)
