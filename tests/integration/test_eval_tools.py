@@ -16,7 +16,7 @@ import openai
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as v
 
-from tests.integration.test_gateway import MODEL, client, engine_stub, start_replicas
+from tests.integration.test_gateway import MODEL, client, engine_stub, replicas_behind_smg
 from tests.support.gateway import Gateway, find_smg
 
 pytestmark = pytest.mark.skipif(find_smg() is None, reason="smg is not installed (the dev extra has it)")
@@ -62,16 +62,9 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(model_cache_dir, tmp_path_factory) -> Iterator[Fleet]:  # noqa: ANN001
-    tmp = tmp_path_factory.mktemp("eval")
-    [replica] = start_replicas(1, model_cache_dir, tmp, "eval")
-    gateway = Gateway([replica.address], tmp / "smg.log")
-    try:
-        gateway.wait_ready(MODEL)
+    with replicas_behind_smg(1, model_cache_dir, tmp_path_factory.mktemp("eval"), "eval") as ([replica], gateway):
         tokenizer_dir = engine_stub(replica).GetModelInfo(v.GetModelInfoRequest(), timeout=5).tokenizer_path
         yield Fleet(gateway, client(gateway), tokenizer_dir)
-    finally:
-        gateway.close()
-        replica.close()
 
 
 def eval_tool(name: str) -> str:

@@ -22,10 +22,10 @@ from tests.integration.test_gateway import (
     assert_same_text,
     client,
     graphserve_text,
-    start_replicas,
+    replicas_behind_smg,
     tokenizer,
 )
-from tests.support.gateway import Gateway, find_smg
+from tests.support.gateway import find_smg
 
 pytestmark = pytest.mark.skipif(find_smg() is None, reason="smg is not installed (the dev extra has it)")
 
@@ -63,15 +63,8 @@ TEXT_PARAMS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "st
 
 @pytest.fixture(scope="module")
 def fleet(model_cache_dir, tmp_path_factory) -> Iterator[Fleet]:  # noqa: ANN001
-    tmp = tmp_path_factory.mktemp("fields")
-    [replica] = start_replicas(1, model_cache_dir, tmp, "fields")
-    gateway = Gateway([replica.address], tmp / "smg.log")
-    try:
-        gateway.wait_ready(MODEL)
+    with replicas_behind_smg(1, model_cache_dir, tmp_path_factory.mktemp("fields"), "fields") as ([replica], gateway):
         yield Fleet(client(gateway), replica)
-    finally:
-        gateway.close()
-        replica.close()
 
 
 def content(answer: object) -> str:
