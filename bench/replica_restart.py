@@ -19,7 +19,6 @@ import pathlib
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -39,10 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def one_run(args: argparse.Namespace, work: pathlib.Path) -> dict:
-    import openai
-
-    from tests.support.gateway import API_KEY, MODEL, GatewayCommand
-    from tests.support.process import kill_tree
+    from tests.support.gateway import API_KEY, MODEL, GatewayCommand, kill_replica_under_load
 
     cache = args.cache_dir or work / "models"
     gateway = GatewayCommand(work, MODEL, "--replicas", str(args.replicas), "--api-key", API_KEY,
@@ -51,34 +47,8 @@ def one_run(args: argparse.Namespace, work: pathlib.Path) -> dict:
         started = time.monotonic()
         gateway.wait_ready()
         first_start = time.monotonic() - started
-        client = gateway.client()
-        outcomes: list[tuple[float, str]] = []
-        stop = threading.Event()
-
-        def load() -> None:
-            while not stop.is_set():
-                sent = time.monotonic()
-                try:
-                    client.completions.create(model=MODEL, prompt="keep going", max_tokens=16, temperature=0,
-                                              extra_body={"ignore_eos": True})
-                    outcomes.append((sent, "ok"))
-                except openai.APIError as exc:
-                    outcomes.append((sent, f"{type(exc).__name__}: {exc}"))
-
-        threads = [threading.Thread(target=load, daemon=True) for _ in range(args.clients)]
-        for thread in threads:
-            thread.start()
-        time.sleep(args.warm_s)
-        kill_tree(gateway.replica_pid(0))
-        killed = time.monotonic()
-        while "SERVING again" not in gateway.log() and time.monotonic() < killed + 300:
-            time.sleep(0.2)
-        back = time.monotonic() - killed if "SERVING again" in gateway.log() else None
-        time.sleep(args.warm_s)  # the load goes on while smg takes the replica back
-        stop.set()
-        for thread in threads:
-            thread.join(90)
-        after = [o for sent, o in outcomes if sent > killed]
+        run = kill_replica_under_load(gateway, args.clients, args.warm_s, settle_s=args.warm_s)
+        back, after = run.back_after, run.after
         return {"first_start_s": round(first_start, 2), "back_after_kill_s": round(back, 2) if back else None,
                 "requests_after_kill": len(after), "failed_after_kill": [o for o in after if o != "ok"]}
     finally:

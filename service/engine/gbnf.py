@@ -39,11 +39,12 @@ class GbnfConverter:
                 self._write(proc, len(data).to_bytes(4, "big") + data)
                 size = int.from_bytes(self._read(proc, 4, deadline), "big")
                 reply = self._read(proc, size, deadline).decode("utf-8", "surrogatepass")
-            except (TimeoutError, OSError, EOFError) as exc:
+            except TimeoutError:
                 self._stop()
-                if isinstance(exc, TimeoutError):
-                    raise InvalidConstraint(f"converting the grammar to Lark took over {self.timeout_s:g} s "
-                                            "(--constraint-compile-timeout): simplify it") from None
+                raise InvalidConstraint(f"converting the grammar to Lark took over {self.timeout_s:g} s "
+                                        "(--constraint-compile-timeout): simplify it") from None
+            except (OSError, EOFError) as exc:
+                self._stop()
                 raise InvalidConstraint(f"converting the grammar to Lark failed: {exc}") from None
         if reply[:1] != "1":
             raise InvalidConstraint(f"Failed to convert the grammar from GBNF to Lark: {reply[1:]}")

@@ -264,9 +264,8 @@ def _grammar_text(c: Constraint, gbnf: GbnfConverter) -> str:
     # "grammar": GBNF-style EBNF with a `root` rule (what vLLM documents), converted to Lark by the
     # library's converter in a child process (gbnf.py says why); or Lark itself (a `start` rule or a
     # %llguidance line), as vLLM's guidance backend takes.
-    if is_lark_syntax(c.value):
-        return llguidance.LLMatcher.grammar_from_lark(c.value)
-    return llguidance.LLMatcher.grammar_from_lark(gbnf.to_lark(_GBNF_ESCAPE.sub(_unicode_escape, c.value)))
+    lark = c.value if is_lark_syntax(c.value) else gbnf.to_lark(_GBNF_ESCAPE.sub(_unicode_escape, c.value))
+    return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
 # Every backslash escape, so that an escaped backslash is skipped as one unit.

@@ -5,14 +5,12 @@ succeed; Ctrl-C drains everything."""
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import openai
 import pytest
 
-from tests.support.gateway import API_KEY, MODEL, GatewayCommand, find_smg
-from tests.support.process import kill_tree
+from tests.support.gateway import API_KEY, MODEL, GatewayCommand, find_smg, kill_replica_under_load
 
 pytestmark = pytest.mark.skipif(find_smg() is None, reason="smg is not installed (the dev extra has it)")
 
@@ -27,40 +25,12 @@ def test_a_killed_replica_comes_back_and_requests_after_the_kill_all_succeed(mod
         limit = max(30.0, 1.5 * (time.monotonic() - started))
         with pytest.raises(openai.AuthenticationError):
             gateway.client(api_key="wrong").completions.create(model=MODEL, prompt="hi", max_tokens=2)
-        oa = gateway.client()
-        outcomes: list[tuple[float, str]] = []  # (start, "ok" or the error)
-        stop = threading.Event()
-
-        def load() -> None:
-            while not stop.is_set():
-                started = time.monotonic()
-                try:
-                    answer = oa.completions.create(model=MODEL, prompt="keep going", max_tokens=16, temperature=0,
-                                                   extra_body={"ignore_eos": True})
-                    outcomes.append((started, "ok" if answer.usage.completion_tokens == 16 else "short"))
-                except openai.APIError as exc:
-                    outcomes.append((started, f"{type(exc).__name__}: {exc}"))
-
-        threads = [threading.Thread(target=load, daemon=True) for _ in range(3)]
-        for t in threads:
-            t.start()
-        time.sleep(3)
-        victim = gateway.replica_pid(0)
-        kill_tree(victim)
-        killed_at = time.monotonic()
-        while "SERVING again" not in gateway.log() and time.monotonic() < killed_at + limit:
-            time.sleep(0.2)
-        back_after = time.monotonic() - killed_at
-        time.sleep(5)  # the load goes on while smg takes the replica back
-        stop.set()
-        for t in threads:
-            t.join(90)
+        run = kill_replica_under_load(gateway, limit_s=limit)
         log = gateway.log()
-        after = [o for started, o in outcomes if started > killed_at]
-        assert len(after) >= 6 and all(o == "ok" for o in after), [o for o in after if o != "ok"]
-        assert "SERVING again" in log and back_after < limit, f"not back within {limit:.0f} s: {log[-3000:]}"
+        assert len(run.after) >= 6 and all(o == "ok" for o in run.after), [o for o in run.after if o != "ok"]
+        assert "SERVING again" in log and run.back_after is not None, f"not back within {limit:.0f} s: {log[-3000:]}"
         assert f"replica 0 on 127.0.0.1:{gateway.first_port}: exited with -9" in log
-        assert gateway.replica_pid(0) != victim
+        assert gateway.replica_pid(0) != run.victim
     finally:
         gateway.close()
     assert gateway.proc.returncode == 0, gateway.log()[-3000:]

@@ -9,13 +9,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 
+from tests.support.process import kill_tree
 from tests.support.server import free_port
 
 
@@ -139,3 +142,52 @@ class GatewayCommand:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self._log.close()
+
+
+@dataclass
+class KilledUnderLoad:
+    victim: int  # the killed replica's pid
+    killed_at: float
+    back_after: float | None  # seconds from the kill to the gateway's "SERVING again"; None: not within the limit
+    outcomes: list[tuple[float, str]]  # (sent at, "ok" / "short" / the error) of every request
+
+    @property
+    def after(self) -> list[str]:
+        """The outcomes of the requests sent after the kill."""
+        return [o for sent, o in self.outcomes if sent > self.killed_at]
+
+
+def kill_replica_under_load(gateway: GatewayCommand, clients: int = 3, warm_s: float = 3.0, limit_s: float = 300.0,
+                            settle_s: float = 5.0) -> KilledUnderLoad:
+    """`clients` closed-loop clients send 16-token completions (ignore_eos) through the gateway; after
+    warm_s seconds replica 0's process tree is SIGKILLed; the load goes on until the gateway logs the
+    replica "SERVING again" (at most limit_s) and settle_s more, while smg takes it back."""
+    oa = gateway.client()
+    outcomes: list[tuple[float, str]] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            sent = time.monotonic()
+            try:
+                answer = oa.completions.create(model=MODEL, prompt="keep going", max_tokens=16, temperature=0,
+                                               extra_body={"ignore_eos": True})
+                outcomes.append((sent, "ok" if answer.usage.completion_tokens == 16 else "short"))
+            except openai.APIError as exc:
+                outcomes.append((sent, f"{type(exc).__name__}: {exc}"))
+
+    threads = [threading.Thread(target=load, daemon=True) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    time.sleep(warm_s)
+    victim = gateway.replica_pid(0)
+    kill_tree(victim)
+    killed_at = time.monotonic()
+    while "SERVING again" not in gateway.log() and time.monotonic() < killed_at + limit_s:
+        time.sleep(0.2)
+    back_after = time.monotonic() - killed_at if "SERVING again" in gateway.log() else None
+    time.sleep(settle_s)
+    stop.set()
+    for thread in threads:
+        thread.join(90)
+    return KilledUnderLoad(victim, killed_at, back_after, outcomes)
