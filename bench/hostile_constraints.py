@@ -380,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [{"run": r["repeat"],
                  "alone max / p99 gap ms": f"{r['alone']['victim_max_gap_ms']} / {r['alone']['victim_p99_gap_ms']}",
                  "attacked max / p99 gap ms": f"{r['attacked']['victim_max_gap_ms']} / {r['attacked']['victim_p99_gap_ms']}",
+                 "TPOT p50 ms alone / attacked": f"{r['alone']['victim_p50_gap_ms']} / {r['attacked']['victim_p50_gap_ms']}",
                  "hostile statuses": json.dumps(r["attacked"]["statuses"]), "violations": r["attacked"]["violations"],
                  "serving after": r["attacked"]["serving_after"]} for r in runs]
         print_table(rows, list(rows[0]), title=f"victim streams ({args.victims} x {args.victim_tokens} tokens) "
