@@ -13,7 +13,8 @@
 #   bash bench/h200_session.sh invariant-bench invariant-grpc  # the steps only; the gRPC tests on cuda
 #   bash bench/h200_session.sh gateway  # 64 streams through smg against direct gRPC (wheels: bench/fetch_wheels.sh)
 #   bash bench/h200_session.sh paged    # paged KV: its GPU tests (and the kernels', graphs'), decode steps at context 512 and 4096
-#   bash bench/h200_session.sh gen-1b hostile  # hostile constraints: victims' gaps and TPOT, CPU tiny model and 1B on cuda
+#   bash bench/h200_session.sh hostile gen-1b hostile-cuda  # hostile constraints: victims' gaps and TPOT, the CPU tiny
+#     model on the host's cores, then the 1B shape on cuda
 #   bash bench/h200_session.sh gen-1b sampling  # sampling fields: their GPU tests, the sampler's cost, the closed loop
 #   bash bench/h200_session.sh gen-1b parity  # greedy bf16 text with graphs against eager, 8 prompts one at a time
 #   bash bench/h200_session.sh gen-1b host-budget  # the engine thread's host ms per step by part at 64 / 128 / 256 streams
@@ -93,10 +94,10 @@ for part in "$@"; do
     tests-3) TAIL=12 run gpu-tests-3 ${SUITE_LIMIT:-540} python3 -m pytest -v -rf --tb=short -m gpu tests/gpu/test_paged_gpu.py \
       tests/gpu/test_piecewise_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_startup_gpu.py \
       tests/gpu/test_tensor_parallel_gpu.py tests/unit/test_sampler.py -p no:cacheprovider --timeout 240 --durations=15 ;;
-    hostile)  # structured-output constraints sent to hurt: victims' gaps, a compile flood's TTFT, SIGTERM; the CPU tiny
-      # model on this host's 16 cores (a core each for the engine, the gRPC process and both clients), then the 1B shape
-      # on cuda with 16 victims (run gen-1b first)
-      run hostile-cpu 280 python3 bench/hostile_constraints.py --repeat 3 --memory-constraints 100 --server-args "--device cpu"
+    hostile)  # structured-output constraints sent to hurt: victims' gaps, a compile flood's TTFT, memory, SIGTERM; the CPU
+      # tiny model on this host's 16 cores (a core each for the engine, the gRPC process and both clients)
+      run hostile-cpu 280 python3 bench/hostile_constraints.py --repeat 3 --memory-constraints 100 --server-args "--device cpu" ;;
+    hostile-cuda)  # the same gaps and flood on the 1B shape on cuda, 16 victims (run gen-1b first)
       run hostile-cuda 280 python3 bench/hostile_constraints.py --model builtin:llama-1b --cache-dir .cache/models \
         --scenarios gaps,flood --repeat 3 --victims 16 --victim-tokens 500 --server-args "--device cuda" ;;
     stall) run capture-stall 150 python3 bench/capture_stall_bench.py $M --random-init ;;
