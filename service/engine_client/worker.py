@@ -250,6 +250,9 @@ def worker_main(conn: Any, parent_pid: int) -> None:
     in the gRPC process: this one may start after that process died (and was re-parented), so its own
     os.getppid() would not tell."""
     startup.record()
+    from service.engine.grammar_threads import limit_malloc_arenas
+
+    limit_malloc_arenas()  # before any thread starts, each of which would get an arena of its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     shorten_switch_interval()  # the pipe reader must not wait 5 ms behind the engine thread per request
