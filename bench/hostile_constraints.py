@@ -160,6 +160,7 @@ def send(stub: Any, sampling: pb.SamplingParams, max_tokens: int = 40, text: str
         out["status"] = e.code().name
         out["details"] = e.details()[:200]
     out["seconds"] = time.monotonic() - t
+    out["sent_at"], out["done_at"] = t, t + out["seconds"]  # CLOCK_MONOTONIC: one clock for every process here
     out["tokens"] = len(ids)
     return out
 
@@ -184,9 +185,10 @@ def violates(kind: str, sampling: pb.SamplingParams, result: dict[str, Any]) -> 
     return False
 
 
-def victim(stub: Any, tokens: int, out: list[float]) -> None:
-    """One greedy stream, a message per token; appends its gaps (seconds) to out."""
-    last = None
+def victim(stub: Any, tokens: int, out: list[float], span: list[tuple[float, float]]) -> None:
+    """One greedy stream, a message per token; appends its gaps (seconds) to out and (first, last)
+    message times to span."""
+    first = last = None
     req = pb.GenerateRequest(text="a story about the sea", sampling=pb.SamplingParams(temperature=0.0),
                              stopping=pb.StoppingCriteria(max_tokens=tokens, ignore_eos=True))
     for r in stub.Generate(req, timeout=300):
@@ -194,16 +196,28 @@ def victim(stub: Any, tokens: int, out: list[float]) -> None:
             now = time.monotonic()
             if last is not None:
                 out.append(now - last)
-            last = now
+            first, last = first or now, now
+    span.append((first, last))
 
 
 # ---- the hostile client: a process of its own ----------------------------------------------------
 # The hostile requests come from another process, as another user's would: building and encoding a
 # 150,000-entry choice list in the victims' process would hold its GIL and show up as victims' gaps.
 
-def _hostile_sender(port: int, indices: list[int], stagger_s: float, results: Any) -> None:
-    """Sends hostile_sampling(i) for each i, one thread each, stagger_s apart; puts [(i, result)]."""
-    stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+def _connected(port: int, ready: Any) -> Any:
+    """A stub on a connected channel; sets ready. The process's start (its imports: seconds where
+    torch loads CUDA's libraries) must not eat into the window it is measured in."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    grpc.channel_ready_future(channel).result(timeout=60)
+    ready.set()
+    return inference_pb2_grpc.InferenceStub(channel)
+
+
+def _hostile_sender(port: int, indices: list[int], stagger_s: float, go: Any, ready: Any, results: Any) -> None:
+    """Once go is set, sends hostile_sampling(i) for each i, one thread each, stagger_s apart; puts
+    [(i, result)]."""
+    stub = _connected(port, ready)
+    go.wait()
     out: list[tuple[int, dict[str, Any]]] = []
 
     def one(i: int) -> None:
@@ -219,16 +233,17 @@ def _hostile_sender(port: int, indices: list[int], stagger_s: float, results: An
     results.put(out)
 
 
-def _flooder(port: int, flood: int, stop: Any, results: Any) -> None:
+def _flooder(port: int, flood: int, stop: Any, ready: Any, results: Any) -> None:
     """flood threads, each sending distinct hostile constraints one after another until stop is set;
-    puts their statuses."""
-    stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-    statuses: Counter = Counter()
+    puts [(sent_at, done_at, status)] of every request."""
+    stub = _connected(port, ready)
+    sent: list[tuple[float, float, str]] = []
 
     def one(k: int) -> None:
         i = k
         while not stop.is_set():
-            statuses[send(stub, hostile_sampling(i)[1])["status"]] += 1
+            r = send(stub, hostile_sampling(i)[1])
+            sent.append((r["sent_at"], r["done_at"], r["status"]))
             i += flood
 
     threads = [threading.Thread(target=one, args=(k,)) for k in range(flood)]
@@ -236,14 +251,18 @@ def _flooder(port: int, flood: int, stop: Any, results: Any) -> None:
         t.start()
     for t in threads:
         t.join()
-    results.put(dict(statuses))
+    results.put(sent)
 
 
 def _spawn(target: Any, *args: Any) -> tuple[Any, Any]:
+    """Starts target(*args, ready, results) in a process of its own and waits until it is connected
+    (sets ready); returns (process, results queue)."""
     ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    proc = ctx.Process(target=target, args=(*args, results), daemon=True)
+    results, ready = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=target, args=(*args, ready, results), daemon=True)
     proc.start()
+    if not ready.wait(120):
+        raise RuntimeError("the hostile client did not connect within 120 s")
     return proc, results
 
 
@@ -255,19 +274,28 @@ def gap_run(args: argparse.Namespace, log_dir: pathlib.Path, hostile: bool) -> d
         stub = inference_pb2_grpc.InferenceStub(server.channel)
         send(stub, pb.SamplingParams(temperature=0.0), 8)  # warm
         gaps: list[list[float]] = [[] for _ in range(args.victims)]
-        threads = [threading.Thread(target=victim, args=(stub, args.victim_tokens, g)) for g in gaps]
+        spans: list[tuple[float, float]] = []
+        threads = [threading.Thread(target=victim, args=(stub, args.victim_tokens, g, spans)) for g in gaps]
+        if hostile:  # connected before the victims start, so that its requests land while they stream
+            go = multiprocessing.get_context("spawn").Event()
+            proc, queue = _spawn(_hostile_sender, server.port, list(range(args.hostile)), 0.05, go)
         for t in threads:
             t.start()
         time.sleep(0.3)
         results: list[tuple[str, pb.SamplingParams, dict[str, Any]]] = []
         if hostile:
-            proc, queue = _spawn(_hostile_sender, server.port, list(range(args.hostile)), 0.05)
+            go.set()
             results = [(*hostile_sampling(i), r) for i, r in queue.get(timeout=300)]
             proc.join()
         for t in threads:
             t.join()
         every = [g for gs in gaps for g in gs]
+        streaming = (max(a for a, _ in spans), min(b for _, b in spans))  # every victim streaming
         return {
+            "victims_streaming_s": round(streaming[1] - streaming[0], 2),
+            # a hostile request counts once it was sent while every victim streamed; the gaps mean
+            # nothing if the victims ended first
+            "hostile_sent_while_streaming": sum(streaming[0] <= r["sent_at"] <= streaming[1] for _, _, r in results),
             "hostile": hostile,
             "victim_max_gap_ms": round(max(every) * 1000, 1),
             "victim_p99_gap_ms": round(percentile(every, 99) * 1000, 2),
@@ -317,6 +345,7 @@ def memory_run(args: argparse.Namespace, log_dir: pathlib.Path) -> dict[str, Any
         return {"constraints": args.memory_constraints, "engine_rss_start_mb": round(start, 1),
                 "engine_rss_peak_mb": round(peak, 1), "engine_rss_end_mb": round(after, 1),
                 "engine_rss_settled_mb": round(settled, 1), "growth_mb": round(settled - start, 1),
+                "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX"),  # an operator's cap (else the engine's: 2)
                 "statuses": dict(statuses)}
     finally:
         server.stop()
@@ -331,18 +360,23 @@ def flood_run(args: argparse.Namespace, log_dir: pathlib.Path) -> dict[str, Any]
         alone = [send(stub, plain, 4, text="hello there")["first_token_s"] for _ in range(10)]
         stop = multiprocessing.get_context("spawn").Event()
         proc, queue = _spawn(_flooder, server.port, args.flood, stop)
-        time.sleep(3.0)  # the flooding process started and its compiles under way
+        time.sleep(3.0)  # the flood's compiles under way
+        window = time.monotonic()
         loaded = [send(stub, plain, 4, text="hello there")["first_token_s"] for _ in range(10)]
+        window = (window, time.monotonic())
         stop.set()
-        statuses = queue.get(timeout=300)
+        sent = queue.get(timeout=300)
         proc.join()
+        statuses = dict(Counter(status for _, _, status in sent))
+        # hostile requests in flight at some point of the measured window: 0 would mean no flood
+        overlapping = sum(a < window[1] and b > window[0] for a, b, _ in sent)
         return {"flood": args.flood, "ttft_alone_ms": [round(x * 1000, 1) for x in alone],
                 "ttft_flood_ms": [round(x * 1000, 1) for x in loaded],
                 "ttft_alone_p50_ms": round(statistics.median(alone) * 1000, 1),
                 "ttft_flood_p50_ms": round(statistics.median(loaded) * 1000, 1),
                 "ttft_flood_max_ms": round(max(loaded) * 1000, 1),
                 "ratio_p50": round(statistics.median(loaded) / statistics.median(alone), 2),
-                "statuses": dict(statuses)}
+                "hostile_in_flight_while_measured": overlapping, "statuses": statuses}
     finally:
         server.stop()
 
@@ -382,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                  "attacked max / p99 gap ms": f"{r['attacked']['victim_max_gap_ms']} / {r['attacked']['victim_p99_gap_ms']}",
                  "TPOT p50 ms alone / attacked": f"{r['alone']['victim_p50_gap_ms']} / {r['attacked']['victim_p50_gap_ms']}",
                  "hostile statuses": json.dumps(r["attacked"]["statuses"]), "violations": r["attacked"]["violations"],
+                 "sent while all streamed": f"{r['attacked']['hostile_sent_while_streaming']}/{args.hostile}",
                  "serving after": r["attacked"]["serving_after"]} for r in runs]
         print_table(rows, list(rows[0]), title=f"victim streams ({args.victims} x {args.victim_tokens} tokens) "
                                                f"alone and while {args.hostile} hostile constraints arrive")
@@ -391,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({memory['statuses']})")
     if flood:
         print(f"flood: TTFT p50 {flood['ttft_alone_p50_ms']} ms alone, {flood['ttft_flood_p50_ms']} ms (max "
-              f"{flood['ttft_flood_max_ms']}) under {flood['flood']} concurrent hostile compiles ({flood['statuses']})")
+              f"{flood['ttft_flood_max_ms']}) under {flood['flood']} concurrent hostile compiles ({flood['statuses']}; "
+              f"{flood['hostile_in_flight_while_measured']} in flight while measured)")
     if shutdown:
         print(f"shutdown: exit {shutdown['exit_s']} s after SIGTERM (code {shutdown['exit_code']}; bound "
               f"{shutdown['within_s']} s)")
