@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--flood", type=int, default=12, help="concurrent hostile compiles in the flood")
     p.add_argument("--server-args", default="", help="extra flags for graphserve serve")
     p.add_argument("--scenarios", default="gaps,memory,flood,shutdown", help="which scenarios to run")
+    p.add_argument("--hostile-nice", type=int, default=0,
+                   help="the hostile client's niceness: 19 stands in for a client on another host, whose CPU is not "
+                        "the server's (on a 2-core machine the client building a 150,000-entry list takes a core)")
     return p.parse_args(argv)
 
 
@@ -207,6 +210,7 @@ def victim(stub: Any, tokens: int, out: list[float], span: list[tuple[float, flo
 def _connected(port: int, ready: Any) -> Any:
     """A stub on a connected channel; sets ready. The process's start (its imports: seconds where
     torch loads CUDA's libraries) must not eat into the window it is measured in."""
+    os.nice(int(os.environ.get("HOSTILE_CLIENT_NICE", "0")))
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     grpc.channel_ready_future(channel).result(timeout=60)
     ready.set()
@@ -401,6 +405,7 @@ def shutdown_run(args: argparse.Namespace, log_dir: pathlib.Path) -> dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    os.environ["HOSTILE_CLIENT_NICE"] = str(args.hostile_nice)  # read by the spawned hostile clients
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="hostile-constraints-"))
     which = set(args.scenarios.split(","))
     runs = []
