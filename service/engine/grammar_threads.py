@@ -58,11 +58,12 @@ class WorkerThreads:
                 thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def lower_priority(niceness: int = 10) -> None:
-    """Lower the calling thread's scheduling priority (Linux: a thread has its own nice value), so
-    that compiles give the CPU to the threads that serve streams. Best effort."""
+def lower_priority(niceness: int = 10, native_id: int | None = None) -> None:
+    """Lower a thread's scheduling priority (Linux: a thread has its own nice value; native_id: the
+    calling thread's by default), so that compiles give the CPU to the threads that serve streams.
+    Best effort."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id() if native_id is None else native_id, niceness)
     except (AttributeError, OSError):
         pass
 

@@ -4,9 +4,9 @@ The engine thread hands over the step's constrained rows and waits; workers take
 (the library releases the GIL while it computes a mask), so rows fill in parallel and a slow row
 holds up only its own worker. A row that uses more than its budget of CPU is failed and abandoned:
 the engine goes on with the step, the request ends with an error, and the worker, which cannot be
-interrupted inside the library, finishes unobserved and exits while a new one takes its place. So a
-constraint that turns expensive mid-stream (a lexer that blows up on a later token) costs the other
-streams at most one budget, once.
+interrupted inside the library, finishes unobserved at the lowest priority and exits while a new
+one takes its place. So a constraint that turns expensive mid-stream (a lexer that blows up on a
+later token) costs the other streams at most one budget, once.
 
 A row that stays just under that budget step after step would slow every step of every stream as
 much, so each matcher also keeps a CPU account: every fill earns a quarter of the budget and costs
@@ -26,11 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
-from service.engine.grammar_threads import WorkerThreads, thread_cpu_seconds
+from service.engine.grammar_threads import WorkerThreads, lower_priority, thread_cpu_seconds
 from service.engine.structured import Matcher, allocate_bitmask
 
 _QUEUED, _RUNNING, _DONE, _FAILED = range(4)
 _WALL_FACTOR = 10  # a row may take this many times its CPU budget in wall time (a busy host) before it fails
+# An abandoned thread's fill is thrown away when it returns: it gets only CPU that nothing else wants.
+# At the default priority it took a core from the engine thread (steps of 13 ms took 25-48 ms on 2 cores).
+_ABANDONED_NICENESS = 19
 
 
 @dataclass(eq=False)
@@ -38,6 +41,7 @@ class _Row:
     matcher: Matcher
     state: int = _QUEUED
     thread: int = 0
+    native_thread: int = 0  # the thread's id for the scheduler (its priority)
     start_cpu: float = 0.0
     started_at: float = 0.0
     error: str | None = None  # the fill raised
@@ -98,6 +102,7 @@ class MaskFiller:
                                      "(--constraint-mask-timeout-ms): simplify the constraint")
                         self._workers -= 1
                         self._abandoned += 1
+                        lower_priority(_ABANDONED_NICENESS, row.native_thread)
                         if self._abandoned <= self.max_abandoned:
                             self._spawn()  # the abandoned thread leaves when its row returns
                 if self._workers == 0 and step.next < len(step.rows):  # every thread stuck: nobody left to fill
@@ -140,11 +145,11 @@ class MaskFiller:
 
     def _take_rows(self) -> None:
         scratch = allocate_bitmask(1, self.vocab_size, pin=False)
-        ident = threading.get_ident()
-        while self._fill_one(scratch, ident):
+        ident, native = threading.get_ident(), threading.get_native_id()
+        while self._fill_one(scratch, ident, native):
             pass
 
-    def _fill_one(self, scratch: torch.Tensor, ident: int) -> bool:
+    def _fill_one(self, scratch: torch.Tensor, ident: int, native: int) -> bool:
         """Take and fill one row; False when this thread is to end. (A call per row: nothing of the
         row, its matcher above all, stays referenced while the thread waits for the next.)"""
         with self._cond:
@@ -159,7 +164,7 @@ class MaskFiller:
             i = step.next
             step.next += 1
             row = step.rows[i]
-            row.state, row.thread, row.started_at = _RUNNING, ident, time.monotonic()
+            row.state, row.thread, row.native_thread, row.started_at = _RUNNING, ident, native, time.monotonic()
             row.start_cpu = thread_cpu_seconds(ident)
         error = None
         try:

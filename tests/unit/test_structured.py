@@ -6,6 +6,7 @@ so that it terminates, but it still picks arbitrary allowed tokens, multi-byte o
 """
 
 import json
+import os
 import random
 import re
 import threading
@@ -262,6 +263,40 @@ def test_mask_filler_equals_row_by_row(compiler, tok) -> None:  # noqa: ANN001
         m.fill_bitmask(one, 0)
         assert torch.equal(batch[i], one[0])
     assert bool((batch[4:] == -1).all())  # rows past the step's are untouched
+
+
+def _niceness_of_threads() -> dict[int, int]:
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            out[int(tid)] = os.getpriority(os.PRIO_PROCESS, int(tid))
+        except OSError:  # the thread ended meanwhile
+            pass
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux: a thread has its own nice value")
+def test_a_row_over_its_budget_fails_and_its_worker_yields_the_cpu(compiler, tok) -> None:  # noqa: ANN001
+    """A row whose mask takes longer than the step's budget fails and the step goes on; the worker
+    left computing it (the library cannot be interrupted) runs at the lowest priority: its result is
+    thrown away, and at the default priority it took a core from the engine thread."""
+    slow = compiler.matcher(Constraint("regex", "p{1000}{1300}"))  # its first mask: ~150 ms of CPU
+    cheap = compiler.matcher(Constraint("choice", ("red", "green")))
+    before = _niceness_of_threads()
+    filler = MaskFiller(compiler.vocab_size, workers=2, budget_ms=5)
+    try:
+        batch = allocate_bitmask(2, compiler.vocab_size, pin=False)
+        failed = filler.fill([slow, cheap], batch)
+        niceness = _niceness_of_threads()  # the abandoned worker is still inside the library
+    finally:
+        filler.close()
+    assert list(failed) == [0] and "--constraint-mask-timeout-ms" in failed[0]
+    assert bool((batch[0] == -1).all())  # the failed row allows every token; its token is discarded
+    one = allocate_bitmask(1, compiler.vocab_size, pin=False)
+    cheap.fill_bitmask(one, 0)
+    assert torch.equal(batch[1], one[0])
+    workers = [n for tid, n in niceness.items() if tid not in before]  # two, and the one that took a place
+    assert sorted(workers) == [0, 0, 19], niceness
 
 
 def _reference_apply(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
