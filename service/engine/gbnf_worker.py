@@ -7,13 +7,15 @@ a request is the GBNF text; a reply starts with "1" (the Lark text follows) or "
 
 from __future__ import annotations
 
+import os
 import sys
 
 
 def main() -> None:
-    import os
-
-    os.nice(10)  # as the engine's compile threads: the threads that serve streams come first
+    try:  # as the engine's compile threads (grammar_threads.run_when_idle): streams come first
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
     from llguidance.gbnf_to_lark import any_to_lark
 
     inp, out = sys.stdin.buffer, sys.stdout.buffer

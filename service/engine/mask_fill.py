@@ -4,7 +4,7 @@ The engine thread hands over the step's constrained rows and waits; workers take
 (the library releases the GIL while it computes a mask), so rows fill in parallel and a slow row
 holds up only its own worker. A row that uses more than its budget of CPU is failed and abandoned:
 the engine goes on with the step, the request ends with an error, and the worker, which cannot be
-interrupted inside the library, finishes unobserved at the lowest priority and exits while a new
+interrupted inside the library, finishes unobserved at the idle priority and exits while a new
 one takes its place. So a constraint that turns expensive mid-stream (a lexer that blows up on a
 later token) costs the other streams at most one budget, once.
 
@@ -26,14 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from service.engine.grammar_threads import WorkerThreads, lower_priority, thread_cpu_seconds
+from service.engine.grammar_threads import WorkerThreads, run_when_idle, thread_cpu_seconds
 from service.engine.structured import Matcher, allocate_bitmask
 
 _QUEUED, _RUNNING, _DONE, _FAILED = range(4)
 _WALL_FACTOR = 10  # a row may take this many times its CPU budget in wall time (a busy host) before it fails
-# An abandoned thread's fill is thrown away when it returns: it gets only CPU that nothing else wants.
-# At the default priority it took a core from the engine thread (steps of 13 ms took 25-48 ms on 2 cores).
-_ABANDONED_NICENESS = 19
 
 
 @dataclass(eq=False)
@@ -102,7 +99,7 @@ class MaskFiller:
                                      "(--constraint-mask-timeout-ms): simplify the constraint")
                         self._workers -= 1
                         self._abandoned += 1
-                        lower_priority(_ABANDONED_NICENESS, row.native_thread)
+                        run_when_idle(row.native_thread)  # its fill is thrown away when it returns
                         if self._abandoned <= self.max_abandoned:
                             self._spawn()  # the abandoned thread leaves when its row returns
                 if self._workers == 0 and step.next < len(step.rows):  # every thread stuck: nobody left to fill

@@ -265,29 +265,29 @@ def test_mask_filler_equals_row_by_row(compiler, tok) -> None:  # noqa: ANN001
     assert bool((batch[4:] == -1).all())  # rows past the step's are untouched
 
 
-def _niceness_of_threads() -> dict[int, int]:
+def _policies_of_threads() -> dict[int, int]:
     out = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            out[int(tid)] = os.getpriority(os.PRIO_PROCESS, int(tid))
+            out[int(tid)] = os.sched_getscheduler(int(tid))
         except OSError:  # the thread ended meanwhile
             pass
     return out
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux: a thread has its own nice value")
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux: a thread has its own scheduling policy")
 def test_a_row_over_its_budget_fails_and_its_worker_yields_the_cpu(compiler, tok) -> None:  # noqa: ANN001
     """A row whose mask takes longer than the step's budget fails and the step goes on; the worker
-    left computing it (the library cannot be interrupted) runs at the lowest priority: its result is
-    thrown away, and at the default priority it took a core from the engine thread."""
+    left computing it (the library cannot be interrupted) runs at the idle priority: its result is
+    thrown away, and at the default priority it competed with the engine thread for a core."""
     slow = compiler.matcher(Constraint("regex", "p{1000}{1300}"))  # its first mask: ~150 ms of CPU
     cheap = compiler.matcher(Constraint("choice", ("red", "green")))
-    before = _niceness_of_threads()
+    before = _policies_of_threads()
     filler = MaskFiller(compiler.vocab_size, workers=2, budget_ms=5)
     try:
         batch = allocate_bitmask(2, compiler.vocab_size, pin=False)
         failed = filler.fill([slow, cheap], batch)
-        niceness = _niceness_of_threads()  # the abandoned worker is still inside the library
+        policies = _policies_of_threads()  # the abandoned worker is still inside the library
     finally:
         filler.close()
     assert list(failed) == [0] and "--constraint-mask-timeout-ms" in failed[0]
@@ -295,8 +295,26 @@ def test_a_row_over_its_budget_fails_and_its_worker_yields_the_cpu(compiler, tok
     one = allocate_bitmask(1, compiler.vocab_size, pin=False)
     cheap.fill_bitmask(one, 0)
     assert torch.equal(batch[1], one[0])
-    workers = [n for tid, n in niceness.items() if tid not in before]  # two, and the one that took a place
-    assert sorted(workers) == [0, 0, 19], niceness
+    workers = [policy for tid, policy in policies.items() if tid not in before]  # two, and one in a place
+    assert sorted(workers) == sorted([os.SCHED_OTHER, os.SCHED_OTHER, os.SCHED_IDLE]), policies
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux: a thread has its own scheduling policy")
+def test_compiles_run_at_the_idle_priority(compiler) -> None:  # noqa: ANN001
+    """Compiles and first masks (a hostile regex's: ~150 ms of CPU) take only CPU time that nothing
+    else wants: at nice 10 one kept a core of two while the engine thread waited for the other."""
+    from service.engine.constraint_prepare import ConstraintPreparer
+
+    before = _policies_of_threads()
+    preparer = ConstraintPreparer(compiler, ConstraintLimits(), workers=2)
+    try:
+        m = preparer.prepare_now(Constraint("regex", "[ab]{3}"))
+        policies = _policies_of_threads()
+    finally:
+        preparer.close()
+    assert isinstance(m, Matcher)
+    new = [policy for tid, policy in policies.items() if tid not in before]  # two workers and a watcher
+    assert sorted(new) == sorted([os.SCHED_IDLE, os.SCHED_IDLE, os.SCHED_OTHER]), policies
 
 
 def _reference_apply(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
