@@ -97,9 +97,9 @@ for part in "$@"; do
     hostile)  # structured-output constraints sent to hurt: victims' gaps, a compile flood's TTFT, memory, SIGTERM; the CPU
       # tiny model on this host's 16 cores (a core each for the engine, the gRPC process and both clients)
       run hostile-cpu 280 python3 bench/hostile_constraints.py --repeat 3 --memory-constraints 100 --server-args "--device cpu" ;;
-    hostile-cuda)  # the same gaps and flood on the 1B shape on cuda, 16 victims (run gen-1b first)
+    hostile-cuda)  # the same gaps and flood on the 1B shape on cuda, 16 victims of ~3 s (run gen-1b first)
       run hostile-cuda 280 python3 bench/hostile_constraints.py --model builtin:llama-1b --cache-dir .cache/models \
-        --scenarios gaps,flood --repeat 3 --victims 16 --victim-tokens 500 --server-args "--device cuda" ;;
+        --scenarios gaps,flood --repeat 3 --victims 16 --victim-tokens 1000 --server-args "--device cuda" ;;
     stall) run capture-stall 150 python3 bench/capture_stall_bench.py $M --random-init ;;
     prefill) run prefill 120 python3 bench/prefill_bench.py $M --random-init ;;
     decode) run decode 90 python3 bench/decode_bench.py $M --random-init --batches 1,64,256 --no-anchors --no-plot ;;
