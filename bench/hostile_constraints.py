@@ -207,20 +207,22 @@ def victim(stub: Any, tokens: int, out: list[float], span: list[tuple[float, flo
 # The hostile requests come from another process, as another user's would: building and encoding a
 # 150,000-entry choice list in the victims' process would hold its GIL and show up as victims' gaps.
 
-def _connected(port: int, ready: Any) -> Any:
-    """A stub on a connected channel; sets ready. The process's start (its imports: seconds where
-    torch loads CUDA's libraries) must not eat into the window it is measured in."""
-    os.nice(int(os.environ.get("HOSTILE_CLIENT_NICE", "0")))
+def _connected(port: int, nice: int, ready: Any) -> Any:
+    """A stub on a connected channel, this process at niceness nice; sets ready. The process's start
+    (its imports: seconds where torch loads CUDA's libraries) must not eat into the window it is
+    measured in."""
+    os.nice(nice)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     grpc.channel_ready_future(channel).result(timeout=60)
     ready.set()
     return inference_pb2_grpc.InferenceStub(channel)
 
 
-def _hostile_sender(port: int, indices: list[int], stagger_s: float, go: Any, ready: Any, results: Any) -> None:
+def _hostile_sender(port: int, nice: int, indices: list[int], stagger_s: float, go: Any, ready: Any,
+                    results: Any) -> None:
     """Once go is set, sends hostile_sampling(i) for each i, one thread each, stagger_s apart; puts
     [(i, result)]."""
-    stub = _connected(port, ready)
+    stub = _connected(port, nice, ready)
     go.wait()
     out: list[tuple[int, dict[str, Any]]] = []
 
@@ -237,10 +239,10 @@ def _hostile_sender(port: int, indices: list[int], stagger_s: float, go: Any, re
     results.put(out)
 
 
-def _flooder(port: int, flood: int, stop: Any, ready: Any, results: Any) -> None:
+def _flooder(port: int, nice: int, flood: int, stop: Any, ready: Any, results: Any) -> None:
     """flood threads, each sending distinct hostile constraints one after another until stop is set;
     puts [(sent_at, done_at, status)] of every request."""
-    stub = _connected(port, ready)
+    stub = _connected(port, nice, ready)
     sent: list[tuple[float, float, str]] = []
 
     def one(k: int) -> None:
@@ -282,7 +284,7 @@ def gap_run(args: argparse.Namespace, log_dir: pathlib.Path, hostile: bool) -> d
         threads = [threading.Thread(target=victim, args=(stub, args.victim_tokens, g, spans)) for g in gaps]
         if hostile:  # connected before the victims start, so that its requests land while they stream
             go = multiprocessing.get_context("spawn").Event()
-            proc, queue = _spawn(_hostile_sender, server.port, list(range(args.hostile)), 0.05, go)
+            proc, queue = _spawn(_hostile_sender, server.port, args.hostile_nice, list(range(args.hostile)), 0.05, go)
         for t in threads:
             t.start()
         time.sleep(0.3)
@@ -366,11 +368,11 @@ def flood_run(args: argparse.Namespace, log_dir: pathlib.Path) -> dict[str, Any]
         send(stub, plain, 4)
         alone = [send(stub, plain, 4, text="hello there")["first_token_s"] for _ in range(10)]
         stop = multiprocessing.get_context("spawn").Event()
-        proc, queue = _spawn(_flooder, server.port, args.flood, stop)
+        proc, queue = _spawn(_flooder, server.port, args.hostile_nice, args.flood, stop)
         time.sleep(3.0)  # the flood's compiles under way
-        window = time.monotonic()
+        start = time.monotonic()
         loaded = [send(stub, plain, 4, text="hello there")["first_token_s"] for _ in range(10)]
-        window = (window, time.monotonic())
+        window = (start, time.monotonic())
         stop.set()
         sent = queue.get(timeout=300)
         proc.join()
@@ -408,7 +410,6 @@ def shutdown_run(args: argparse.Namespace, log_dir: pathlib.Path) -> dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ["HOSTILE_CLIENT_NICE"] = str(args.hostile_nice)  # read by the spawned hostile clients
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="hostile-constraints-"))
     which = set(args.scenarios.split(","))
     runs = []

@@ -103,7 +103,7 @@ def grammar_rows(args: argparse.Namespace, device: torch.device, logits: torch.T
     prepares it), and applying them on the device."""
     from transformers import AutoTokenizer
 
-    from service.engine.constraints import host_cpus
+    from service.engine.constraints import mask_workers
     from service.engine.mask_fill import MaskFiller
     from service.engine.structured import GrammarCompiler, allocate_bitmask
     from service.model.builtin import BUILTIN_SHAPES, write_tokenizer
@@ -121,7 +121,7 @@ def grammar_rows(args: argparse.Namespace, device: torch.device, logits: torch.T
             m.accept(token)
     masks = allocate_bitmask(args.batch, args.vocab, pin=device.type == "cuda")
     rows_t = torch.arange(args.batch, device=device)
-    workers = min(4, host_cpus())  # as the engine sizes its mask workers
+    workers = mask_workers()
     filler = MaskFiller(args.vocab, workers=workers, budget_ms=1000)
 
     def fill_ms(pooled: bool) -> float:

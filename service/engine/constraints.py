@@ -34,6 +34,12 @@ def trimmer() -> MemoryTrimmer:
         return _trimmer
 
 
+def mask_workers() -> int:
+    """Mask workers for a step's constrained rows: masks are on every step's path, so as many as
+    CPUs, 4 at most."""
+    return min(4, host_cpus())
+
+
 def host_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -49,10 +55,10 @@ class Constraints:
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids, limits=self.limits,
                                         on_free=trimmer().request)
         # Compiles run at the idle priority and on at most half the CPUs: a flood of them must leave the
-        # threads that serve streams a core. Masks are on every step's path: as many workers as CPUs (4 at most).
+        # threads that serve streams a core.
         self.preparer = ConstraintPreparer(self.compiler, self.limits, workers=max(1, cpus // 2),
                                            on_huge_freed=trimmer().request)
-        self.masks = MaskFiller(vocab_size, workers=min(4, cpus), budget_ms=self.limits.constraint_mask_timeout_ms,
+        self.masks = MaskFiller(vocab_size, workers=mask_workers(), budget_ms=self.limits.constraint_mask_timeout_ms,
                                 on_abandoned_done=trimmer().request)
 
     def failed(self, c: Constraint) -> None:
