@@ -38,6 +38,9 @@ class _Runner:
     def take_failed_constraints(self) -> list:
         return []
 
+    def take_sat_out(self) -> list:
+        return []
+
 
 class _Sink:
     __slots__ = ("key",)

@@ -129,7 +129,7 @@ def grammar_rows(args: argparse.Namespace, device: torch.device, logits: torch.T
         for _ in range(30):
             t0 = time.perf_counter()
             if pooled:
-                assert not filler.fill(matchers, masks)
+                assert filler.fill(matchers, masks) == ({}, [])
             else:
                 for i, m in enumerate(matchers):
                     m.fill_bitmask(masks, i)

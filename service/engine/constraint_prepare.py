@@ -198,6 +198,7 @@ class ConstraintPreparer:
         kept = cpu <= self.budget / 4 and self.compiler.keep(c, proto, nbytes)
         if not kept:
             matcher = self.compiler.new_matcher(proto, huge=True)  # its memory goes back when it is garbage
+        matcher.keep_mask(scratch, 0)  # the engine's first fill copies it (the same position)
         self.stats.prepared += 1
         self.stats.seconds = self.stats.seconds[-255:] + [cpu]
         if cpu > self.budget / 4 or not kept:

@@ -49,6 +49,8 @@ class _InFlight:
     launched: Any  # the runner's handle
     # Speculative decoding: the draft of each verify row (its 1 + k tokens follow each other).
     drafts: dict[Sequence, tuple[int, ...]] | None = None
+    # Decodes whose grammar mask was not ready (mask_fill.py): their tokens are void.
+    sat_out: frozenset[Sequence] = frozenset()
 
 
 class Engine:
@@ -85,7 +87,10 @@ class Engine:
         self.spec_stats = SpecDecodeStats()  # speculative decoding's totals since start
         self._in_flight: _InFlight | None = None  # launched, not yet collected (overlap only)
         self._stalled = False  # the last step ran nothing, had nothing in flight and ended nothing
+        self._mask_ready = False  # a grammar mask a sequence waited for is done (it can run again)
         self._cond = threading.Condition()
+        if constraints is not None:
+            constraints.masks.on_ready = self._on_mask_ready
         # Requests are known inside the engine by a key unique to this submit, not by the client's
         # request id: a client may cancel and resubmit the same id before the engine has seen the abort.
         self._keys = itertools.count()
@@ -221,6 +226,12 @@ class Engine:
             self._cond.notify()
         return future
 
+    def _on_mask_ready(self) -> None:
+        """A grammar worker finished a mask that a sequence waited for (mask_fill.py)."""
+        with self._cond:
+            self._mask_ready = True
+            self._cond.notify()
+
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
             self._stopping = True
@@ -238,7 +249,8 @@ class Engine:
                     # Work that the last step could not run (every slot held by a paused sequence, a
                     # request waiting behind them) waits for what can change that, not a spin.
                     while not (self._stopping or self._inbox or self._aborts or self._pauses or self._calls
-                               or (self.scheduler.has_work() and not self._stalled) or self._in_flight):
+                               or (self.scheduler.has_work() and not self._stalled) or self._in_flight
+                               or self._mask_ready):
                         if not self.scheduler.has_work():
                             self.last_progress = time.monotonic()  # idle is not stuck
                         self._cond.wait(timeout=0.5)
@@ -247,6 +259,7 @@ class Engine:
                     if self._stopping:
                         self._fail_all("the server is shutting down")
                         break
+                    self._mask_ready = False  # set again if one is done while this step runs
                     inbox, self._inbox = self._inbox, []
                     aborts, self._aborts = self._aborts, []
                     pauses, self._pauses = self._pauses, []
@@ -324,10 +337,14 @@ class Engine:
                 handle = self.runner.launch(scheduled, before_sampling=read_in_flight)
             else:
                 handle = self.runner.launch(scheduled)
-            launched = _InFlight(seqs, handle, {v.seq: v.draft for v in scheduled.verifies} or None)
+            launched = _InFlight(seqs, handle, {v.seq: v.draft for v in scheduled.verifies} or None,
+                                 frozenset(self.runner.take_sat_out()))
             self._fail_constraints(self.runner.take_failed_constraints(), now, events)
             for seq in seqs:
-                seq.num_pending += 1
+                if seq in launched.sat_out:  # its token is void: the position is computed again next step
+                    self.scheduler.rejected(seq, 1)
+                else:
+                    seq.num_pending += 1
         launched_at = time.monotonic()
         if self.overlap:
             launched, self._in_flight = self._in_flight, launched
@@ -377,6 +394,8 @@ class Engine:
         read: list[Sequence] = []
         if launched.drafts is None:
             for seq, token, token_logprobs in zip(launched.seqs, step.token_ids, logprobs, strict=True):
+                if seq in launched.sat_out:
+                    continue
                 seq.num_pending -= 1
                 self._read_token(seq, token, token_logprobs, now, events, read)
         else:
@@ -398,6 +417,8 @@ class Engine:
             targets = token_ids[at: at + 1 + len(draft)]
             rows = logprobs[at: at + 1 + len(draft)]
             at += 1 + len(draft)
+            if seq in launched.sat_out:  # a constrained decode (constrained sequences draft nothing)
+                continue
             seq.num_pending -= 1
             if draft:
                 accepted = accepted_length(draft, targets)

@@ -40,6 +40,11 @@ class Runner(Protocol):
         (their rows sampled anyway: those tokens are to be discarded)."""
         ...
 
+    def take_sat_out(self) -> list[Sequence]:
+        """The decodes whose grammar mask was not ready in the launches since the last call (their
+        rows sampled anyway: those tokens are void, and the positions are computed again)."""
+        ...
+
 
 class EngineObserver(Protocol):
     """Receives what the engine did, for metrics. Called on the engine thread."""

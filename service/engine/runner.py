@@ -143,6 +143,7 @@ class ModelRunner:
         self.masks = masks
         self._bitmask: torch.Tensor | None = None
         self._failed_constraints: list[tuple[Sequence, str]] = []
+        self._sat_out: list[Sequence] = []
         self._tokens_ready = (torch.cuda.Event(), torch.cuda.Event()) if on_cuda else None
         self._turn = 0
         # The latest launch's sampled tokens (on device), which the next one's pending rows feed back,
@@ -271,7 +272,7 @@ class ModelRunner:
             before_sampling()
         if not sampling:  # every chunk leaves part of its prompt for a later step
             return torch.zeros(0, dtype=torch.long, device=self.device), None, prompt
-        sampled = self._sample(logits, sampling, rows)
+        sampled = self._sample(logits, sampling, rows, step.decodes)
         return sampled.tokens, sampled.logprobs, prompt
 
     def forward(self, inputs: StepInputs, previous_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -348,19 +349,22 @@ class ModelRunner:
             rows.append(SampleRow(request.sampling, counter, slot_of(seq), banned))
         return rows
 
-    def _sample(self, logits: torch.Tensor, seqs: tuple[Sequence, ...], rows: list[SampleRow] | None) -> Sampled:
+    def _sample(self, logits: torch.Tensor, seqs: tuple[Sequence, ...], rows: list[SampleRow] | None,
+                decodes: tuple[Sequence, ...]) -> Sampled:
         """rows None: every row is plain greedy (SamplingBatch.greedy)."""
         batch = SamplingBatch.greedy() if rows is None else SamplingBatch.build(rows, self.device)
         constrained = [b for b, seq in enumerate(seqs) if seq.matcher is not None]
         if constrained:
-            batch.bitmask = self._masks(seqs, constrained)
+            batch.bitmask = self._masks(seqs, constrained, decodes)
         return sample(logits, batch, self._history)
 
-    def _masks(self, seqs: tuple[Sequence, ...], constrained: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _masks(self, seqs: tuple[Sequence, ...], constrained: list[int],
+               decodes: tuple[Sequence, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """The constrained rows and their grammar masks (copied to the device without a wait: the
         engine reads the step in flight before it samples a step with constrained rows, so every
         earlier step, and the copy from this buffer it made, is complete when it is refilled). A row
-        whose mask failed allows every token and is reported by take_failed_constraints."""
+        whose mask failed allows every token and is reported by take_failed_constraints; a decode
+        whose mask was not ready in time sits the step out (take_sat_out): its token is void."""
         from service.engine.structured import allocate_bitmask
 
         assert self.masks is not None, "a constrained request on a runner without a mask filler"
@@ -368,9 +372,22 @@ class ModelRunner:
             self._bitmask = allocate_bitmask(self._host_tokens.shape[1], self.loaded.spec.vocab_size,
                                              pin=self.device.type == "cuda")
         masks = self._bitmask[: len(constrained)]
-        failed = self.masks.fill([seqs[b].matcher for b in constrained], masks)
+        decoding = set(decodes)
+        failed, sat_out = self.masks.fill([seqs[b].matcher for b in constrained], masks,
+                                          [seqs[b] in decoding for b in constrained])
         self._failed_constraints += [(seqs[constrained[i]], why) for i, why in failed.items()]
+        for i in sat_out:
+            seq = seqs[constrained[i]]
+            self._sat_out.append(seq)
+            if self._history is not None and seq.request.sampling.penalized:
+                self._history.owner[slot_of(seq)] = None  # its void token is counted there: rebuilt next step
         return to_device(torch.tensor(constrained, dtype=torch.int64), self.device), masks
+
+    def take_sat_out(self) -> list[Sequence]:
+        """The decodes whose grammar mask was not ready in the launches since the last call: their
+        tokens are void, and each computes the same position again at its next step."""
+        sat_out, self._sat_out = self._sat_out, []
+        return sat_out
 
     def take_failed_constraints(self) -> list[tuple[Sequence, str]]:
         """The sequences whose grammar mask failed in the launches since the last call, and why."""

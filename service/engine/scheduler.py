@@ -183,7 +183,8 @@ class Scheduler:
             pending = seq.num_pending
             done = len(seq.completion_token_ids)
             if ((done or pending) and seq.num_prefilled_tokens >= seq.prefill_len and not seq.paused
-                    and done + pending < seq.request.sampling.max_tokens):
+                    and done + pending < seq.request.sampling.max_tokens
+                    and (seq.matcher is None or not seq.matcher.mask_pending)):  # its grammar mask is late
                 decodes.append(seq)
                 if seq.next_position() >= len(seq.block_ids) * block_size:
                     short.append(seq)
@@ -270,8 +271,9 @@ class Scheduler:
         self.rejected(seq, num_draft_tokens - num_accepted)
 
     def rejected(self, seq: Sequence, num_rejected: int) -> None:
-        """The last num_rejected draft positions of seq's verify row hold no token of seq's: its KV
-        there is dropped."""
+        """The last num_rejected positions computed for seq hold no token of seq's (a verify row's
+        rejected draft tokens; a decode's void token, whose grammar mask was not ready): its KV
+        there is dropped (the next steps compute those positions again)."""
         self.kv.roll_back(seq, num_rejected)
 
     # ---- internals -----------------------------------------------------------------------

@@ -58,14 +58,16 @@ def _check_row(bitmask: torch.Tensor, row: int, words: int) -> torch.Tensor:
 class Matcher:
     """One request's position in its grammar."""
 
-    __slots__ = ("_m", "_words", "_on_free", "cpu_debt")
+    __slots__ = ("_m", "_words", "_on_free", "_known_mask", "cpu_debt", "mask_row")
 
     def __init__(self, m: llguidance.LLMatcher, words: int, on_free: Callable[[], None] | None = None) -> None:
         """on_free: called when this matcher is garbage (one of a huge grammar: its memory can go back)."""
         self._m = m
         self._words = words
         self._on_free = on_free
+        self._known_mask: torch.Tensor | None = None  # the mask of the current position, computed already
         self.cpu_debt = 0.0  # the mask filler's CPU account of this matcher (mask_fill.py), seconds
+        self.mask_row: Any = None  # the mask filler's fill of this position, running since a step it sat out
 
     def __del__(self) -> None:
         if self._on_free is not None:
@@ -74,10 +76,27 @@ class Matcher:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the allowed next tokens into bitmask[row] (EOS once the grammar may end). Releases the GIL."""
         v = _check_row(bitmask, row, self._words)
+        if self._known_mask is not None:
+            v.copy_(self._known_mask)
+            return
         self._m.unsafe_compute_mask_ptr(v.data_ptr(), self._words * 4)
+
+    @property
+    def mask_pending(self) -> bool:
+        """The mask of this position is still being computed since a step it sat out: the sequence
+        waits (it is not scheduled) until it is done (mask_fill.py)."""
+        row = self.mask_row
+        return row is not None and row.error is None
+
+    def keep_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """bitmask[row] is this position's mask (filled by fill_bitmask): the next fill copies it
+        instead of computing it again, until the matcher moves. The first mask is computed on the
+        grammar workers before admission; for some grammars each mask costs as much as the first."""
+        self._known_mask = _check_row(bitmask, row, self._words).clone()
 
     def accept(self, token: int) -> bool:
         """Advances by token; False if it was not allowed (the matcher is then dead)."""
+        self._known_mask = None
         return self._m.consume_token(token)
 
     @property
@@ -92,7 +111,10 @@ class Matcher:
 
     def rollback(self, n: int) -> None:
         """Undoes the last n accepted tokens (speculative decoding, stop strings)."""
-        if n and not self._m.rollback(n):
+        if not n:
+            return
+        self._known_mask = None
+        if not self._m.rollback(n):
             raise ValueError(f"cannot roll back {n} tokens: {self.error}")
 
 

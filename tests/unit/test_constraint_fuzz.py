@@ -148,7 +148,7 @@ def walk(grammar: Constraints, tok, c: Constraint, matcher, rng: random.Random) 
     ids: list[int] = []
     for _ in range(STEPS):
         t0 = time.monotonic()
-        failed = grammar.masks.fill([matcher], bitmask)
+        failed, _ = grammar.masks.fill([matcher], bitmask)
         # A row gets its CPU budget per step; in wall time at most 10x, and half a second of slack.
         assert time.monotonic() - t0 < LIMITS.constraint_mask_timeout_ms / 1000 * WALL + 0.5
         if failed:

@@ -45,6 +45,9 @@ class ScriptedRunner:
     def take_failed_constraints(self) -> list:
         return []
 
+    def take_sat_out(self) -> list:
+        return []
+
 
 class Collector:
     def __init__(self) -> None:

@@ -59,6 +59,9 @@ class RecordingRunner:
     def take_failed_constraints(self) -> list:
         return self.runner.take_failed_constraints()
 
+    def take_sat_out(self) -> list:
+        return self.runner.take_sat_out()
+
 
 class Results:
     def __init__(self) -> None:

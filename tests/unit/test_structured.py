@@ -252,7 +252,7 @@ def test_mask_filler_equals_row_by_row(compiler, tok) -> None:  # noqa: ANN001
     filler = MaskFiller(compiler.vocab_size, workers=2, budget_ms=1000)
     try:
         batch = allocate_bitmask(6, compiler.vocab_size, pin=False)
-        assert filler.fill(matchers, batch[:4]) == {}
+        assert filler.fill(matchers, batch[:4]) == ({}, [])
     finally:
         filler.close()
     # Its workers have ended when close returns: a worker that frees its tensors while the interpreter
@@ -286,7 +286,7 @@ def test_a_row_over_its_budget_fails_and_its_worker_yields_the_cpu(compiler, tok
     filler = MaskFiller(compiler.vocab_size, workers=2, budget_ms=5)
     try:
         batch = allocate_bitmask(2, compiler.vocab_size, pin=False)
-        failed = filler.fill([slow, cheap], batch)
+        failed, _ = filler.fill([slow, cheap], batch)
         policies = _policies_of_threads()  # the abandoned worker is still inside the library
     finally:
         filler.close()
@@ -411,3 +411,57 @@ def test_large_vocabulary(tmp_path) -> None:  # noqa: ANN001
     ids = walker.allowed(compiler.matcher(Constraint("json_schema", json.dumps(schema))))
     assert len(ids) > 1 and all(big.decode([i]).startswith("{") for i in ids)  # "{", '{"', "{\n", ...
     assert ids[-1] < big.convert_tokens_to_ids("<|begin_of_text|>")  # no special token slips in
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux: a thread has its own scheduling policy")
+def test_a_decode_whose_mask_is_late_sits_the_step_out_and_its_mask_is_kept(compiler) -> None:  # noqa: ANN001
+    """A decode row whose mask is not done a quarter budget into the step sits the step out (the
+    engine voids its token) instead of holding the others; its worker finishes in the background,
+    at the idle priority, and the sequence's next fill copies that mask."""
+    # `a{1000}{60}`: its first mask ~55 ms of CPU on the tiny vocabulary (then ~12 ms a token), 2-core
+    # host; the budget (150 ms) is 2.7x that, its quarter (37.5 ms) under it even on a faster core.
+    constraint = Constraint("regex", "a{1000}{60}")
+    late, reference = compiler.matcher(constraint), compiler.matcher(constraint)
+    cheap = compiler.matcher(Constraint("choice", ("red", "green")))
+    before = _policies_of_threads()
+    filler = MaskFiller(compiler.vocab_size, workers=2, budget_ms=150)
+    ready = threading.Event()
+    filler.on_ready = ready.set
+    try:
+        batch = allocate_bitmask(2, compiler.vocab_size, pin=False)
+        assert filler.fill([late, cheap], batch, deferrable=[True, True]) == ({}, [0])
+        policies = _policies_of_threads()  # the late row's worker is still inside the library
+        assert late.mask_pending  # the engine does not schedule it meanwhile
+        assert bool((batch[0] == -1).all())  # its token is void
+        assert ready.wait(30)  # the engine is woken when it is done
+        assert not late.mask_pending
+        again = allocate_bitmask(1, compiler.vocab_size, pin=False)
+        assert filler.fill([late], again, deferrable=[True]) == ({}, [])
+    finally:
+        filler.close()
+    one = allocate_bitmask(1, compiler.vocab_size, pin=False)
+    reference.fill_bitmask(one, 0)
+    assert torch.equal(again[0], one[0])
+    cheap.fill_bitmask(one, 0)
+    assert torch.equal(batch[1], one[0])
+    workers = [policy for tid, policy in policies.items() if tid not in before]  # two, and the late one
+    assert sorted(workers) == sorted([os.SCHED_OTHER, os.SCHED_OTHER, os.SCHED_IDLE]), policies
+
+
+def test_a_late_mask_over_its_budget_fails_its_request_at_the_next_step(compiler) -> None:  # noqa: ANN001
+    """A row that sat out is still held to its budget: its next fill fails it (INVALID_ARGUMENT for
+    its request) instead of using a mask that cost more CPU than the budget allows."""
+    late = compiler.matcher(Constraint("regex", "p{1000}{1300}"))  # its first mask: ~92 ms of CPU (2-core host)
+    filler = MaskFiller(compiler.vocab_size, workers=1, budget_ms=40)
+    ready = threading.Event()
+    filler.on_ready = ready.set
+    try:
+        batch = allocate_bitmask(1, compiler.vocab_size, pin=False)
+        assert filler.fill([late], batch, deferrable=[True]) == ({}, [0])
+        assert ready.wait(30)
+        assert not late.mask_pending  # it is scheduled again, to fail
+        failed, sat_out = filler.fill([late], batch, deferrable=[True])
+    finally:
+        filler.close()
+    assert sat_out == [] and list(failed) == [0] and "--constraint-mask-timeout-ms" in failed[0]
+    assert bool((batch[0] == -1).all())
