@@ -92,7 +92,7 @@ for part in "$@"; do
       tests/gpu/test_graph_cache.py tests/gpu/test_kernels_gpu.py tests/gpu/test_sampling_gpu.py -p no:cacheprovider --timeout 240 \
       --durations=15 ;;
     tests-3) TAIL=12 run gpu-tests-3 ${SUITE_LIMIT:-540} python3 -m pytest -v -rf --tb=short -m gpu tests/gpu/test_paged_gpu.py \
-      tests/gpu/test_piecewise_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_startup_gpu.py \
+      tests/gpu/test_piecewise_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_late_masks_gpu.py tests/gpu/test_startup_gpu.py \
       tests/gpu/test_tensor_parallel_gpu.py tests/unit/test_sampler.py -p no:cacheprovider --timeout 240 --durations=15 ;;
     hostile)  # structured-output constraints sent to hurt: victims' gaps, a compile flood's TTFT, memory, SIGTERM; the CPU
       # tiny model on this host's 16 cores (a core each for the engine, the gRPC process and both clients)

@@ -47,10 +47,10 @@ def requests(loaded: LoadedModel) -> list[GenerationRequest]:
                               arrival_time=time.monotonic()) for i, s in enumerate(specs)]
 
 
-def run(loaded: LoadedModel) -> tuple[Results, Engine, Constraints]:
+def run(loaded: LoadedModel, graphs: CudaGraphMode = CudaGraphMode.NONE) -> tuple[Results, Engine, Constraints]:
     constraints = Constraints(loaded.tokenizer, loaded.spec.vocab_size, loaded.spec.eos_token_ids)
-    runner = ModelRunner(loaded, SLOTS, 160, GraphCacheConfig(mode=CudaGraphMode.NONE, capture_sizes=None,
-                                                              max_batch=SLOTS), masks=constraints.masks)
+    runner = ModelRunner(loaded, SLOTS, 160, GraphCacheConfig(mode=graphs, capture_sizes=None, max_batch=SLOTS),
+                         masks=constraints.masks)
     engine = Engine(runner, Scheduler(SLOTS, max_num_batched_tokens=64), loaded.tokenizer,
                     frozenset(loaded.spec.eos_token_ids), overlap=True, constraints=constraints)
     out = Results()
