@@ -51,6 +51,7 @@ from service.engine.sequence import Sequence
 from service.engine.step_channel import StepInputs
 from service.model.device_copy import to_device
 from service.model.host_kv import HostKV
+from service.model.kernels.sampling import warm_up as warm_sampling_kernels
 from service.model.kv_cache import KVCache
 from service.model.loader import LoadedModel
 from service.model.lora import LoraSlots
@@ -176,7 +177,7 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self) -> None:
         """One eager step with a prompt chunk and one decode on the scratch slot, outside the graph
-        cache (no stats)."""
+        cache (no stats); the sampling kernels compiled."""
         scratch = self.kv.scratch_slot
         bos = self.loaded.spec.bos_token_id or 0
         self.pieces.forward(build_step_batch(
@@ -186,6 +187,7 @@ class ModelRunner:
         self.decode_step.run(1).argmax(dim=-1).tolist()
         if self.lora is not None:  # the LoRA products once, on slot 0 (all zero)
             self.lora_step.run_scratch(1).argmax(dim=-1).tolist()
+        warm_sampling_kernels(self.loaded.spec.vocab_size, self.device)  # not at the first grammar's step
         # Everything alive now (model, caches, modules) lives as long as the process: keep it out of
         # every collection, so a collection while serving or capturing walks only what requests made.
         gc.collect()

@@ -138,3 +138,20 @@ def _use_triton(device: torch.device) -> bool:
     if not ok:
         log.warning("sampling_kernel_disabled", device=str(device), error="mismatch with the torch path")
     return ok
+
+
+def warm_up(vocab: int, device: torch.device) -> None:
+    """Check and compile the kernels now, at the model's vocabulary (Triton specializes a kernel on
+    its integer arguments' divisibility, so the self-check's 5,000 ids do not stand in for it): the
+    first request with a grammar or penalties otherwise paid it on the engine thread, and every
+    stream stalled with it (1.1-1.2 s on an H100 host with a cold Triton cache, ~0.2 s warm:
+    bench/results/h100-20261205-late-masks). A no-op where the torch paths serve."""
+    if not _use_triton(device):
+        return
+    logits = torch.zeros(3, vocab, device=device)  # as the sampler's work copy: float32, contiguous rows
+    rows = torch.tensor([2, 0], device=device)
+    apply_bitmask(logits, rows, torch.full((2, cdiv(vocab, 32)), -1, dtype=torch.int32, device=device))
+    counts = torch.zeros(2, vocab, dtype=torch.int32, device=device)
+    factors = torch.ones(2, device=device)
+    apply_penalties(logits, rows, torch.tensor([0, 1], device=device), counts, counts != 0, factors, factors, factors)
+    torch.cuda.synchronize(device)
