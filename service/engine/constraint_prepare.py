@@ -29,7 +29,7 @@ import structlog
 import torch
 
 from service.engine.constraint_limits import ConstraintLimits, InvalidConstraint
-from service.engine.grammar_threads import WorkerThreads, heap_bytes, lower_priority, thread_cpu_seconds
+from service.engine.grammar_threads import WorkerThreads, heap_bytes, run_when_idle, thread_cpu_seconds
 from service.engine.request import Constraint
 from service.engine.structured import GrammarCompiler, Matcher, allocate_bitmask
 
@@ -142,7 +142,7 @@ class ConstraintPreparer:
         self._threads.spawn()
 
     def _work(self) -> None:
-        lower_priority()
+        run_when_idle()
         scratch = allocate_bitmask(1, self.compiler.vocab_size, pin=False)
         ident = threading.get_ident()
         while self._work_one(scratch, ident):

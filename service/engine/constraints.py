@@ -54,7 +54,7 @@ class Constraints:
         cpus = host_cpus()
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids, limits=self.limits,
                                         on_free=trimmer().request)
-        # Compiles run at the lowest priority (nice 19) and on at most half the CPUs: a flood of them must leave the
+        # Compiles run at the idle priority and on at most half the CPUs: a flood of them must leave the
         # threads that serve streams a core.
         self.preparer = ConstraintPreparer(self.compiler, self.limits, workers=max(1, cpus // 2),
                                            on_huge_freed=trimmer().request)

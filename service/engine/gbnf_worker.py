@@ -12,7 +12,7 @@ import sys
 
 
 def main() -> None:
-    try:  # streams come first; a process of its own shares no GIL, so SCHED_IDLE cannot stall them (grammar_threads.lower_priority)
+    try:  # as the engine's compile threads (grammar_threads.run_when_idle): streams come first
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         os.nice(19)

@@ -1,4 +1,4 @@
-"""What the grammar workers share: a thread's CPU time, the lowest priority for background work,
+"""What the grammar workers share: a thread's CPU time, the idle priority for background work,
 and giving freed grammar memory back to the operating system (few malloc arenas, trimmed).
 
 Budgets are CPU time, not wall time: a worker that waits for a busy core is not over its budget, so
@@ -58,16 +58,19 @@ class WorkerThreads:
                 thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def lower_priority(native_id: int | None = None) -> None:
-    """Give a thread (native_id; the calling thread by default) nice 19, the lowest priority a thread
-    can take and give up without privileges. Best effort. For compiles and for mask workers that no
-    step waits for, so that the threads serving streams come first (at nice 10, a compile alone on
-    one of two cores kept 95% of it while the engine thread waited in the other's run queue).
-    Not Linux's SCHED_IDLE: these threads take the GIL between library calls, and a core running
-    only SCHED_IDLE threads counts as idle, so waking threads are placed there and preempt one that
-    holds the GIL; on a 16-core GPU host every stream then stalled 0.2-1.2 s while it waited for a
-    slice (bench/results/h100-20261205-late-masks)."""
+def run_when_idle(native_id: int | None = None) -> None:
+    """Let a thread (native_id; the calling thread by default) run only on CPU time that nothing else
+    wants: Linux's SCHED_IDLE, nice 19 where that policy is missing. Best effort. For compiles and
+    for mask workers whose result is thrown away, so that the threads serving streams come first.
+    A nice value alone did not do it: a thread at nice 10, alone on one of two cores, kept 95% of it
+    while the engine thread waited 10-17 ms per step in the other's run queue; a core running only
+    SCHED_IDLE threads counts as idle, and a waking engine thread takes it at once."""
     tid = threading.get_native_id() if native_id is None else native_id
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
     try:
         os.setpriority(os.PRIO_PROCESS, tid, 19)
     except (AttributeError, OSError):

@@ -4,7 +4,7 @@ The engine thread hands over the step's constrained rows and waits; workers take
 (the library releases the GIL while it computes a mask), so rows fill in parallel and a slow row
 holds up only its own worker. A row that uses more than its budget of CPU is failed and abandoned:
 the engine goes on with the step, the request ends with an error, and the worker, which cannot be
-interrupted inside the library, finishes unobserved at the lowest priority (nice 19) and exits while a new
+interrupted inside the library, finishes unobserved at the idle priority and exits while a new
 one takes its place. So a constraint that turns expensive mid-stream (a lexer that blows up on a
 later token) costs the other streams at most one budget, once.
 
@@ -15,8 +15,8 @@ its CPU time; a matcher whose debt passes two budgets fails. A legitimate row's 
 
 A decode row whose mask is not ready a quarter budget into the step sits the step out (when the
 engine allows it: `deferrable`): the step goes on, the engine discards that row's token and computes
-the same position again next step, and the worker finishes the mask in the background (at nice 19,
-then it exits and a new one takes its place) for the next step to copy, while the budget
+the same position again next step, and the worker finishes the mask in the background (at the idle
+priority, then it exits and a new one takes its place) for the next step to copy, while the budget
 keeps counting its CPU. So a row that turns expensive holds the other streams' step a quarter budget,
 not a whole one. A row that completes a prompt cannot sit out (its prompt would be computed again).
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from service.engine.grammar_threads import WorkerThreads, lower_priority, thread_cpu_seconds
+from service.engine.grammar_threads import WorkerThreads, run_when_idle, thread_cpu_seconds
 from service.engine.structured import Matcher, allocate_bitmask
 
 _QUEUED, _RUNNING, _DONE, _FAILED = range(4)
@@ -212,7 +212,7 @@ class MaskFiller:
         row's fill returns, and a new worker takes its place (while few are in the background)."""
         self._workers -= 1
         self._background += 1
-        lower_priority(row.native_thread)
+        run_when_idle(row.native_thread)
         if self._background <= self.max_abandoned:
             self._spawn()
 

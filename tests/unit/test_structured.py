@@ -9,7 +9,6 @@ import json
 import os
 import random
 import re
-import sys
 import threading
 
 import jsonschema
@@ -266,29 +265,29 @@ def test_mask_filler_equals_row_by_row(compiler, tok) -> None:  # noqa: ANN001
     assert bool((batch[4:] == -1).all())  # rows past the step's are untouched
 
 
-def _nice_of_threads() -> dict[int, int]:
+def _policies_of_threads() -> dict[int, int]:
     out = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            out[int(tid)] = os.getpriority(os.PRIO_PROCESS, int(tid))
+            out[int(tid)] = os.sched_getscheduler(int(tid))
         except OSError:  # the thread ended meanwhile
             pass
     return out
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux: a thread has its own nice value")
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux: a thread has its own scheduling policy")
 def test_a_row_over_its_budget_fails_and_its_worker_yields_the_cpu(compiler, tok) -> None:  # noqa: ANN001
     """A row whose mask takes longer than the step's budget fails and the step goes on; the worker
-    left computing it (the library cannot be interrupted) runs at nice 19: its result is thrown
-    away, and at the default priority it competed with the engine thread for a core."""
+    left computing it (the library cannot be interrupted) runs at the idle priority: its result is
+    thrown away, and at the default priority it competed with the engine thread for a core."""
     slow = compiler.matcher(Constraint("regex", "p{1000}{1300}"))  # its first mask: ~150 ms of CPU
     cheap = compiler.matcher(Constraint("choice", ("red", "green")))
-    before = _nice_of_threads()
+    before = _policies_of_threads()
     filler = MaskFiller(compiler.vocab_size, workers=2, budget_ms=5)
     try:
         batch = allocate_bitmask(2, compiler.vocab_size, pin=False)
         failed, _ = filler.fill([slow, cheap], batch)
-        policies = _nice_of_threads()  # the abandoned worker is still inside the library
+        policies = _policies_of_threads()  # the abandoned worker is still inside the library
     finally:
         filler.close()
     assert list(failed) == [0] and "--constraint-mask-timeout-ms" in failed[0]
@@ -297,25 +296,25 @@ def test_a_row_over_its_budget_fails_and_its_worker_yields_the_cpu(compiler, tok
     cheap.fill_bitmask(one, 0)
     assert torch.equal(batch[1], one[0])
     workers = [policy for tid, policy in policies.items() if tid not in before]  # two, and one in a place
-    assert sorted(workers) == [0, 0, 19], policies
+    assert sorted(workers) == sorted([os.SCHED_OTHER, os.SCHED_OTHER, os.SCHED_IDLE]), policies
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux: a thread has its own nice value")
-def test_compiles_run_at_the_lowest_priority(compiler) -> None:  # noqa: ANN001
-    """Compiles and first masks (a hostile regex's: ~150 ms of CPU) run at nice 19: at nice 10 one
-    kept a core of two while the engine thread waited for the other."""
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux: a thread has its own scheduling policy")
+def test_compiles_run_at_the_idle_priority(compiler) -> None:  # noqa: ANN001
+    """Compiles and first masks (a hostile regex's: ~150 ms of CPU) take only CPU time that nothing
+    else wants: at nice 10 one kept a core of two while the engine thread waited for the other."""
     from service.engine.constraint_prepare import ConstraintPreparer
 
-    before = _nice_of_threads()
+    before = _policies_of_threads()
     preparer = ConstraintPreparer(compiler, ConstraintLimits(), workers=2)
     try:
         m = preparer.prepare_now(Constraint("regex", "[ab]{3}"))
-        policies = _nice_of_threads()
+        policies = _policies_of_threads()
     finally:
         preparer.close()
     assert isinstance(m, Matcher)
     new = [policy for tid, policy in policies.items() if tid not in before]  # two workers and a watcher
-    assert sorted(new) == [0, 19, 19], policies
+    assert sorted(new) == sorted([os.SCHED_IDLE, os.SCHED_IDLE, os.SCHED_OTHER]), policies
 
 
 def _reference_apply(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -414,24 +413,24 @@ def test_large_vocabulary(tmp_path) -> None:  # noqa: ANN001
     assert ids[-1] < big.convert_tokens_to_ids("<|begin_of_text|>")  # no special token slips in
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux: a thread has its own nice value")
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux: a thread has its own scheduling policy")
 def test_a_decode_whose_mask_is_late_sits_the_step_out_and_its_mask_is_kept(compiler) -> None:  # noqa: ANN001
     """A decode row whose mask is not done a quarter budget into the step sits the step out (the
     engine voids its token) instead of holding the others; its worker finishes in the background,
-    at nice 19, and the sequence's next fill copies that mask."""
+    at the idle priority, and the sequence's next fill copies that mask."""
     # `a{1000}{60}`: its first mask ~55 ms of CPU on the tiny vocabulary (then ~12 ms a token), 2-core
     # host; the budget (150 ms) is 2.7x that, its quarter (37.5 ms) under it even on a faster core.
     constraint = Constraint("regex", "a{1000}{60}")
     late, reference = compiler.matcher(constraint), compiler.matcher(constraint)
     cheap = compiler.matcher(Constraint("choice", ("red", "green")))
-    before = _nice_of_threads()
+    before = _policies_of_threads()
     filler = MaskFiller(compiler.vocab_size, workers=2, budget_ms=150)
     ready = threading.Event()
     filler.on_ready = ready.set
     try:
         batch = allocate_bitmask(2, compiler.vocab_size, pin=False)
         assert filler.fill([late, cheap], batch, deferrable=[True, True]) == ({}, [0])
-        policies = _nice_of_threads()  # the late row's worker is still inside the library
+        policies = _policies_of_threads()  # the late row's worker is still inside the library
         assert late.mask_pending  # the engine does not schedule it meanwhile
         assert bool((batch[0] == -1).all())  # its token is void
         assert ready.wait(30)  # the engine is woken when it is done
@@ -446,7 +445,7 @@ def test_a_decode_whose_mask_is_late_sits_the_step_out_and_its_mask_is_kept(comp
     cheap.fill_bitmask(one, 0)
     assert torch.equal(batch[1], one[0])
     workers = [policy for tid, policy in policies.items() if tid not in before]  # two, and the late one
-    assert sorted(workers) == [0, 0, 19], policies
+    assert sorted(workers) == sorted([os.SCHED_OTHER, os.SCHED_OTHER, os.SCHED_IDLE]), policies
 
 
 def test_a_late_mask_over_its_budget_fails_its_request_at_the_next_step(compiler) -> None:  # noqa: ANN001
