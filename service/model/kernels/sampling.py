@@ -144,7 +144,7 @@ def warm_up(vocab: int, device: torch.device) -> None:
     """Check and compile the kernels now, at the model's vocabulary (Triton specializes a kernel on
     its integer arguments' divisibility, so the self-check's 5,000 ids do not stand in for it): the
     first request with a grammar or penalties otherwise paid it on the engine thread, and every
-    stream stalled with it (1.1-1.2 s on an H100 host with a cold Triton cache, ~0.2 s warm:
+    stream stalled with it (1.1-1.2 s on an H100 host whose Triton cache was cold:
     bench/results/h100-20261205-late-masks). A no-op where the torch paths serve."""
     if not _use_triton(device):
         return
