@@ -5,28 +5,20 @@ and finish match a run where no mask is late (float32), and every constraint hol
 
 from __future__ import annotations
 
-import pathlib
 import re
 
 import pytest
-import torch
 
 from cache_manager import CudaGraphMode
-from service.model.builtin import ensure_builtin
-from service.model.loader import LoadedModel, load_model
+from service.model.loader import LoadedModel
+from tests.gpu.test_overlap_gpu import loaded  # noqa: F401 - the tiny model on cuda, float32 (a fixture)
 from tests.unit.test_late_masks import REGEX, SLOTS, make_masks_late, requests, run
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    cache: pathlib.Path = tmp_path_factory.mktemp("cache")
-    ensure_builtin("tiny", cache)
-    return load_model("builtin:tiny", torch.device("cuda"), torch.float32, cache_dir=cache)
-
-
-def test_late_masks_change_no_output_with_graphs(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_late_masks_change_no_output_with_graphs(loaded: LoadedModel,  # noqa: F811
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     on_time, _, _ = run(loaded, CudaGraphMode.FULL)
     make_masks_late(monkeypatch)
     late, engine, constraints = run(loaded, CudaGraphMode.FULL)
