@@ -136,9 +136,10 @@ class MaskFiller:
                 if deferrable is not None and step.left and now >= sit_out_at:
                     sat_out += self._sit_out(step, deferrable)
             self._step = None
+        sitting = set(sat_out)
         for i, row in enumerate(step.rows):
             m = matchers[i]
-            if i in sat_out:
+            if i in sitting:
                 continue
             m.mask_row = None
             if i in failed:

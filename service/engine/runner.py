@@ -274,7 +274,7 @@ class ModelRunner:
             before_sampling()
         if not sampling:  # every chunk leaves part of its prompt for a later step
             return torch.zeros(0, dtype=torch.long, device=self.device), None, prompt
-        sampled = self._sample(logits, sampling, rows, step.decodes)
+        sampled = self._sample(logits, sampling, rows, len(step.decodes))
         return sampled.tokens, sampled.logprobs, prompt
 
     def forward(self, inputs: StepInputs, previous_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -352,16 +352,17 @@ class ModelRunner:
         return rows
 
     def _sample(self, logits: torch.Tensor, seqs: tuple[Sequence, ...], rows: list[SampleRow] | None,
-                decodes: tuple[Sequence, ...]) -> Sampled:
-        """rows None: every row is plain greedy (SamplingBatch.greedy)."""
+                num_decodes: int) -> Sampled:
+        """rows None: every row is plain greedy (SamplingBatch.greedy). The first num_decodes rows are
+        decodes (ScheduledStep.sampling's order)."""
         batch = SamplingBatch.greedy() if rows is None else SamplingBatch.build(rows, self.device)
         constrained = [b for b, seq in enumerate(seqs) if seq.matcher is not None]
         if constrained:
-            batch.bitmask = self._masks(seqs, constrained, decodes)
+            batch.bitmask = self._masks(seqs, constrained, num_decodes)
         return sample(logits, batch, self._history)
 
     def _masks(self, seqs: tuple[Sequence, ...], constrained: list[int],
-               decodes: tuple[Sequence, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+               num_decodes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The constrained rows and their grammar masks (copied to the device without a wait: the
         engine reads the step in flight before it samples a step with constrained rows, so every
         earlier step, and the copy from this buffer it made, is complete when it is refilled). A row
@@ -374,15 +375,14 @@ class ModelRunner:
             self._bitmask = allocate_bitmask(self._host_tokens.shape[1], self.loaded.spec.vocab_size,
                                              pin=self.device.type == "cuda")
         masks = self._bitmask[: len(constrained)]
-        decoding = set(decodes)
         failed, sat_out = self.masks.fill([seqs[b].matcher for b in constrained], masks,
-                                          [seqs[b] in decoding for b in constrained])
+                                          [b < num_decodes for b in constrained])
         self._failed_constraints += [(seqs[constrained[i]], why) for i, why in failed.items()]
         for i in sat_out:
             seq = seqs[constrained[i]]
             self._sat_out.append(seq)
             if self._history is not None and seq.request.sampling.penalized:
-                self._history.owner[slot_of(seq)] = None  # its void token is counted there: rebuilt next step
+                self._history.forget(slot_of(seq))  # its void token is counted there
         return to_device(torch.tensor(constrained, dtype=torch.int64), self.device), masks
 
     def take_sat_out(self) -> list[Sequence]:

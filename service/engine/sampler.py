@@ -198,6 +198,10 @@ class TokenHistory:
             self.counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         self.owner[row] = owner
 
+    def forget(self, row: int) -> None:
+        """`row` no longer describes its sequence: the next sampling that uses it resets it."""
+        self.owner[row] = None
+
     def add(self, rows: Tensor, tokens: Tensor, counted: Tensor | None = None) -> None:
         """Count tokens[i] in history row rows[i] (device tensors), counted[i] times (once when None)."""
         ones = torch.ones_like(tokens, dtype=torch.int32) if counted is None else counted.to(torch.int32)
