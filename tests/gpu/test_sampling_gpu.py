@@ -159,6 +159,12 @@ def test_the_runner_checks_the_sampling_kernels_before_serving(tmp_path_factory:
     cache = tmp_path_factory.mktemp("cache")
     ensure_builtin("tiny", cache)
     loaded = load_model("builtin:tiny", torch.device("cuda"), torch.float32, cache_dir=cache)
-    k._use_triton.cache_clear()
+    k._triton_checked.cache_clear()
     ModelRunner(loaded, 2, 64, GraphCacheConfig(mode=CudaGraphMode.NONE, capture_sizes=None, max_batch=2)).warmup()
-    assert k._use_triton.cache_info().currsize == 1
+    assert k._triton_checked.cache_info().currsize == 1
+    checks = k._triton_checked.cache_info().misses
+    # the serving path's logits live on "cuda:0" where the runner may name "cuda": no second check there
+    logits = torch.zeros(3, loaded.spec.vocab_size, device=torch.device("cuda", torch.cuda.current_device()))
+    k.apply_bitmask(logits, torch.tensor([0], device=logits.device),
+                    torch.full((1, (logits.shape[1] + 31) // 32), -1, dtype=torch.int32, device=logits.device))
+    assert k._triton_checked.cache_info().misses == checks

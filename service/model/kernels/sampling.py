@@ -110,11 +110,17 @@ if triton is not None:
         tl.store(ptr, x, mask=inside)
 
 
-@functools.cache
 def _use_triton(device: torch.device) -> bool:
     """Triton on this CUDA device once both kernels match the torch paths on random inputs."""
     if device.type != "cuda" or triton is None:
         return False
+    # one check per card, whether it is named "cuda" or "cuda:0"
+    return _triton_checked(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _triton_checked(index: int) -> bool:
+    device = torch.device("cuda", index)
     try:
         gen = torch.Generator(device=device).manual_seed(0)
         vocab, rows = 5000, torch.tensor([2, 0], device=device)
