@@ -25,6 +25,10 @@ across calls and `--time-budget S` stops before a run that might not finish: exi
 (the slowest first token is what a new pod's first users wait for). `--shared-prefix N` starts every
 prompt with the same N tokens (a system prompt); `--prefix-caching on,off` runs each rate with the
 server's prefix cache on and off, and the rows report the prefix hit rate and the preemptions.
+`--constrained-share F` gives that share of the requests a JSON schema (bench/load_client.py's
+SCHEMA; their outputs end where the schema does), and each run reports TTFT, TPOT and ITL of the
+constrained and the free requests apart (`constrained_*`, `free_*`): the same seed draws the same
+prompts and lengths at every share, so a run at share 0 is the free requests' baseline.
 
     python bench/serving_load.py --model builtin:llama-1b --device cuda --rates 20,100 --starts warm
     python bench/serving_load.py --model builtin:llama-1b --device cuda --rates "" --starts warm \
@@ -47,7 +51,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench.common import print_table, write_result
 from bench.load_client import Item, drive, workload
 from bench.load_figure import curve_figure
-from bench.load_metrics import Slo, cell, spread, summarize
+from bench.load_metrics import SPREAD_KEYS, Slo, cell, spread, summarize
 from bench.load_server import RunningPeak, Server, lone_row_eager_steps
 from bench.rate_search import highest_rate
 from bench.run_book import OUT_OF_TIME, OutOfTime, RunBook
@@ -83,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with (a system prompt)")
     p.add_argument("--prefix-caching", default="on", help="on, off or on,off: the server's prefix cache per run")
     p.add_argument("--server-args", default="", help="more flags for every started server")
+    p.add_argument("--constrained-share", type=float, default=0.0, help="share of requests with a JSON schema")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", type=pathlib.Path, default=None, help="where the servers' logs go (default: a temp dir)")
     args = p.parse_args(argv)
@@ -102,6 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.slo_bounds = bounds
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
+    if not 0.0 <= args.constrained_share <= 1.0:
+        p.error("--constrained-share must be between 0 and 1")
     if args.time_budget is not None and args.book is None:
         p.error("--time-budget needs --book: the runs done would be lost")
     return args
@@ -119,9 +126,9 @@ def measure(label: str, server: Server, traces: list[Trace], wall_s: float, item
            for flag in ("false", "true")}
     stalls = [float(e.get("stall_ms", 0.0)) for e in captured]
     queried = metrics.get(("graphserve_prefix_cache_queries_total", ()), 0.0)
-    figures = summarize(traces, sum(o for _, o in items), max(offsets, default=0.0))
+    figures = summarize(traces, sum(i.output_tokens for i in items), max(offsets, default=0.0))
     return {
-        "run": label, **extra, **figures,
+        "run": label, **extra, **figures, **by_class(traces, items),
         "start_to_serving_s": server.start_to_serving_s,
         "graphs_before_serving": len(startup.get("captured", [])),
         "startup_graph_s": startup.get("seconds"),
@@ -148,6 +155,22 @@ def run_once(args: argparse.Namespace, label: str, stats: pathlib.Path, log_dir:
         server.stop()
     row["lone_row_eager_steps"] = lone_row_eager_steps(stats) - lone_before  # saved at shutdown
     return row
+
+
+def by_class(traces: list[Trace], items: list[Item]) -> dict[str, Any]:
+    """The constrained and the free requests' figures apart (nothing when none is constrained)."""
+    if not any(i.constrained for i in items):
+        return {}
+    out: dict[str, Any] = {}
+    for name, want in (("constrained", True), ("free", False)):
+        picked = [t for t, i in zip(traces, items) if i.constrained == want]
+        figures = summarize(picked, sum(i.output_tokens for i in items if i.constrained == want), 0.0)
+        out[f"{name}_requests"] = len(picked)
+        out.update({f"{name}_{k}": figures[k] for k in CLASS_KEYS + ("errors", "tokens")})
+    return out
+
+
+CLASS_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms", "itl_max_ms")
 
 
 class Campaign:
@@ -183,7 +206,8 @@ class Campaign:
         rows = [self.book.run(f"{name} #{i + 1}", lambda i=i: self._repeat(f"{name} #{i + 1}", start, rate, mode, i))
                 for i in range(args.repeat)]
         point = {"run": name, "start": start, "rate": rate, "prefix_cache": mode, "repeats": len(rows),
-                 "ok": sum(r["ok"] for r in rows), "errors": sum(r["errors"] for r in rows), "spread": spread(rows)}
+                 "ok": sum(r["ok"] for r in rows), "errors": sum(r["errors"] for r in rows),
+                 "spread": spread(rows, SPREAD_KEYS + tuple(f"{c}_{k}" for c in ("constrained", "free") for k in CLASS_KEYS))}
         if args.slo is not None:
             point["slo_held"] = args.slo.held(rows)
         return point
@@ -202,7 +226,7 @@ class Campaign:
     def burst(self, n: int, tokens: int) -> dict[str, Any]:
         rng = random.Random(self.args.seed + 7)
         vocab = vocab_size(self.args)
-        items = [([rng.randrange(3, vocab - 300) for _ in range(tokens)], 8) for _ in range(n)]
+        items = [Item([rng.randrange(3, vocab - 300) for _ in range(tokens)], 8) for _ in range(n)]
         label = f"burst {n}x{tokens}"
         return self.book.run(label, lambda: run_once(self.args, label, self.work / f"burst-{n}-{tokens}.json",
                                                       self.log_dir, items, [0.0] * n, start="cold", rate=None))
@@ -243,7 +267,7 @@ def workload_info(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("model", "device", "dtype", "rates", "starts", "duration", "requests", "repeat", "prompt_median",
             "output_median", "sigma", "max_prompt", "max_output", "max_running_seqs", "warm_requests", "warm_rate",
             "bursts", "server_args", "seed", "shared_prefix", "prefix_modes", "slo_ttft_p99_ms", "slo_tpot_p99_ms",
-            "slo_rates", "slo_tolerance")
+            "slo_rates", "slo_tolerance", "constrained_share")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -296,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         columns = ["run", "repeats", "errors", *POINT_COLUMNS] + (["slo"] if args.slo is not None else [])
         print_table(point_rows(list(plotted.values())), columns,
                     title="\nper rate: median [min-max] of the repeats (itl per token, msg_gap per message)")
+    if args.constrained_share > 0:
+        print_table(rows, ["run"] + [f"{c}_{k}" for c in ("constrained", "free") for k in ("requests", "tokens", *CLASS_KEYS)],
+                    title=f"\nconstrained ({args.constrained_share:g} of the requests, a JSON schema) and free requests, each run")
     if search is not None:
         print_search(search)
     for row in rows:

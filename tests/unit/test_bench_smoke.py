@@ -112,6 +112,30 @@ def test_serving_load(tmp_path: pathlib.Path) -> None:
     assert [p["rate"] for p in search["probes"]] == [8.0, 16.0]
 
 
+def test_serving_load_reports_constrained_and_free_requests_apart(tmp_path: pathlib.Path) -> None:
+    from bench.load_client import workload
+    from bench.serving_load import parse_args
+
+    args = parse_args(["--device", "cpu", "--cache-dir", str(tmp_path / "models"), "--constrained-share", "0.5"])
+    mixed, free = workload(args, 40, 3), workload(parse_args(["--device", "cpu"]), 40, 3)
+    assert [(i.prompt, i.output_tokens) for i in mixed] == [(i.prompt, i.output_tokens) for i in free]
+    assert 0 < sum(i.constrained for i in mixed) < 40 and not any(i.constrained for i in free)
+    record = _run("serving_load.py", [
+        "--device", "cpu", "--cache-dir", str(tmp_path / "models"), "--rates", "8", "--requests", "8", "--repeat", "1",
+        "--starts", "cold", "--prompt-median", "16", "--output-median", "12", "--max-prompt", "64",
+        "--max-output", "24", "--max-running-seqs", "8", "--constrained-share", "0.5"], tmp_path, timeout=180)
+    row, = record["results"]
+    constrained = sum(i.constrained for i in workload(parse_args(["--device", "cpu", "--rates", "8", "--requests", "8",
+                      "--prompt-median", "16", "--output-median", "12", "--max-prompt", "64", "--max-output", "24",
+                      "--constrained-share", "0.5"]), 8, 0))
+    assert (row["constrained_requests"], row["free_requests"]) == (constrained, 8 - constrained)
+    assert row["constrained_errors"] == row["free_errors"] == 0
+    assert row["constrained_tokens"] + row["free_tokens"] == row["tokens"]
+    for cls in ("constrained", "free"):
+        assert row[f"{cls}_tpot_p99_ms"] >= row[f"{cls}_tpot_p50_ms"] > 0
+        assert row[f"{cls}_itl_max_ms"] >= row[f"{cls}_itl_p99_ms"] > 0
+
+
 def test_host_budget(tmp_path: pathlib.Path) -> None:
     record = _run("host_budget.py", [
         "--device", "cpu", "--dtype", "float32", "--model", "builtin:tiny", "--cache-dir", str(tmp_path / "models"),
