@@ -192,6 +192,8 @@ class _Worker:
                                    blocks.preemptions)
         if blocks.host is not None:
             self.metrics.set_host_cache(blocks.host, blocks.block_size)
+        if e.constraints is not None:
+            self.metrics.set_constraint_masks(e.constraints.masks.sat_out_rows, e.constraints.masks.failed_rows)
         adapters = self.runner.adapters
         if adapters is not None:
             self.metrics.set_lora_requests(*adapters.request_adapters(), max_lora=adapters.max_loras)

@@ -162,7 +162,13 @@ class EngineMetrics:
                                 buckets=tuple(range(0, 17)), registry=r)
         self.spec_k_last = Gauge("graphserve_spec_decode_k_last", "The k of the latest step with decodes "
                                  "(graphserve_spec_decode_k).", registry=r)
+        self.masks_sat_out = Counter("graphserve_constraint_masks_sat_out", "Decode rows whose grammar mask was not "
+                                     "done a quarter of --constraint-mask-timeout-ms into their step: each sat the step "
+                                     "out (its token came a step later).", registry=r)
+        self.masks_failed = Counter("graphserve_constraint_masks_failed", "Rows whose grammar mask took more than "
+                                    "--constraint-mask-timeout-ms of CPU: each failed its request.", registry=r)
         self.speculating = False  # a server with speculative decoding (set by on_speculation)
+        self._mask_counts = (0, 0)  # sat-out and failed mask rows as last exported
         self._block_counts = (0, 0, 0)  # prefix queries, hits, preemptions as last exported
         self._host_counts = (0, 0)  # host-tier hit tokens, stored blocks as last exported
         self._adapter_labels: set[str] = set()  # engine thread only
@@ -207,6 +213,14 @@ class EngineMetrics:
             if now > before:
                 counter.inc(now - before)
         self._block_counts = counts
+
+    def set_constraint_masks(self, sat_out: int, failed: int) -> None:
+        """The mask filler's counts since start advance the counters."""
+        for counter, now, before in zip((self.masks_sat_out, self.masks_failed), (sat_out, failed), self._mask_counts,
+                                        strict=True):
+            if now > before:
+                counter.inc(now - before)
+        self._mask_counts = (sat_out, failed)
 
     def set_lora_requests(self, running: Iterable[str], waiting: Iterable[str], max_lora: int) -> None:
         """The adapters of running requests and of waiting ones, and the adapter slots, as of now."""

@@ -23,6 +23,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 from service.llm import LLM, Constraint, SamplingParams
 from service.proto import inference_pb2 as pb
 from service.proto import inference_pb2_grpc
+from tests.integration.test_vllm_metrics import scrape
 from tests.support.server import ServerThread, generate, generate_samples, greedy, running_server
 
 PROMPT = [5, 17, 99, 230, 41, 8]
@@ -59,6 +60,13 @@ def serving(server: ServerThread) -> bool:
     return stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
 
 
+def mask_counts(server: ServerThread) -> tuple[float, float]:
+    """/metrics' (sat-out, failed) grammar mask rows since the server started."""
+    _, samples = scrape(server.app.metrics_port)
+    return (samples[("graphserve_constraint_masks_sat_out_total", ())],
+            samples[("graphserve_constraint_masks_failed_total", ())])
+
+
 @pytest.fixture(scope="module")
 def hostile_server(model_cache_dir):  # noqa: ANN001, ANN201
     with running_server(["--model-cache-dir", str(model_cache_dir), "--max-seq-len", "512", "--max-running-seqs", "16",
@@ -84,6 +92,7 @@ def test_hostile_constraints_fail_alone_while_other_streams_keep_flowing(hostile
                 victim_tokens.extend(r.chunk.token_ids)
 
     errors: list[grpc.RpcError] = []
+    before = mask_counts(server)
 
     def hostile(i: int) -> None:
         if i % 3 == 2:  # through vLLM's protocol, as a gateway sends a response_format schema
@@ -115,6 +124,12 @@ def test_hostile_constraints_fail_alone_while_other_streams_keep_flowing(hostile
     # (bench/hostile_constraints.py). 1 s separates the two.
     assert max(gaps) < 1.0, max(gaps)
     assert serving(server)
+    # What clients saw, an operator sees: a request failed by its step's mask budget counts once, and
+    # the late mask before it sat a step out
+    after = mask_counts(server)
+    timeouts = sum("--constraint-mask-timeout-ms" in e.details() for e in errors)
+    assert after[1] - before[1] == timeouts, (before, after, [e.details() for e in errors])
+    assert after[0] - before[0] >= min(1, timeouts), (before, after)
 
 
 def test_engine_memory_returns_after_distinct_hostile_constraints(hostile_server) -> None:  # noqa: ANN001
