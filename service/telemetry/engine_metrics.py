@@ -165,8 +165,9 @@ class EngineMetrics:
         self.masks_sat_out = Counter("graphserve_constraint_masks_sat_out", "Decode rows whose grammar mask was not "
                                      "done a quarter of --constraint-mask-timeout-ms into their step: each sat the step "
                                      "out (its token came a step later).", registry=r)
-        self.masks_failed = Counter("graphserve_constraint_masks_failed", "Rows whose grammar mask took more than "
-                                    "--constraint-mask-timeout-ms of CPU: each failed its request.", registry=r)
+        self.masks_failed = Counter("graphserve_constraint_masks_failed", "Rows whose grammar mask failed its "
+                                    "request in a step: over --constraint-mask-timeout-ms of CPU, over a quarter of it "
+                                    "step after step, or the grammar library giving up.", registry=r)
         self.speculating = False  # a server with speculative decoding (set by on_speculation)
         self._mask_counts = (0, 0)  # sat-out and failed mask rows as last exported
         self._block_counts = (0, 0, 0)  # prefix queries, hits, preemptions as last exported
