@@ -43,7 +43,7 @@ def workload(args: argparse.Namespace, n: int, seed: int) -> list[Item]:
     outputs = lengths(n, args.output_median, args.sigma, args.max_output, rng)
     shared = [random.Random(args.seed + 99).randrange(3, vocab - 300) for _ in range(args.shared_prefix)]
     picks = random.Random(seed + 555)
-    constrained = [picks.random() < getattr(args, "constrained_share", 0.0) for _ in range(n)]
+    constrained = [picks.random() < args.constrained_share for _ in range(n)]
     return [Item(shared + [rng.randrange(3, vocab - 300) for _ in range(p)], o, c)
             for p, o, c in zip(prompts, outputs, constrained)]
 
