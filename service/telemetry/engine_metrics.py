@@ -69,6 +69,15 @@ class StepHistogram(Histogram):
         self._buckets[bisect.bisect_left(self._upper_bounds, amount)].inc(count)
 
 
+def _advance(counters: tuple[Counter, ...], counts: tuple[int, ...], before: tuple[int, ...]) -> tuple[int, ...]:
+    """Counters that mirror counts kept since start elsewhere: each advances by what its count gained
+    since `before` (the counts last exported); returns counts, the next call's `before`."""
+    for counter, now, was in zip(counters, counts, before, strict=True):
+        if now > was:
+            counter.inc(now - was)
+    return counts
+
+
 class EngineMetrics:
     """The engine's metrics in a registry of their own; implements the EngineObserver protocol."""
 
@@ -196,32 +205,20 @@ class EngineMetrics:
         """The host tier as of now; its counts since start advance the counters."""
         self.host_cache_bytes.labels("used").set(stats.bytes_used)
         self.host_cache_bytes.labels("capacity").set(stats.num_slots * stats.bytes_per_block)
-        counts = (stats.hits * block_size, stats.stored)
-        for counter, now, before in zip((self.host_cache_hits, self.host_cache_stored), counts, self._host_counts,
-                                        strict=True):
-            if now > before:
-                counter.inc(now - before)
-        self._host_counts = counts
+        self._host_counts = _advance((self.host_cache_hits, self.host_cache_stored),
+                                     (stats.hits * block_size, stats.stored), self._host_counts)
 
     def set_kv_blocks(self, used: int, free: int, cached: int, prefix_queries: int, prefix_hits: int,
                       preemptions: int) -> None:
         """The block pool as of now; the counts since start advance the counters."""
         for state, value in (("used", used), ("free", free), ("cached", cached)):
             self.kv_blocks.labels(state).set(value)
-        counts = (prefix_queries, prefix_hits, preemptions)
-        for counter, now, before in zip((self.prefix_queries, self.prefix_hits, self.preemptions), counts,
-                                        self._block_counts, strict=True):
-            if now > before:
-                counter.inc(now - before)
-        self._block_counts = counts
+        self._block_counts = _advance((self.prefix_queries, self.prefix_hits, self.preemptions),
+                                      (prefix_queries, prefix_hits, preemptions), self._block_counts)
 
     def set_constraint_masks(self, sat_out: int, failed: int) -> None:
         """The mask filler's counts since start advance the counters."""
-        for counter, now, before in zip((self.masks_sat_out, self.masks_failed), (sat_out, failed), self._mask_counts,
-                                        strict=True):
-            if now > before:
-                counter.inc(now - before)
-        self._mask_counts = (sat_out, failed)
+        self._mask_counts = _advance((self.masks_sat_out, self.masks_failed), (sat_out, failed), self._mask_counts)
 
     def set_lora_requests(self, running: Iterable[str], waiting: Iterable[str], max_lora: int) -> None:
         """The adapters of running requests and of waiting ones, and the adapter slots, as of now."""

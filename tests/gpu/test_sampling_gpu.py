@@ -15,6 +15,8 @@ from service.engine.request import SamplingParams as EngineParams
 from service.engine.sampler import SampleRow, SamplingBatch, TokenHistory, sample, unpack_logprobs
 from service.engine.structured import GrammarCompiler, apply_bitmask
 from service.llm import LLM, Constraint, SamplingParams
+from service.model.loader import LoadedModel
+from tests.gpu.test_overlap_gpu import loaded  # noqa: F401 - the tiny model on cuda, float32 (a fixture)
 from tests.integration.test_structured_outputs import SCHEMA
 
 pytestmark = pytest.mark.gpu
@@ -147,18 +149,13 @@ def test_the_sampling_kernels_equal_their_torch_paths_at_serving_size() -> None:
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
 
 
-def test_the_runner_checks_the_sampling_kernels_before_serving(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_the_runner_checks_the_sampling_kernels_before_serving(loaded: LoadedModel) -> None:  # noqa: F811
     """The kernels' self-check and their compile at the model's vocabulary run in the runner's warm-up:
     at the first request with a grammar, on the engine thread, they stalled every stream 1.1-1.2 s."""
     from cache_manager import CudaGraphMode, GraphCacheConfig
     from service.engine.runner import ModelRunner
-    from service.model.builtin import ensure_builtin
     from service.model.kernels import sampling as k
-    from service.model.loader import load_model
 
-    cache = tmp_path_factory.mktemp("cache")
-    ensure_builtin("tiny", cache)
-    loaded = load_model("builtin:tiny", torch.device("cuda"), torch.float32, cache_dir=cache)
     k._triton_checked.cache_clear()
     ModelRunner(loaded, 2, 64, GraphCacheConfig(mode=CudaGraphMode.NONE, capture_sizes=None, max_batch=2)).warmup()
     assert k._triton_checked.cache_info().currsize == 1
