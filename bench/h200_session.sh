@@ -31,6 +31,9 @@
 #     $REPEAT runs per rate (3) of $DURATION s of arrivals (30): TTFT, TPOT, per-token ITL, message cadence
 #     (LOAD_ARGS="--constrained-share 0.25" TAG=constrained: a quarter of the requests with a JSON schema, the
 #     constrained and the free requests' figures apart; the same command without it is their baseline)
+#   bash bench/h200_session.sh gen-1b constrained-ab  # that comparison in one call: the chat-like load at $RATES (100)
+#     with a quarter of the requests under a JSON schema, then the same arrivals with none, alternated, $REPEAT pairs (3)
+#     of $DURATION s (20), a fresh warm server each (~45 s a run on an H200)
 #   bash bench/h200_session.sh gen-1b slo  # the highest rate holding TTFT p99 <= $SLO_TTFT ms (200) and TPOT p99 <=
 #     $SLO_TPOT ms (10), every repeat, searched by bisection in $SLO_RATES (50,400)
 #   (load, chat-curve, slo, prefix-load: a serving-load part spans several calls. Each call stops before a run that
@@ -180,6 +183,13 @@ for part in "$@"; do
     chat-curve)  # the chat-like load's rate curve, warm starts, repeats on fresh servers
       load chat-curve${TAG:+-$TAG} --starts warm --rates ${RATES:-25,50,100,150,200} --duration ${DURATION:-30} \
         --repeat ${REPEAT:-3} --max-running-seqs 256 ${LOAD_ARGS:-} ;;
+    constrained-ab)  # schema share 0.25 against 0, alternated so that drift falls on both sides
+      for i in $(seq "${REPEAT:-3}"); do
+        for share in 0.25 0; do
+          load "constrained-ab-$share-$i" --starts warm --rates "${RATES:-100}" --duration "${DURATION:-20}" --repeat 1 \
+            --max-running-seqs 256 --constrained-share $share
+        done
+      done ;;
     slo)  # the highest rate of the chat-like load holding the SLO, found by bisection
       load slo${TAG:+-$TAG} --starts warm --rates "" --slo-ttft-p99-ms ${SLO_TTFT:-200} --slo-tpot-p99-ms ${SLO_TPOT:-10} \
         --slo-rates ${SLO_RATES:-50,400} --duration ${DURATION:-30} --repeat ${REPEAT:-3} --max-running-seqs 256 ${LOAD_ARGS:-} ;;
