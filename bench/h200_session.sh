@@ -29,11 +29,9 @@
 #     and the decode step at the workload's contexts, timed in the same call (--step-baseline)
 #   bash bench/h200_session.sh gen-1b chat-curve  # the chat-like Poisson load, warm, at $RATES (default 25,50,100,150,200),
 #     $REPEAT runs per rate (3) of $DURATION s of arrivals (30): TTFT, TPOT, per-token ITL, message cadence
-#     (LOAD_ARGS="--constrained-share 0.25" TAG=constrained: a quarter of the requests with a JSON schema, the
-#     constrained and the free requests' figures apart; the same command without it is their baseline)
-#   bash bench/h200_session.sh gen-1b constrained-ab  # that comparison in one call: the chat-like load at $RATES (100)
-#     with a quarter of the requests under a JSON schema, then the same arrivals with none, alternated, $REPEAT pairs (3)
-#     of $DURATION s (20), a fresh warm server each (~45 s a run on an H200)
+#   bash bench/h200_session.sh gen-1b constrained-ab  # the chat-like load at $RATES (100) with a quarter of the requests
+#     under a JSON schema (the constrained and the free requests' figures apart), then the same arrivals with none,
+#     alternated, $REPEAT pairs (3) of $DURATION s (20), a fresh warm server each (~45 s a run on an H200)
 #   bash bench/h200_session.sh gen-1b slo  # the highest rate holding TTFT p99 <= $SLO_TTFT ms (200) and TPOT p99 <=
 #     $SLO_TPOT ms (10), every repeat, searched by bisection in $SLO_RATES (50,400)
 #   (load, chat-curve, slo, prefix-load: a serving-load part spans several calls. Each call stops before a run that
