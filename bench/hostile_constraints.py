@@ -162,6 +162,9 @@ def send(stub: Any, sampling: pb.SamplingParams, max_tokens: int = 40, text: str
             elif r.HasField("finished"):
                 out["status"] = "OK"
                 out["finish"] = pb.FinishReason.Name(r.finished.finish_reason)
+                # the server's own clock: from the request's arrival in the gRPC process to its first token
+                out["server_first_token_s"] = r.finished.timings.time_to_first_token_seconds
+                out["server_queue_s"] = r.finished.timings.queue_seconds
     except grpc.RpcError as e:
         out["status"] = e.code().name
         out["details"] = e.details()[:200]
@@ -369,13 +372,17 @@ def flood_run(args: argparse.Namespace, log_dir: pathlib.Path) -> dict[str, Any]
         stub = inference_pb2_grpc.InferenceStub(server.channel)
         plain = pb.SamplingParams(temperature=0.0)
         send(stub, plain, 4)
-        alone = [send(stub, plain, 4, text="hello there")["first_token_s"] for _ in range(args.ttft_samples)]
+        alone_runs = [send(stub, plain, 4, text="hello there") for _ in range(args.ttft_samples)]
         stop = multiprocessing.get_context("spawn").Event()
         proc, queue = _spawn(_flooder, server.port, args.hostile_nice, args.flood, stop)
         time.sleep(3.0)  # the flood's compiles under way
         start = time.monotonic()
-        loaded = [send(stub, plain, 4, text="hello there")["first_token_s"] for _ in range(args.ttft_samples)]
+        loaded_runs = [send(stub, plain, 4, text="hello there") for _ in range(args.ttft_samples)]
         window = (start, time.monotonic())
+        alone, loaded = [r["first_token_s"] for r in alone_runs], [r["first_token_s"] for r in loaded_runs]
+        # where the added time is spent: inside the server (arrival to first token, queueing) or outside it
+        inside = {f"{what}_{side}_ms": [round(r[f"server_{what}_s"] * 1000, 1) for r in runs]
+                  for what in ("first_token", "queue") for side, runs in (("alone", alone_runs), ("flood", loaded_runs))}
         stop.set()
         sent = queue.get(timeout=300)
         proc.join()
@@ -388,7 +395,10 @@ def flood_run(args: argparse.Namespace, log_dir: pathlib.Path) -> dict[str, Any]
                 "ttft_flood_p50_ms": round(statistics.median(loaded) * 1000, 1),
                 "ttft_flood_max_ms": round(max(loaded) * 1000, 1),
                 "ratio_p50": round(statistics.median(loaded) / statistics.median(alone), 2),
-                "hostile_in_flight_while_measured": overlapping, "statuses": statuses}
+                "hostile_in_flight_while_measured": overlapping, "statuses": statuses,
+                "server_ms": inside,
+                "server_first_token_p50_ms": {side: round(statistics.median(inside[f"first_token_{side}_ms"]), 1)
+                                              for side in ("alone", "flood")}}
     finally:
         server.stop()
 
@@ -439,7 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     if flood:
         print(f"flood: TTFT p50 {flood['ttft_alone_p50_ms']} ms alone, {flood['ttft_flood_p50_ms']} ms (max "
               f"{flood['ttft_flood_max_ms']}) under {flood['flood']} concurrent hostile compiles ({flood['statuses']}; "
-              f"{flood['hostile_in_flight_while_measured']} in flight while measured)")
+              f"{flood['hostile_in_flight_while_measured']} in flight while measured); inside the server "
+              f"(arrival to first token) p50 {flood['server_first_token_p50_ms']['alone']} -> "
+              f"{flood['server_first_token_p50_ms']['flood']} ms")
     if shutdown:
         print(f"shutdown: exit {shutdown['exit_s']} s after SIGTERM (code {shutdown['exit_code']}; bound "
               f"{shutdown['within_s']} s)")
