@@ -136,6 +136,23 @@ def test_serving_load_reports_constrained_and_free_requests_apart(tmp_path: path
         assert row[f"{cls}_itl_max_ms"] >= row[f"{cls}_itl_p99_ms"] > 0
 
 
+def test_hostile_constraints_flood_splits_first_token_time_at_the_server(tmp_path: pathlib.Path) -> None:
+    record = _run("hostile_constraints.py", [
+        "--scenarios", "flood", "--repeat", "0", "--flood", "2", "--ttft-samples", "4",
+        "--cache-dir", str(tmp_path / "models")], tmp_path, timeout=180)
+    flood = record["flood"]
+    inside = flood["server_ms"]
+    for side in ("alone", "flood"):
+        client = flood[f"ttft_{side}_ms"]
+        server, queue = inside[f"first_token_{side}_ms"], inside[f"queue_{side}_ms"]
+        assert len(client) == len(server) == len(queue) == 4
+        # The server's span (arrival to first token) lies inside the client's (send to first chunk),
+        # and its queueing inside that; all three in ms (0.1 ms rounding each).
+        for c, s, q in zip(client, server, queue, strict=True):
+            assert 0 <= q <= s + 0.1 and 0 < s <= c + 0.1, (c, s, q)
+    assert flood["hostile_in_flight_while_measured"] > 0
+
+
 def test_host_budget(tmp_path: pathlib.Path) -> None:
     record = _run("host_budget.py", [
         "--device", "cpu", "--dtype", "float32", "--model", "builtin:tiny", "--cache-dir", str(tmp_path / "models"),
