@@ -43,8 +43,11 @@ class ConstraintLimits:
     # Bytes of compiled constraints kept for reuse (each measured when compiled; one over an eighth of
     # this is never kept). Typical JSON schemas take well under a MB.
     constraint_cache_bytes: int = 64 << 20
-    # Compiles waiting or running at once; more are refused (RESOURCE_EXHAUSTED, retry later).
-    max_pending_constraints: int = 32
+    # Compiles waiting or running at once; more are refused (RESOURCE_EXHAUSTED, retry later). A request
+    # being compiled counts as waiting: the server's default is half of --max-waiting-requests, so that
+    # a flood of slow constraints leaves the other half to requests without one, while a burst of cheap
+    # ones (a few ms each) queues instead of being refused (at 32, 25-60 of 96 were, on 2 cores).
+    max_pending_constraints: int = 128
 
     def validate(self) -> None:
         """ValueError naming the flag of the first bad value."""
@@ -449,6 +452,11 @@ class ServeConfig:
 CUDA_MAX_RUNNING_SEQS = 256
 
 
+def default_max_pending_constraints(max_waiting_requests: int) -> int:
+    """Half of the waiting requests may be compiling their constraints (ConstraintLimits says why)."""
+    return max(1, max_waiting_requests // 2)
+
+
 def default_max_running_seqs(device: str) -> int:
     """--max-running-seqs when not given: 256 on CUDA (KV memory follows the tokens, not the rows, so
     many rows cost little), ServeConfig's 32 on a CPU."""
@@ -673,8 +681,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(INVALID_ARGUMENT) and the step goes on without waiting for it")
     g.add_argument("--constraint-cache-bytes", type=int, default=d.constraint_cache_bytes,
                    help="bytes of compiled constraints kept for reuse (each measured when compiled)")
-    g.add_argument("--max-pending-constraints", type=int, default=d.max_pending_constraints,
-                   help="constraints compiling or queued at once; more are refused with RESOURCE_EXHAUSTED")
+    g.add_argument("--max-pending-constraints", type=int, default=None,
+                   help="constraints compiling or queued at once; more are refused with RESOURCE_EXHAUSTED "
+                        "(default: half of --max-waiting-requests)")
     g = p.add_argument_group("transport security")
     g.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: TLS on the main and admin ports")
     g.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
@@ -748,6 +757,8 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
     values = {f.name: getattr(ns, f.name) for f in fields(ServeConfig) if hasattr(ns, f.name)}
     if values.get("max_running_seqs") is None:
         values["max_running_seqs"] = default_max_running_seqs(values.get("device", "auto"))
+    if values.get("max_pending_constraints") is None:
+        values["max_pending_constraints"] = default_max_pending_constraints(values["max_waiting_requests"])
     # Trimmed like the file: a Kubernetes Secret exposed as a variable often ends in a newline.
     token = environ.get(ENV_PREFIX + "ADMIN_TOKEN", "").strip()
     source = ENV_PREFIX + "ADMIN_TOKEN"

@@ -50,6 +50,17 @@ def test_bad_values_fail_at_start_naming_the_flag(argv: list[str], flag: str) ->
         load_config(argv, {})
 
 
+def test_pending_constraints_default_to_half_the_waiting_requests() -> None:
+    """A request whose constraint compiles counts as waiting: by default compiles may hold half the queue."""
+    assert load_config([], {}).max_pending_constraints == 128
+    assert load_config(["--max-waiting-requests", "9"], {}).constraint_limits.max_pending_constraints == 4
+    assert load_config(["--max-waiting-requests", "1"], {}).max_pending_constraints == 1
+    assert load_config(["--max-pending-constraints", "7"], {"GRAPHSERVE_MAX_WAITING_REQUESTS": "100"}
+                       ).max_pending_constraints == 7
+    with pytest.raises(ConfigError, match="--max-pending-constraints"):
+        load_config(["--max-pending-constraints", "0"], {})
+
+
 def test_step_token_budget_default_and_its_deprecated_name() -> None:
     assert load_config([], {}).max_num_batched_tokens == 2048
     assert load_config(["--max-num-batched-tokens", "512"], {}).max_num_batched_tokens == 512

@@ -317,6 +317,36 @@ def test_compiles_run_at_the_idle_priority(compiler) -> None:  # noqa: ANN001
     assert sorted(new) == sorted([os.SCHED_IDLE, os.SCHED_IDLE, os.SCHED_OTHER]), policies
 
 
+def test_a_full_compile_queue_refuses_at_once_naming_the_flag(compiler) -> None:  # noqa: ANN001
+    """Over --max-pending-constraints compiles (one running, one queued) a new constraint is refused at
+    once with ConstraintsBusy (RESOURCE_EXHAUSTED: retry later); the two accepted still finish."""
+    from service.engine.constraint_prepare import ConstraintPreparer, ConstraintsBusy
+
+    preparer = ConstraintPreparer(compiler, ConstraintLimits(max_pending_constraints=2), workers=1)
+    results: dict[int, object] = {}
+    done = threading.Event()
+
+    def record(i: int):  # noqa: ANN202
+        def got(r: object) -> None:
+            results[i] = r
+            if len(results) == 3:
+                done.set()
+        return got
+
+    try:
+        # First masks of 13-byte literal regexes: ~90 ms of CPU each, so the first still runs when the
+        # third arrives microseconds later.
+        for i in range(3):
+            preparer.prepare(Constraint("regex", "p{1000}{%d}" % (700 + i)), record(i))
+        assert isinstance(results.get(2), ConstraintsBusy), results
+        assert "--max-pending-constraints" in str(results[2]) and "retry later" in str(results[2])
+        assert done.wait(30), results
+    finally:
+        preparer.close()
+    assert all(not isinstance(results[i], ConstraintsBusy) for i in (0, 1)), results
+    assert preparer.stats.busy == 1
+
+
 def _reference_apply(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     out = logits.clone()
     for b in range(logits.shape[0]):
